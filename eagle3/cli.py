@@ -1,0 +1,146 @@
+"""`eagle3` console script: one subcommand per stage, all driven by the same config file.
+
+    eagle3 config show --config configs/smollm2-135m.yaml train.lr=3e-4
+    eagle3 prepare --config configs/smollm2-135m.yaml
+    eagle3 extract --config configs/smollm2-135m.yaml
+    eagle3 train --config configs/smollm2-135m.yaml        # or: accelerate launch train.py --config ...
+    eagle3 eval --config configs/smollm2-135m.yaml
+    eagle3 export --to sglang runs/smollm2/checkpoints/best runs/smollm2/export/sglang
+
+Each stage's work lives in its module; this file only parses arguments and hands over a validated Config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from eagle3.config import Config, ConfigError, dump_config, load_config
+from eagle3.logs import setup_logging
+
+
+def _with_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", required=True, help="the YAML config (one schema for every stage)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=3e-4")
+
+
+def _cfg(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(dump_config(_cfg(args)), end="")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from eagle3.data.prepare import run
+
+    run(_cfg(args))
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from eagle3.regenerate import run
+
+    run(_cfg(args))
+    return 0
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from eagle3.extract import run
+
+    run(_cfg(args))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from eagle3.trainer import run
+
+    run(_cfg(args))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from eagle3.evaluate import run
+
+    cfg = _cfg(args)
+    if args.engine:
+        cfg.eval.engine = args.engine
+    run(cfg)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from eagle3.export import export
+
+    export(args.checkpoint, args.out, to=args.to)
+    return 0
+
+
+def cmd_cache_info(args: argparse.Namespace) -> int:
+    from eagle3.cache import print_info
+
+    print_info(args.dir)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from eagle3.verify import run
+
+    return run(_cfg(args), source=args.source, num_samples=args.num_samples)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft heads for SGLang and vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str, config: bool = True):
+        p = sub.add_parser(name, help=help, description=help)
+        if config:
+            _with_config(p)
+        p.set_defaults(fn=fn)
+        return p
+
+    cfg_p = sub.add_parser("config", help="inspect the resolved config")
+    cfg_sub = cfg_p.add_subparsers(dest="action", required=True)
+    show = cfg_sub.add_parser("show", help="print the resolved, validated config")
+    _with_config(show)
+    show.set_defaults(fn=cmd_config)
+
+    add("prepare", cmd_prepare, "conversations -> chat template -> input_ids + loss_mask, and the draft vocab")
+    add("regenerate", cmd_regenerate, "self-distillation: re-answer every conversation with the target")
+    add("extract", cmd_extract, "target hidden states -> the on-disk cache (offline mode)")
+    add("train", cmd_train, "train the EAGLE-3 head (single process; use accelerate launch train.py for more)")
+    ev = add("eval", cmd_eval, "acceptance length under real speculative decoding")
+    ev.add_argument("--engine", choices=["builtin", "vllm", "sglang"], default=None, help="overrides eval.engine")
+    vp = add("verify-extraction", cmd_verify, "compare extracted states with an HF reference forward")
+    vp.add_argument("--source", default="backend", help="'backend' (the configured target backend) or a cache dir")
+    vp.add_argument("--num-samples", type=int, default=4)
+
+    ex = add("export", cmd_export, "write a checkpoint as SGLang or vLLM load it", config=False)
+    ex.add_argument("--to", choices=["sglang", "vllm"], required=True)
+    ex.add_argument("checkpoint", help="a training checkpoint folder (or an eagle3 export)")
+    ex.add_argument("out", help="output folder")
+
+    cache_p = sub.add_parser("cache", help="inspect a hidden-state cache")
+    cache_sub = cache_p.add_subparsers(dest="action", required=True)
+    info = cache_sub.add_parser("info", help="samples, tokens, bytes per token, layer ids, fingerprint")
+    info.add_argument("dir")
+    info.set_defaults(fn=cmd_cache_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

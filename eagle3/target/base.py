@@ -1,0 +1,37 @@
+"""The target backend interface: token sequences in, auxiliary and final hidden states out.
+
+Extraction (offline cache or online training) talks to a target only through this, so the HF backend and the
+SGLang backend are interchangeable and write the same cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Captured:
+    """The states of one sequence, one row per token; padded positions never appear here."""
+
+    aux: torch.Tensor
+    """[T, 3H]: low/mid/high residual streams concatenated, in eagle3's layer-id convention (eagle3.layers)."""
+    final: torch.Tensor
+    """[T, H]: the last layer's output *after* the final norm (what the target lm_head reads)."""
+
+
+class TargetBackend(Protocol):
+    name: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    layer_ids: list[int]
+    dtype: torch.dtype
+
+    def capture(self, sequences: list[list[int]]) -> list[Captured]:
+        """States for every token of every sequence, in order; raises if a count comes back wrong."""
+        ...
+
+    def close(self) -> None: ...
