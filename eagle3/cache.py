@@ -1,0 +1,455 @@
+"""The on-disk hidden-state cache: sharded Arrow files, read back zero-copy.
+
+    eagle3 cache info runs/smollm2-135m/cache
+
+Layout (one folder per prepared split; every rank of a scaled-out extraction writes only its own files):
+
+    <cache>/meta.json                                    fingerprint + layout (world size, samples per shard)
+    <cache>/<split>/rank-00000-of-00002.json             that rank's manifest: committed shards, complete flag
+    <cache>/<split>/rank-00000-of-00002-shard-00000.arrow
+
+Each shard is an Arrow IPC stream (what `datasets.Dataset.from_file` reads) with columns sample_id (string),
+input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32), aux (list<fixed_size_list<H3>>) and final
+(list<fixed_size_list<H>>). bf16/fp16 states are stored as their raw 16-bit patterns (uint16), so they round-trip
+bit-exactly (subnormals, -0.0, inf included) through a format that has no bfloat16 type; float32 stays float32.
+
+A cache is only valid for the exact target weights, dtype, layer ids (and their meaning) and prepared data it was
+extracted from; `meta.json` records all of them and `check_fingerprint` refuses a mismatch instead of letting a
+trainer learn from the wrong states (the seed's drafter trained on mismatched states reached 15% acceptance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from eagle3.layers import LAYER_ID_CONVENTION
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "eval")
+
+# Storage type per target dtype: 16-bit floats keep their bit patterns in uint16.
+_STORAGE = {torch.bfloat16: pa.uint16(), torch.float16: pa.uint16(), torch.float32: pa.float32()}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_LABELS = {
+    "layer_ids": "layer ids", "layer_id_convention": "layer-id convention", "dtype": "target dtype",
+    "weights_id": "target weights id", "target_path": "target path", "revision": "target revision",
+    "prepared_fingerprint": "prepared-data fingerprint", "max_length": "max_length", "hidden_size": "hidden size",
+    "num_layers": "number of target layers", "architectures": "target architectures", "format": "cache format",
+}
+
+
+class CacheError(RuntimeError):
+    """A cache that cannot be used as asked (wrong fingerprint, incomplete, corrupt), phrased for the user."""
+
+
+# ------------------------------------------------------------------------------------------------ fingerprint
+def read_target_config(folder: str | Path) -> dict[str, Any]:
+    """The target's config.json; for wrapped multimodal models (Kimi-K2.5) the LLM's `text_config`, with the
+    wrapper's architectures/model_type kept under `wrapper_*` keys."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"target.path: no config.json in {folder}")
+    cfg = json.loads(path.read_text())
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" in text:
+        return {**text, "wrapper_architectures": cfg.get("architectures"), "wrapper_model_type": cfg.get("model_type")}
+    return cfg
+
+
+def weights_id(folder: str | Path, revision: str | None = None) -> str:
+    """A cheap identity of the target weights: names and sizes of the weight files, plus the safetensors index
+    (which lists every tensor) when there is one. Hashing 554 GB of Kimi weights is not an option."""
+    d = Path(folder)
+    h = hashlib.sha256()
+    files = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
+    for p in files:
+        h.update(f"{p.name}:{p.stat().st_size}\n".encode())
+    for idx in sorted(d.glob("*.index.json")):
+        h.update(idx.read_bytes())
+    if revision:
+        h.update(f"revision:{revision}".encode())
+    if not files:
+        raise FileNotFoundError(f"target.path: no weight files (*.safetensors) in {folder}")
+    return h.hexdigest()[:16]
+
+
+def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a cache for `cfg` must have been extracted with; computed from config.json and the weight file
+    listing, without loading the model (the trainer calls this before training)."""
+    from eagle3.bundled import resolve_target_path
+
+    folder = resolve_target_path(cfg.target.path)
+    tc = read_target_config(folder)
+    num_layers = int(tc["num_hidden_layers"])
+    if prepared_meta is None:
+        meta_file = cfg.prepared_dir / "meta.json"
+        prepared_meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    return {
+        "format": FORMAT_VERSION,
+        "target_path": cfg.target.path,
+        "revision": cfg.target.revision,
+        "weights_id": weights_id(folder, cfg.target.revision),
+        "architectures": tc.get("wrapper_architectures") or tc.get("architectures") or [],
+        "num_layers": num_layers,
+        "hidden_size": int(tc["hidden_size"]),
+        "dtype": cfg.target.dtype,
+        "layer_ids": cfg.layer_ids(num_layers),
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "prepared_fingerprint": prepared_meta.get("fingerprint"),
+        "max_length": prepared_meta.get("max_length", cfg.data.max_length),
+    }
+
+
+def fingerprint_diff(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """One readable line per differing field."""
+    out = []
+    for key in sorted(set(found) | set(expected)):
+        if found.get(key) != expected.get(key):
+            label = _LABELS.get(key, key)
+            out.append(f"was extracted with {label} {found.get(key)!r} but the config asks for {expected.get(key)!r}")
+    return out
+
+
+def read_meta(cache_dir: str | Path) -> dict[str, Any]:
+    path = Path(cache_dir) / "meta.json"
+    if not path.is_file():
+        raise CacheError(f"{cache_dir} is not a hidden-state cache (no meta.json): run `eagle3 extract` first")
+    return json.loads(path.read_text())
+
+
+def check_fingerprint(cache_dir: str | Path, expected: dict[str, Any]) -> None:
+    """Raise CacheError naming every field where the cache differs from what the config asks for."""
+    found = read_meta(cache_dir)["fingerprint"]
+    diff = fingerprint_diff(found, expected)
+    if diff:
+        lines = "\n".join(f"  cache {diff_line}" for diff_line in diff)
+        raise CacheError(
+            f"hidden-state cache {cache_dir} does not match the config:\n{lines}\n"
+            f"Use a new extract.cache_dir, or delete {cache_dir} and extract again."
+        )
+
+
+# --------------------------------------------------------------------------------------------------- layout
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Readers and a resumed run see either the old or the new file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def rank_stem(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}"
+
+
+def shard_name(rank: int, world_size: int, index: int) -> str:
+    return f"{rank_stem(rank, world_size)}-shard-{index:05d}.arrow"
+
+
+@dataclass
+class ShardEntry:
+    index: int
+    file: str
+    num_samples: int
+    num_tokens: int
+    bytes: int
+
+
+@dataclass
+class Manifest:
+    """What one rank has committed for one split. Updated atomically, only after the shard file is in place."""
+
+    split: str
+    rank: int
+    world_size: int
+    planned_samples: int
+    planned_shards: int
+    shards: list[ShardEntry] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return {s.index for s in self.shards} == set(range(self.planned_shards))
+
+    @staticmethod
+    def path(cache_dir: Path, split: str, rank: int, world_size: int) -> Path:
+        return Path(cache_dir) / split / f"{rank_stem(rank, world_size)}.json"
+
+    @classmethod
+    def load(cls, path: Path) -> Manifest:
+        d = json.loads(path.read_text())
+        shards = [ShardEntry(**s) for s in d.pop("shards")]
+        d.pop("complete", None)
+        return cls(**d, shards=shards)
+
+    def save(self, cache_dir: Path) -> None:
+        data = {"split": self.split, "rank": self.rank, "world_size": self.world_size,
+                "planned_samples": self.planned_samples, "planned_shards": self.planned_shards,
+                "shards": [s.__dict__ for s in sorted(self.shards, key=lambda s: s.index)], "complete": self.complete}
+        write_json_atomic(self.path(cache_dir, self.split, self.rank, self.world_size), data)
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+def storage_type(dtype: torch.dtype) -> pa.DataType:
+    if dtype not in _STORAGE:
+        raise CacheError(f"cannot store hidden states of dtype {dtype}; supported: bfloat16, float16, float32")
+    return _STORAGE[dtype]
+
+
+def schema(hidden_size: int, dtype: torch.dtype) -> pa.Schema:
+    st = storage_type(dtype)
+    return pa.schema([
+        ("sample_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("num_tokens", pa.int32()),
+        ("aux", pa.list_(pa.list_(st, 3 * hidden_size))),
+        ("final", pa.list_(pa.list_(st, hidden_size))),
+    ], metadata={"eagle3_dtype": str(dtype).removeprefix("torch.")})
+
+
+def _to_storage_np(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bits as a flat numpy array of the storage type (no float conversion ever happens)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    if t.dtype == torch.float32:
+        return t.numpy().reshape(-1)
+    raise CacheError(f"cannot store hidden states of dtype {t.dtype}")
+
+
+def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtype) -> pa.RecordBatch:
+    """Rows {sample_id, input_ids, loss_mask, aux [T,3H], final [T,H]} -> one Arrow record batch."""
+    sch = schema(hidden_size, dtype)
+    lengths = np.array([len(r["input_ids"]) for r in rows], dtype=np.int32)
+    for r, t in zip(rows, lengths, strict=True):
+        if tuple(r["aux"].shape) != (t, 3 * hidden_size) or tuple(r["final"].shape) != (t, hidden_size):
+            raise CacheError(f"sample {r['sample_id']}: states {tuple(r['aux'].shape)}/{tuple(r['final'].shape)} "
+                             f"do not match {t} tokens x hidden {hidden_size}")
+        if r["aux"].dtype != dtype or r["final"].dtype != dtype:
+            raise CacheError(f"sample {r['sample_id']}: states are {r['aux'].dtype}, the cache stores {dtype}")
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    st = storage_type(dtype)
+
+    def states(key: str, width: int) -> pa.Array:
+        flat = np.concatenate([_to_storage_np(r[key]) for r in rows])
+        return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(pa.array(flat, type=st), width))
+
+    ids = np.concatenate([np.asarray(r["input_ids"], dtype=np.int32) for r in rows])
+    mask = np.concatenate([np.asarray(r["loss_mask"], dtype=np.int8) for r in rows])
+    cols = [
+        pa.array([str(r["sample_id"]) for r in rows], type=pa.string()),
+        pa.ListArray.from_arrays(offsets, pa.array(ids, type=pa.int32())),
+        pa.ListArray.from_arrays(offsets, pa.array(mask, type=pa.int8())),
+        pa.array(lengths, type=pa.int32()),
+        states("aux", 3 * hidden_size),
+        states("final", hidden_size),
+    ]
+    return pa.RecordBatch.from_arrays(cols, schema=sch)
+
+
+class ShardWriter:
+    """Streams record batches into `<final>.tmp` and renames it into place on `commit()`, so a shard file that
+    exists is always whole (a kill at any moment leaves at most a stale .tmp, removed on restart)."""
+
+    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype):
+        self.path, self.hidden_size, self.dtype = path, hidden_size, dtype
+        self.tmp = path.with_name(path.name + ".tmp")
+        self._sink = pa.OSFile(str(self.tmp), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, schema(hidden_size, dtype))
+        self.num_samples = 0
+        self.num_tokens = 0
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        rb = record_batch(rows, self.hidden_size, self.dtype)
+        self._writer.write_batch(rb)
+        self.num_samples += len(rows)
+        self.num_tokens += int(sum(len(r["input_ids"]) for r in rows))
+
+    def commit(self) -> int:
+        self._writer.close()
+        self._sink.flush()
+        os.fsync(self._sink.fileno())
+        self._sink.close()
+        os.replace(self.tmp, self.path)
+        return self.path.stat().st_size
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+            self._sink.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def manifests(cache_dir: str | Path, split: str) -> tuple[list[Manifest], list[int]]:
+    """The manifests of all ranks for a split, and the ranks that are missing or incomplete."""
+    meta = read_meta(cache_dir)
+    world = int(meta["layout"]["world_size"])
+    found, incomplete = [], []
+    for r in range(world):
+        p = Manifest.path(Path(cache_dir), split, r, world)
+        if not p.is_file():
+            incomplete.append(r)
+            continue
+        m = Manifest.load(p)
+        found.append(m)
+        if not m.complete:
+            incomplete.append(r)
+    return found, incomplete
+
+
+def _np(arr: pa.Array) -> np.ndarray:
+    if arr.offset != 0:
+        raise CacheError("unexpected sliced Arrow array in a cache shard")
+    return arr.to_numpy(zero_copy_only=True)
+
+
+class _Batch:
+    """Zero-copy numpy views of one record batch's columns (offsets + flat values)."""
+
+    def __init__(self, rb: pa.RecordBatch, torch_dtype: torch.dtype):
+        self.rb = rb
+        self.offsets = _np(rb.column("input_ids").offsets)
+        self.ids = _np(rb.column("input_ids").values)
+        self.mask = _np(rb.column("loss_mask").values)
+        self.aux = _np(rb.column("aux").values.values)
+        self.final = _np(rb.column("final").values.values)
+        self.width_aux = rb.schema.field("aux").type.value_type.list_size
+        self.width_final = rb.schema.field("final").type.value_type.list_size
+        self.dtype = torch_dtype
+        self.sample_ids = rb.column("sample_id")
+
+
+def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only mmap: the tensors are views, never written
+        if dtype in (torch.bfloat16, torch.float16):
+            return torch.from_numpy(a.view(np.int16)).view(dtype)
+        return torch.from_numpy(a)
+
+
+class HiddenStateDataset(torch.utils.data.Dataset):
+    """One split of a cache as a torch Dataset; items are zero-copy views of the memory-mapped shards.
+
+    `item["aux"]` is [T, 3H] and `item["final"]` [T, H] in the target dtype; `input_ids` int64 [T];
+    `loss_mask` int8 [T]. The tensors share memory with the file mapping: copy before writing into them.
+    """
+
+    def __init__(self, cache_dir: str | Path, split: str = "train", allow_incomplete: bool = False,
+                 expected: dict[str, Any] | None = None):
+        self.cache_dir = Path(cache_dir)
+        self.meta = read_meta(cache_dir)
+        if expected is not None:
+            check_fingerprint(cache_dir, expected)
+        self.fingerprint = self.meta["fingerprint"]
+        self.dtype = _DTYPES[self.fingerprint["dtype"]]
+        self.hidden_size = int(self.fingerprint["hidden_size"])
+        self.layer_ids = list(self.fingerprint["layer_ids"])
+        found, incomplete = manifests(cache_dir, split)
+        if incomplete and not allow_incomplete:
+            raise CacheError(f"cache {cache_dir} split {split!r} is incomplete: rank(s) {incomplete} have not "
+                             f"finished; re-run the same extract command (it resumes) or pass allow_incomplete")
+        self._batches: list[_Batch] = []
+        self._maps: list[pa.MemoryMappedFile] = []
+        where_b, where_r, lengths = [], [], []
+        for m in sorted(found, key=lambda m: m.rank):
+            for s in sorted(m.shards, key=lambda s: s.index):
+                mm = pa.memory_map(str(self.cache_dir / split / s.file), "r")
+                self._maps.append(mm)
+                for rb in pa.ipc.open_stream(mm):
+                    self._batches.append(_Batch(rb, self.dtype))
+                    n = rb.num_rows
+                    where_b.append(np.full(n, len(self._batches) - 1, dtype=np.int64))
+                    where_r.append(np.arange(n, dtype=np.int64))
+                    lengths.append(_np(rb.column("num_tokens")))
+        def cat(xs: list[np.ndarray], dt: type) -> np.ndarray:
+            return np.concatenate(xs) if xs else np.zeros(0, dtype=dt)
+
+        self._where_b, self._where_r = cat(where_b, np.int64), cat(where_r, np.int64)
+        self.num_tokens: np.ndarray = cat(lengths, np.int32)
+        self._index: dict[str, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._where_b)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every item (for token-budget batching), in index order."""
+        return self.num_tokens.tolist()
+
+    def index_of(self, sample_id: str) -> int:
+        if self._index is None:
+            self._index = {}
+            for bi, b in enumerate(self._batches):
+                base = int(np.searchsorted(self._where_b, bi))
+                for r, sid in enumerate(b.sample_ids.to_pylist()):
+                    self._index[sid] = base + r
+        if sample_id not in self._index:
+            raise KeyError(f"sample {sample_id!r} is not in cache {self.cache_dir}")
+        return self._index[sample_id]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"index {i} out of range for a cache split of {len(self)} samples")
+        b = self._batches[int(self._where_b[i])]
+        r = int(self._where_r[i])
+        s, e = int(b.offsets[r]), int(b.offsets[r + 1])
+        t = e - s
+        return {
+            "sample_id": b.sample_ids[r].as_py(),
+            "input_ids": torch.from_numpy(b.ids[s:e].astype(np.int64)),
+            "loss_mask": _tensor(b.mask[s:e], torch.int8),
+            "aux": _tensor(b.aux[s * b.width_aux:e * b.width_aux], self.dtype).view(t, b.width_aux),
+            "final": _tensor(b.final[s * b.width_final:e * b.width_final], self.dtype).view(t, b.width_final),
+        }
+
+
+# ------------------------------------------------------------------------------------------------------- info
+def payload_bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """The least any format can store per token: aux + final states, an int32 id and an int8 mask."""
+    item = torch.empty(0, dtype=_DTYPES[dtype]).element_size()
+    return 4 * hidden_size * item + 4 + 1
+
+
+def summary(cache_dir: str | Path) -> dict[str, Any]:
+    meta = read_meta(cache_dir)
+    out: dict[str, Any] = {"fingerprint": meta["fingerprint"], "layout": meta["layout"], "splits": {}}
+    for split in SPLITS:
+        found, incomplete = manifests(cache_dir, split)
+        shards = [s for m in found for s in m.shards]
+        out["splits"][split] = {
+            "samples": sum(s.num_samples for s in shards), "tokens": sum(s.num_tokens for s in shards),
+            "bytes": sum(s.bytes for s in shards), "shards": len(shards),
+            "planned_samples": sum(m.planned_samples for m in found), "incomplete_ranks": incomplete,
+        }
+    return out
+
+
+def print_info(cache_dir: str | Path) -> None:
+    s = summary(cache_dir)
+    fp = s["fingerprint"]
+    payload = payload_bytes_per_token(fp["hidden_size"], fp["dtype"])
+    print(f"cache {cache_dir}")
+    for split, d in s["splits"].items():
+        bpt = d["bytes"] / d["tokens"] if d["tokens"] else 0.0
+        state = "complete" if not d["incomplete_ranks"] else f"INCOMPLETE (ranks {d['incomplete_ranks']} not done)"
+        print(f"  {split}: {d['samples']} samples, {d['tokens']} tokens, {d['bytes'] / 1e6:.1f} MB in "
+              f"{d['shards']} shards, {bpt:.1f} bytes/token (payload minimum {payload}: "
+              f"{bpt / payload if payload else 0:.3f}x), {state}")
+    print(f"  layer ids: {fp['layer_ids']} ({fp['layer_id_convention']}: id k = input of decoder layer k)")
+    print(f"  layout: {s['layout']}")
+    print("  fingerprint:")
+    for k, v in fp.items():
+        print(f"    {k}: {v}")

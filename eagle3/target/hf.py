@@ -1,0 +1,165 @@
+"""The HF transformers target backend: any causal LM in-process, states captured with forward hooks.
+
+Why hooks and not `output_hidden_states`: hooks keep only the three requested layers (not all L+1 tensors), and
+they state eagle3's convention literally: id k = the tensor *entering* decoder layer k (a forward pre-hook on
+layer k). The final state is the output of the final norm, i.e. what the lm_head reads. The lm_head itself is
+never run: for Kimi-K2.5 the [T, 163840] logits would cost more than the rest of the capture.
+
+Kimi-K2.5 ships as a multimodal wrapper (`KimiK25ForConditionalGeneration`, LLM config in `text_config`, weights
+prefixed `language_model.`); the LLM is a plain DeepseekV3ForCausalLM, so it is built from `text_config` and
+loaded with the prefix stripped. No remote code is needed for extraction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from eagle3.bundled import resolve_target_path
+from eagle3.cache import read_target_config, weights_id
+from eagle3.target.base import Captured
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Group sequence indices by length so padding stays small: sort longest first, and fill a batch while
+    `longest * count` (padding included) fits `batch_tokens` and count <= max_batch_size. A sequence longer
+    than the budget gets a batch of its own. Deterministic (stable sort), so a resumed run re-forms the same
+    batches and writes the same bytes."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and (longest * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch_size):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False,
+                   revision: str | None = None) -> torch.nn.Module:
+    """Load a causal LM for inference; a Kimi-style wrapper loads just its `language_model.*` LLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = read_target_config(path)
+    kw: dict[str, Any] = {"dtype": dtype, "revision": revision}
+    if device == "auto":
+        kw["device_map"] = "auto"
+    if raw.get("wrapper_model_type") is not None:
+        text = {k: v for k, v in raw.items() if not k.startswith("wrapper_")}
+        config = AutoConfig.for_model(**text)
+        model_cls = AutoModelForCausalLM._model_mapping[type(config)]
+        model = model_cls.from_pretrained(path, config=config, key_mapping={r"^language_model\.": ""}, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kw)
+    if device != "auto":
+        model.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
+    """(base model, decoder layers, final norm) of a CausalLM; the common HF layout `model.model.{layers,norm}`."""
+    base = getattr(model, "model", None) or model.base_model
+    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise ValueError(f"{type(model).__name__}: expected the base model to expose `.layers` and `.norm` "
+                         "(the usual HF decoder layout); this architecture is not supported by the HF backend")
+    return base, layers, norm
+
+
+class HFTarget:
+    """TargetBackend over an in-process transformers model."""
+
+    name = "hf"
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self.path = resolve_target_path(cfg.target.path)
+        self.dtype = _DTYPES[cfg.target.dtype]
+        self.model = load_causal_lm(self.path, self.dtype, cfg.target.device, cfg.target.trust_remote_code,
+                                    cfg.target.revision)
+        self.config = self.model.config
+        raw = read_target_config(self.path)
+        self.architectures: list[str] = raw.get("wrapper_architectures") or raw.get("architectures") or []
+        self.model_type: str = raw.get("wrapper_model_type") or raw.get("model_type") or ""
+        self.base, self.layers, self.norm = decoder_parts(self.model)
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.config.vocab_size)
+        self.layer_ids = cfg.layer_ids(self.num_layers)
+        self.batch_tokens = cfg.extract.batch_tokens
+        self.max_batch_size = cfg.extract.max_batch_size
+        self.device = next(self.model.parameters()).device
+        self._captured: dict[int | str, torch.Tensor] = {}
+        self._hooks = [self.layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True)
+                       for k in self.layer_ids]
+        self._hooks.append(self.norm.register_forward_hook(self._norm_hook))
+
+    # Hooks store references, not copies: each layer returns a new residual tensor, nothing writes in place.
+    def _pre_hook(self, k: int):
+        def hook(_module, args, kwargs):
+            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _norm_hook(self, _module, _args, output):
+        self._captured["final"] = output
+
+    def weights_id(self) -> str:
+        return weights_id(self.path, self.cfg.target.revision)
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[list[int]]) -> list[Captured]:
+        lengths = [len(s) for s in seqs]
+        T = max(lengths)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        mask = torch.zeros(len(seqs), T, dtype=torch.long)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            mask[j, : len(s)] = 1
+        # Right padding + causal attention: real tokens never see pads; pads are cut off below.
+        attn = None if min(lengths) == T else mask.to(self.device)
+        self._captured.clear()
+        try:
+            self.base(input_ids=ids.to(self.device), attention_mask=attn, use_cache=False)
+            missing = [k for k in [*self.layer_ids, "final"] if k not in self._captured]
+            if missing:
+                raise RuntimeError(f"hooks did not fire for {missing}: the model skipped those modules")
+            aux = torch.cat([self._captured[k] for k in self.layer_ids], dim=-1)
+            final = self._captured["final"]
+            return [Captured(aux=aux[j, :n].to("cpu", copy=True), final=final[j, :n].to("cpu", copy=True))
+                    for j, n in enumerate(lengths)]
+        finally:
+            self._captured.clear()
+
+    def capture(self, sequences: list[list[int]]) -> list[Captured]:
+        """States for every token of every sequence, in input order, computed in length-sorted batches."""
+        if any(len(s) == 0 for s in sequences):
+            raise ValueError("cannot capture states of an empty sequence")
+        out: list[Captured | None] = [None] * len(sequences)
+        for batch in plan_batches([len(s) for s in sequences], self.batch_tokens, self.max_batch_size):
+            for i, c in zip(batch, self._forward([sequences[i] for i in batch]), strict=True):
+                out[i] = c
+        for s, c in zip(sequences, out, strict=True):
+            assert c is not None and c.aux.shape[0] == len(s), "token count mismatch in captured states"
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def make_backend(cfg: Any):
+    """The configured target backend (HF in-process, or SGLang when its backend module is present)."""
+    if cfg.target.backend == "hf":
+        return HFTarget(cfg)
+    from eagle3.target.sglang import SGLangTarget  # provided by the SGLang backend stage
+
+    return SGLangTarget(cfg)

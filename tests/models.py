@@ -1,0 +1,139 @@
+"""Tiny random targets and prepared-data folders, built from configs and written as real folders on disk.
+
+Other tests import these builders; every one is deterministic (fixed seed), so two calls write the same bytes.
+
+    from models import tiny_llama, tiny_deepseek_v3, kimi_wrapped, make_prepared
+
+(pytest puts tests/ on sys.path because tests/ has a conftest.py and no __init__.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["tiny_llama", "tiny_deepseek_v3", "kimi_wrapped", "make_prepared", "tiny_target_cfg"]
+
+
+def _save(model: torch.nn.Module, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def tiny_llama(path: str | Path, vocab: int = 256, hidden: int = 64, layers: int = 8, heads: int = 4,
+               kv_heads: int = 2, intermediate: int = 128, seed: int = 0, tie: bool = False) -> Path:
+    """A random Llama (SmolLM2's architecture, GQA) saved with save_pretrained; returns the folder.
+
+    8 layers by default: eagle3.layers.default_layer_ids(6) gives [2, 3, 3] (not strictly increasing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    return _save(LlamaForCausalLM(cfg).eval(), Path(path))
+
+
+def deepseek_v3_config(vocab: int = 256, hidden: int = 64, layers: int = 4):
+    """Kimi-K2.5's LLM in miniature: MLA, routed experts + 1 shared, first layer dense."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        max_position_embeddings=1024, num_mtp_layers=0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+
+
+def tiny_deepseek_v3(path: str | Path, vocab: int = 256, hidden: int = 64, layers: int = 4, seed: int = 0) -> Path:
+    """A random DeepseekV3ForCausalLM (MLA + MoE) saved with save_pretrained; returns the folder."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(vocab, hidden, layers)).eval()
+    # Random init leaves the router's correction bias at zero and weights tiny: make routing non-trivial.
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    return _save(model, Path(path))
+
+
+def kimi_wrapped(path: str | Path, **kw) -> Path:
+    """The tiny DeepseekV3 laid out the way Kimi-K2.5 ships: a multimodal wrapper config whose LLM sits in
+    `text_config`, and every weight prefixed `language_model.` (no vision tower: extraction never touches it)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    inner = tiny_deepseek_v3(path / "_inner", **kw)
+    text_config = json.loads((inner / "config.json").read_text())
+    weights = load_file(str(inner / "model.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": text_config, "vision_config": {"model_type": "moonvit"}}
+    (path / "config.json").write_text(json.dumps(wrapper, indent=2))
+    for f in inner.iterdir():
+        f.unlink()
+    inner.rmdir()
+    return path
+
+
+def make_prepared(path: str | Path, n: int = 12, vocab: int = 256, n_eval: int = 3, min_len: int = 5,
+                  max_len: int = 40, draft_vocab: int = 64, seed: int = 0, max_length: int = 2048) -> Path:
+    """A prepared-data folder in the exact layout of eagle3/data/prepared.py, with random token ids.
+
+    Lengths vary so batching by length and padding are exercised. The loss mask covers a random suffix.
+    """
+    from datasets import Dataset, Features, Sequence, Value
+
+    from eagle3.data.prepared import save_vocab
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    features = Features({"id": Value("string"), "input_ids": Sequence(Value("int32")),
+                         "loss_mask": Sequence(Value("int8"))})
+
+    def split(name: str, count: int) -> int:
+        rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
+        tokens = 0
+        for i in range(count):
+            t = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+            ids = torch.randint(3, vocab, (t,), generator=g)
+            start = int(torch.randint(1, t, (1,), generator=g))
+            rows["id"].append(f"{name}-{i:05d}")
+            rows["input_ids"].append(ids.tolist())
+            rows["loss_mask"].append([0] * start + [1] * (t - start))
+            tokens += t
+        Dataset.from_dict(rows, features=features).save_to_disk(str(path / name))
+        return tokens
+
+    train_tokens = split("train", n)
+    eval_tokens = split("eval", n_eval)
+    d2t = torch.zeros(draft_vocab, dtype=torch.int64)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    save_vocab(path / "vocab.safetensors", d2t, t2d)
+    meta = {"fingerprint": f"test-prepared-{n}-{n_eval}-{vocab}-{seed}", "max_length": max_length,
+            "summary": {"train": {"samples": n, "tokens": train_tokens}, "eval": {"samples": n_eval,
+                                                                                  "tokens": eval_tokens}}}
+    (path / "meta.json").write_text(json.dumps(meta, indent=2))
+    return path
+
+
+def tiny_target_cfg(target: Path, prepared: Path, out: Path, **extract):
+    """A Config pointing at a tiny target and prepared folder, float32 on CPU, small shards."""
+    from eagle3.config import Config
+
+    cfg = Config(output_dir=str(out))
+    cfg.target.path = str(target)
+    cfg.target.dtype = "float32"
+    cfg.data.output_dir = str(prepared)
+    for k, v in extract.items():
+        setattr(cfg.extract, k, v)
+    return cfg
