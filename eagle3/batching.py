@@ -1,0 +1,142 @@
+"""Token-budget batches with length bucketing: deterministic, resumable by position, padding measured.
+
+A batch holds as many sequences as fit `batch_tokens` counted WITH padding (count x longest). Samples are
+shuffled with (seed, epoch), cut into buckets of ~`bucket_batches` batches' worth, sorted by length inside a
+bucket (so neighbours have similar lengths and little padding), packed greedily, and the batch order is shuffled
+again. The plan of an epoch is a pure function of (lengths, batch_tokens, seed, epoch), so a resumed run
+rebuilds the same plan and skips to the saved batch index. Under data parallelism rank r takes batches
+r, r+W, r+2W, ... and the tail that does not divide evenly is dropped, so every rank runs the same number of
+steps (a rank that ran out would hang the others in the gradient all-reduce).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class EpochPlan:
+    batches: list[list[int]]
+    """Dataset indices of each batch this rank runs, in order."""
+    real_tokens: int
+    padded_tokens: int
+    """Token slots including padding (count x longest, summed over batches)."""
+
+    @property
+    def padding_share(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, epoch: int, rank: int = 0,
+               world_size: int = 1, bucket_batches: int = 64, shuffle: bool = True) -> EpochPlan:
+    lens = np.asarray(lengths, dtype=np.int64)
+    n = len(lens)
+    if n == 0:
+        return EpochPlan([], 0, 0)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    bucket = max(1, int(bucket_batches * batch_tokens / max(1.0, float(lens.mean()))))
+    batches: list[list[int]] = []
+    for b0 in range(0, n, bucket):
+        chunk = order[b0 : b0 + bucket]
+        chunk = chunk[np.argsort(-lens[chunk], kind="stable")]
+        cur: list[int] = []
+        longest = 0
+        for i in chunk.tolist():
+            ln = int(lens[i])
+            if cur and max(longest, ln) * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, ln)
+        if cur:
+            batches.append(cur)
+    if shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    per_rank = len(batches) // world_size if world_size > 1 else len(batches)
+    mine = batches[rank::world_size][:per_rank]
+    real = sum(int(lens[b].sum()) for b in mine)
+    padded = sum(int(lens[b].max()) * len(b) for b in mine)
+    return EpochPlan(mine, real, padded)
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest item: ids 0, loss_mask 0, states 0 (padded positions are never valid and,
+    being to the right, never attended to by real positions under causal attention)."""
+    t = max(len(it["input_ids"]) for it in items)
+    b = len(items)
+    aux0, fin0 = items[0]["aux"], items[0]["final"]
+    out = {
+        "input_ids": torch.zeros(b, t, dtype=torch.int64),
+        "loss_mask": torch.zeros(b, t, dtype=torch.int64),
+        "aux": torch.zeros(b, t, aux0.shape[-1], dtype=aux0.dtype),
+        "final": torch.zeros(b, t, fin0.shape[-1], dtype=fin0.dtype),
+        "lengths": torch.tensor([len(it["input_ids"]) for it in items], dtype=torch.int64),
+    }
+    for i, it in enumerate(items):
+        n = len(it["input_ids"])
+        out["input_ids"][i, :n] = it["input_ids"]
+        out["loss_mask"][i, :n] = torch.as_tensor(it["loss_mask"]).to(torch.int64)
+        out["aux"][i, :n] = it["aux"]
+        out["final"][i, :n] = it["final"]
+    return out
+
+
+class Prefetch:
+    """Run an iterator in a background thread, `depth` items ahead (collation copies release the GIL), so the
+    training step does not wait on data. Exceptions in the producer are re-raised in the consumer."""
+
+    _END = object()
+
+    def __init__(self, it: Iterable[Any], depth: int = 2):
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iter(it),), daemon=True)
+        self._thread.start()
+
+    def _run(self, it: Iterator[Any]) -> None:
+        try:
+            for x in it:
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(x, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._q.put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._q.put(e)
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            x = self._q.get()
+            if x is self._END:
+                return
+            if isinstance(x, BaseException):
+                raise x
+            yield x
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def iter_batches(dataset: Any, batches: list[list[int]], prefetch: int = 2) -> Iterator[dict[str, torch.Tensor]]:
+    """Collated batches of `dataset` in plan order (prefetched in a thread when prefetch > 0)."""
+    gen = (collate([dataset[i] for i in b]) for b in batches)
+    if prefetch <= 0:
+        yield from gen
+        return
+    pf = Prefetch(gen, prefetch)
+    try:
+        yield from pf
+    finally:
+        pf.close()

@@ -1,0 +1,394 @@
+"""The EAGLE-3 training loop, written out; accelerate owns devices, DDP/FSDP, mixed precision and checkpoint state.
+
+    eagle3 train --config configs/smollm2-135m.yaml                      # one process
+    accelerate launch train.py --config configs/smollm2-135m.yaml        # any accelerate setup
+
+Flow of `run(cfg)`: vocab (prepared once, never recounted) -> target embeddings + lm_head (read by name from
+the shards) -> data (offline cache, fingerprint-checked; or online from the target) -> draft (fresh, lm_head
+from the target's draft-vocab rows; or `draft.init_from`) -> resume from the newest checkpoint -> loop:
+token-budget batches, TTT forward, soft-CE vs the chunked teacher, AdamW + warmup/cosine + clipping ->
+metrics, eval (acc_j, simulated acceptance length), checkpoints (atomic), best draft, SGLang export.
+
+Exact resume: the data plan is a pure function of (seed, epoch) and the checkpoint stores (epoch, batch index)
+next to accelerate's model/optimizer/scheduler/RNG state, so a killed run re-launched with the same command
+continues with the same losses an uninterrupted run would have had.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.batching import iter_batches, plan_epoch
+from eagle3.config import Config
+from eagle3.data.prepared import load_vocab, save_vocab
+from eagle3.logs import Progress, setup_logging
+from eagle3.loss import StepStats, Teacher, summarise, ttt_loss
+from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from eagle3.target.weights import load_target_head
+
+log = logging.getLogger("eagle3")
+
+STATE_FILE = "trainer_state.json"
+LOSS_LOG = "train_log.jsonl"
+
+
+@dataclass
+class TrainState:
+    """Where the loop is; saved with every checkpoint (the data position makes resume exact)."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0
+    """Micro-batches of `epoch` already consumed by this rank's plan."""
+    best_accept_len: float = -1.0
+    best_step: int = -1
+
+
+# ---------------------------------------------------------------------------------------------------- setup
+def resolve_mixed_precision(cfg: Config) -> str:
+    """auto: bf16 on GPU, fp32 on CPU (measured on 2 CPU cores: bf16 autocast is slower there, see BENCHMARKS)."""
+    mp = cfg.train.mixed_precision
+    if mp == "auto":
+        return "bf16" if torch.cuda.is_available() else "no"
+    return mp
+
+
+def make_accelerator(cfg: Config):
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    # broadcast_buffers=False: the buffers (frozen embeddings, d2t, t2d) are identical on every rank and
+    # never change; DDP would otherwise re-broadcast the 2.3 GB Kimi embedding every step.
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
+    return Accelerator(
+        mixed_precision=resolve_mixed_precision(cfg),
+        log_with="wandb" if cfg.tracking.backend == "wandb" else None,
+        project_dir=cfg.output_dir,
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=[ddp],
+    )
+
+
+def init_tracking(accelerator, cfg: Config) -> None:
+    """wandb through accelerate on the main process; offline fallback; never stops training."""
+    if cfg.tracking.backend != "wandb":
+        return
+    kwargs = {"wandb": {k: v for k, v in {"name": cfg.tracking.run_name, "entity": cfg.tracking.entity,
+                                          "dir": cfg.output_dir}.items() if v}}
+    for attempt in ("as configured", "offline"):
+        try:
+            accelerator.init_trackers(cfg.tracking.project, config=cfg.model_dump(mode="json"), init_kwargs=kwargs)
+            if attempt == "offline":
+                log.warning("wandb: online init failed; logging offline (sync later with `wandb sync`)")
+            return
+        except Exception as e:  # noqa: BLE001 - tracking must never stop training
+            log.warning("wandb init failed (%s): %s", attempt, e)
+            os.environ["WANDB_MODE"] = "offline"
+    log.warning("wandb unavailable; training continues without tracking")
+    accelerator.log_with = []
+    accelerator.trackers = []
+
+
+def open_datasets(cfg: Config) -> tuple[Any, Any]:
+    """(train, eval) datasets of dicts {input_ids, loss_mask, aux, final, sample_id} with `.lengths`."""
+    if cfg.extract.mode == "online":
+        from eagle3.online import open_online_datasets  # written by the extraction stage
+
+        return open_online_datasets(cfg)
+    from eagle3.cache import HiddenStateDataset, check_fingerprint, expected_fingerprint
+
+    if not (cfg.cache_dir / "meta.json").is_file():
+        raise FileNotFoundError(f"no hidden-state cache at {cfg.cache_dir}: run `eagle3 extract --config ...` first "
+                                "(or set extract.mode=online)")
+    # Refuse a cache extracted from another target / dtype / layer ids / prepared data before any work.
+    check_fingerprint(cfg.cache_dir, expected_fingerprint(cfg))
+    train = HiddenStateDataset(cfg.cache_dir, "train")
+    try:
+        evald = HiddenStateDataset(cfg.cache_dir, "eval")
+    except Exception as e:  # noqa: BLE001 - no eval split is allowed; say so
+        log.warning("no usable eval split in %s (%s); eval metrics will be skipped", cfg.cache_dir, e)
+        evald = None
+    if len(train) == 0:
+        raise ValueError(f"cache {cfg.cache_dir}: the train split is empty")
+    return train, evald
+
+
+def build_draft(cfg: Config, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
+                embed: torch.Tensor, lm_head: torch.Tensor) -> Eagle3Draft:
+    torch.manual_seed(cfg.train.seed)
+    if cfg.draft.init_from:
+        try:
+            draft = Eagle3Draft.from_pretrained(cfg.draft.init_from, embed_weight=embed)
+        except ValueError as e:
+            if "which engine" not in str(e):
+                raise
+            from eagle3.layers import arch_family
+
+            text = hf_config.get("text_config") or hf_config
+            family = arch_family(hf_config.get("architectures"), text.get("model_type"))
+            draft = Eagle3Draft.from_pretrained(cfg.draft.init_from, embed_weight=embed, engine="sglang", family=family)
+        if draft.config.draft_vocab_size != d2t.shape[0] or not torch.equal(draft.d2t.cpu(), d2t.long()):
+            raise ValueError(f"draft.init_from={cfg.draft.init_from}: its draft vocab (d2t) differs from the prepared "
+                             f"vocab in {cfg.prepared_dir}; fine-tuning needs the same mapping")
+        return draft
+    dcfg = Eagle3DraftConfig.from_target(cfg, hf_config, draft_vocab_size=int(d2t.shape[0]))
+    draft = Eagle3Draft(dcfg)
+    draft.set_vocab(d2t, t2d)
+    draft.init_from_target(lm_head, embed)
+    return draft
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first (a folder only gets its final name once fully written)."""
+    if not ckpt_dir.is_dir():
+        return []
+    out = []
+    for p in ckpt_dir.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / STATE_FILE).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def _atomic_dir(final: Path) -> Path:
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _commit_dir(tmp: Path, final: Path) -> None:
+    """Swap the finished tmp folder in; the old folder (if any) is moved aside first, then deleted."""
+    old = final.with_name(f".old-{final.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
+    """step_N/: accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json + vocab + draft/."""
+    ckpt_dir = cfg.checkpoint_dir
+    final = ckpt_dir / f"step_{state.step}"
+    tmp = final.with_name(f".tmp-{final.name}")
+    if accelerator.is_main_process:
+        _atomic_dir(final)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    sd = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(tmp / "draft", state_dict=sd)
+        save_vocab(tmp / "vocab.safetensors", d2t, t2d)
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+        _commit_dir(tmp, final)
+        for _, old in list_checkpoints(ckpt_dir)[: -cfg.train.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint: %s", final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def save_best(accelerator, model, cfg: Config) -> Path:
+    best = cfg.checkpoint_dir / "best"
+    sd = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        tmp = _atomic_dir(best)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=sd)
+        _commit_dir(tmp, best)
+    accelerator.wait_for_everyone()
+    return best
+
+
+def export_best(cfg: Config, best: Path) -> None:
+    try:
+        from eagle3.export import export
+    except ImportError:
+        log.info("eagle3.export not available; the best draft stays in %s", best)
+        return
+    out = cfg.export_dir / "sglang"
+    export(best, out, to="sglang")
+    log.info("exported the best draft for SGLang: %s", out)
+
+
+# ------------------------------------------------------------------------------------------------- one step
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_loss(model, teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config) -> tuple[torch.Tensor, StepStats]:
+    logits = model(batch["aux"], batch["input_ids"], cfg.train.ttt_steps)
+    target = teacher(batch["final"])
+    return ttt_loss(logits, target, batch["loss_mask"], cfg.train.step_decay, cfg.train.mask_out_of_vocab)
+
+
+def _reduce(accelerator, stats: StepStats) -> StepStats:
+    packed = torch.stack([stats.loss_sum, stats.correct, stats.valid])
+    packed = accelerator.reduce(packed, reduction="sum")
+    return StepStats(packed[0], packed[1], packed[2])
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) -> dict[str, float]:
+    """acc_j, loss_j and the simulated acceptance length over the eval split (sharded across ranks)."""
+    n = len(dataset)
+    if cfg.train.eval_max_samples:
+        n = min(n, cfg.train.eval_max_samples)
+    plan = plan_epoch(dataset.lengths[:n], cfg.train.batch_tokens, cfg.train.seed, 0,
+                      accelerator.process_index, accelerator.num_processes, shuffle=False)
+    steps = cfg.train.ttt_steps
+    total = StepStats(*(torch.zeros(steps, device=accelerator.device) for _ in range(3)))
+    model.eval()
+    for batch in iter_batches(dataset, plan.batches):
+        _, st = forward_loss(model, teacher, to_device(batch, accelerator.device), cfg)
+        total = StepStats(total.loss_sum + st.loss_sum, total.correct + st.correct, total.valid + st.valid)
+    model.train()
+    return summarise(_reduce(accelerator, total))
+
+
+# -------------------------------------------------------------------------------------------------- the loop
+def run(cfg: Config) -> dict[str, Any]:
+    """Train; return the final metrics (also written to <output_dir>/train_log.jsonl, one line per step)."""
+    from accelerate.utils import set_seed
+    from transformers import get_cosine_schedule_with_warmup
+
+    setup_logging()
+    accelerator = make_accelerator(cfg)
+    main = accelerator.is_main_process
+    set_seed(cfg.train.seed)
+    tc = cfg.train
+
+    d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
+    embed, lm_head, hf_config = load_target_head(cfg)
+    train_ds, eval_ds = open_datasets(cfg)
+    draft = build_draft(cfg, hf_config, d2t, t2d, embed, lm_head)
+    teacher = Teacher(lm_head, d2t, t2d, tc.teacher_chunk).to(accelerator.device)
+    del embed, lm_head
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    first = plan_epoch(train_ds.lengths, tc.batch_tokens, tc.seed, 0, rank, world)
+    steps_per_epoch = len(first.batches) // tc.grad_accum
+    if steps_per_epoch == 0:
+        raise ValueError(f"the train split gives {len(first.batches)} micro-batches per rank, fewer than "
+                         f"train.grad_accum={tc.grad_accum} x processes; use more data or a smaller train.batch_tokens")
+    total_steps = tc.max_steps or tc.epochs * steps_per_epoch
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(tc.warmup_ratio * total_steps), total_steps)
+    model, optimizer = accelerator.prepare(draft, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    state = TrainState()
+    ckpts = list_checkpoints(cfg.checkpoint_dir)
+    if tc.resume and ckpts:
+        step, path = ckpts[-1]
+        saved_d2t, _ = load_vocab(path / "vocab.safetensors")
+        if not torch.equal(saved_d2t, d2t):
+            raise ValueError(f"checkpoint {path} was trained with another draft vocab than {cfg.prepared_dir}; "
+                             "use a new output_dir or train.resume=false")
+        accelerator.load_state(str(path))
+        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        log.info("resumed from %s (step %d, epoch %d, batch %d)", path, state.step, state.epoch, state.batch_index)
+    elif main and cfg.checkpoint_dir.is_dir():
+        for stale in cfg.checkpoint_dir.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    init_tracking(accelerator, cfg)
+    if main:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        log.info("train: %d samples, %d steps (%d per epoch), %d process(es), mixed precision %s, padding %.1f%%",
+                 len(train_ds), total_steps, steps_per_epoch, world, accelerator.mixed_precision,
+                 100 * first.padding_share)
+        log.info("metrics: acc_j = draft argmax == target argmax at TTT step j; sim_accept_len = "
+                 "1 + sum_k prod_{j<=k} acc_j (counts the bonus token, like SGLang/vLLM)")
+    loss_log = Path(cfg.output_dir) / LOSS_LOG
+
+    progress = Progress(total_steps, "train", unit="step", initial=state.step, disable=not main)
+    metrics: dict[str, Any] = {}
+    model.train()
+    while state.step < total_steps:
+        plan = plan_epoch(train_ds.lengths, tc.batch_tokens, tc.seed, state.epoch, rank, world)
+        usable = (len(plan.batches) // tc.grad_accum) * tc.grad_accum
+        if state.batch_index + tc.grad_accum > usable:
+            state.epoch, state.batch_index = state.epoch + 1, 0
+            continue
+        batches = iter(iter_batches(train_ds, plan.batches[state.batch_index:usable]))
+        while state.step < total_steps and state.batch_index + tc.grad_accum <= usable:
+            t0 = time.perf_counter()
+            wait = 0.0
+            tokens = 0
+            stats = StepStats(*(torch.zeros(tc.ttt_steps, device=accelerator.device) for _ in range(3)))
+            loss_total = 0.0
+            for micro in range(tc.grad_accum):
+                tw = time.perf_counter()
+                batch = to_device(next(batches), accelerator.device)
+                wait += time.perf_counter() - tw
+                tokens += int(batch["lengths"].sum())
+                sync = micro == tc.grad_accum - 1
+                # Gradients are all-reduced only on the last micro-batch of an accumulation group.
+                with accelerator.no_sync(model) if not sync else nullcontext():
+                    loss, st = forward_loss(model, teacher, batch, cfg)
+                    accelerator.backward(loss / tc.grad_accum)
+                loss_total += float(loss.detach()) / tc.grad_accum
+                stats = StepStats(stats.loss_sum + st.loss_sum, stats.correct + st.correct, stats.valid + st.valid)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.batch_index += tc.grad_accum
+            dt = time.perf_counter() - t0
+
+            loss_mean = float(accelerator.reduce(torch.tensor(loss_total, device=accelerator.device), "mean"))
+            tok_all = int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), "sum"))
+            metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
+                       "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt,
+                       "data_wait_share": wait / dt, "padding_share": plan.padding_share, "epoch": state.epoch}
+            if main:
+                with loss_log.open("a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            progress.update(1, loss=f"{loss_mean:.4f}", acc0=f"{metrics['acc_0']:.3f}",
+                            tok_s=f"{metrics['tokens_per_s']:.0f}")
+            if state.step % tc.log_every == 0 or state.step == total_steps:
+                accelerator.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=state.step)
+
+            last = state.step == total_steps
+            if eval_ds is not None and len(eval_ds) and (state.step % tc.eval_every == 0 or last):
+                ev = evaluate(accelerator, model, teacher, eval_ds, cfg)
+                accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
+                if main:
+                    log.info("eval @ step %d: sim_accept_len %.3f, %s", state.step, ev["sim_accept_len"],
+                             " ".join(f"acc_{j}={ev[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps)))
+                    with loss_log.open("a") as f:
+                        f.write(json.dumps({"step": state.step, "eval": ev}) + "\n")
+                if ev["sim_accept_len"] > state.best_accept_len:
+                    state.best_accept_len, state.best_step = ev["sim_accept_len"], state.step
+                    save_best(accelerator, model, cfg)
+                metrics["eval"] = ev
+            if state.step % tc.save_every == 0 or last:
+                save_checkpoint(accelerator, model, cfg, state, d2t, t2d)
+    progress.close()
+
+    best = cfg.checkpoint_dir / "best"
+    if not (best / "config.json").is_file():
+        save_best(accelerator, model, cfg)  # no eval split: the last weights are the best we know
+    if main:
+        export_best(cfg, best)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return metrics
