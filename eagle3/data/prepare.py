@@ -1,0 +1,403 @@
+"""The `prepare` stage: conversations -> chat template -> input_ids + assistant-only loss_mask, and the draft vocab.
+
+    eagle3 prepare --config configs/smollm2-135m.yaml [data.max_samples=200 data.output_dir=/tmp/prep]
+
+Flow: load the target's tokenizer -> read every source (repairs and skips counted, see eagle3.data.sources) ->
+shuffle with data.seed -> keep data.max_samples -> render each conversation (eagle3.data.templates) ->
+truncate or drop over data.max_length (a sample with no loss token left is dropped) -> split train/eval ->
+count the draft vocab on the train split (eagle3.data.vocab) -> write the folder described in
+eagle3.data.prepared (train/, eval/, vocab.safetensors, meta.json).
+
+Re-running with the same config reuses the folder: a sha256 fingerprint covers everything that decides the
+result (source identities, tokenizer vocab, template text, thinking, system_prompt, max_length, overlength,
+max_samples, eval_size, seed, draft.vocab_size, this module's PREPARE_VERSION). The folder is built under a
+temporary name next to the target and renamed into place at the end, so a crash never leaves a folder that
+`is_prepared` accepts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from eagle3.config import Config, SourceConfig
+from eagle3.data.prepared import is_prepared, save_vocab
+from eagle3.data.sources import SourceStats, read_conversations, resolve_source_path, source_name
+from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, render, resolve_template
+from eagle3.data.types import Conversation, Turn
+from eagle3.data.vocab import DraftVocab, build_draft_vocab
+from eagle3.logs import Progress, log
+
+PREPARE_VERSION = 1
+"""Bump when the rendering/masking rules change, so old prepared folders are rebuilt."""
+SMALL_FILE_BYTES = 16 << 20
+"""Source files up to this size are identified by content hash; bigger ones by path + size + mtime."""
+MAX_TEMPLATE_ERROR_SHARE = 0.01
+"""Render failures above this share of samples abort the run (a broken template, not a few odd records)."""
+OUR_ENTRIES = {"train", "eval", "vocab.safetensors", "meta.json"}
+
+
+# ------------------------------------------------------------------------------------------------ fingerprint
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def source_identity(src: SourceConfig) -> dict[str, Any]:
+    """What identifies a source's content without reading big files: content hash when small, else stat."""
+    p = resolve_source_path(src).resolve()
+    ident: dict[str, Any] = {"path": src.path, "format": src.format, "split": src.split, "max_records": src.max_records}
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file())
+        listing = [(str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        ident["folder"] = _sha256_bytes(json.dumps([str(p), listing]).encode())
+    else:
+        st = p.stat()
+        if st.st_size <= SMALL_FILE_BYTES:
+            ident["sha256"] = _sha256_bytes(p.read_bytes())
+        else:
+            ident["file"] = [str(p), st.st_size, st.st_mtime_ns]
+    return ident
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    specials = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    return {
+        "class": type(tokenizer).__name__,
+        "len": len(tokenizer),
+        "vocab_sha256": _sha256_bytes(json.dumps([vocab, specials], ensure_ascii=False).encode()),
+    }
+
+
+def target_vocab_size(cfg: Config, tokenizer: Any) -> int:
+    """The target's vocab (lm_head rows) from its config.json (text_config first), else the tokenizer's length.
+
+    A model's vocab is often padded beyond the tokenizer; t2d must cover the model's rows."""
+    from eagle3.bundled import resolve_target_path
+
+    cfg_file = Path(resolve_target_path(cfg.target.path)) / "config.json"
+    if cfg_file.is_file():
+        hf = json.loads(cfg_file.read_text())
+        size = (hf.get("text_config") or {}).get("vocab_size") or hf.get("vocab_size")
+        if isinstance(size, int) and size > 0:
+            return size
+    return len(tokenizer)
+
+
+def fingerprint_inputs(cfg: Config, tokenizer: Any, tpl: ChatTemplate, vocab_size: int) -> dict[str, Any]:
+    d = cfg.data
+    return {
+        "version": PREPARE_VERSION,
+        "sources": [source_identity(s) for s in d.sources],
+        "tokenizer": tokenizer_identity(tokenizer),
+        "target_vocab_size": vocab_size,
+        "template": {"name": tpl.name, "sha256": _sha256_bytes(tpl.text.encode()), "eot": list(tpl.eot)},
+        "thinking": d.thinking,
+        "system_prompt": d.system_prompt,
+        "max_length": d.max_length,
+        "overlength": d.overlength,
+        "max_samples": d.max_samples,
+        "eval_size": d.eval_size,
+        "seed": d.seed,
+        "draft_vocab_size": cfg.draft.vocab_size,
+    }
+
+
+def fingerprint(inputs: dict[str, Any]) -> str:
+    return _sha256_bytes(json.dumps(inputs, sort_keys=True).encode())
+
+
+# -------------------------------------------------------------------------------------------------- stages
+def read_all(cfg: Config) -> tuple[list[Conversation], list[SourceStats]]:
+    convs: list[Conversation] = []
+    all_stats = []
+    for src in cfg.data.sources:
+        stats = SourceStats(source_name(src))
+        t0 = time.monotonic()
+        convs.extend(read_conversations(src, stats))
+        all_stats.append(stats)
+        dt = time.monotonic() - t0
+        log.info(f"read {src.path}: {stats.yielded} conversations from {stats.records_read} records in {dt:.1f}s"
+                 + (f"; truncated tail of {stats.truncated_bytes} bytes dropped" if stats.truncated_bytes else ""))
+    seen: Counter[str] = Counter()
+    for c in convs:  # later stages key samples by id: make them unique
+        seen[c.id] += 1
+        if seen[c.id] > 1:
+            c.id = f"{c.id}#{seen[c.id] - 1}"
+    return convs, all_stats
+
+
+def _conv_to_row(c: Conversation) -> dict[str, Any]:
+    return {"id": c.id, "turns": [{"role": t.role, "content": t.content, "reasoning": t.reasoning} for t in c.turns]}
+
+
+def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, thinking: bool,
+                 system_prompt: str | None) -> dict[str, list]:
+    """datasets.map worker (num_proc > 1): render a batch, keeping a template error as text instead of raising."""
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "error": []}
+    for cid, turns in zip(batch["id"], batch["turns"], strict=True):
+        conv = Conversation(cid, [Turn(t["role"], t["content"], t["reasoning"]) for t in turns])
+        try:
+            ids, mask = render(conv, tokenizer, tpl, thinking, system_prompt)
+            err = ""
+        except TemplateError as e:
+            ids, mask, err = [], [], str(e)
+        out["input_ids"].append(ids)
+        out["loss_mask"].append(mask)
+        out["error"].append(err)
+    return out
+
+
+def render_all(convs: list[Conversation], cfg: Config, tokenizer: Any, tpl: ChatTemplate
+               ) -> list[tuple[str, list[int], list[int], str]]:
+    """(id, input_ids, loss_mask, error) per conversation, in order; a plain loop or datasets.map(num_proc)."""
+    d = cfg.data
+    if d.num_proc > 1:
+        from datasets import Dataset
+
+        ds = Dataset.from_list([_conv_to_row(c) for c in convs])
+        ds = ds.map(_render_rows, batched=True, batch_size=64, num_proc=d.num_proc, remove_columns=["turns"],
+                    fn_kwargs={"tokenizer": tokenizer, "tpl": tpl, "thinking": d.thinking,
+                               "system_prompt": d.system_prompt}, desc="render")
+        return list(zip(ds["id"], ds["input_ids"], ds["loss_mask"], ds["error"], strict=True))
+    results = []
+    tokens = 0
+    with Progress(len(convs), "render", unit="conv") as bar:
+        for c in convs:
+            try:
+                ids, mask = render(c, tokenizer, tpl, d.thinking, d.system_prompt)
+                err = ""
+            except TemplateError as e:
+                ids, mask, err = [], [], str(e)
+            tokens += len(ids)
+            results.append((c.id, ids, mask, err))
+            bar.update(1, tokens=tokens)
+    return results
+
+
+def fit_length(rendered: list[tuple[str, list[int], list[int], str]], max_length: int, overlength: str,
+               stats: Counter[str]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Apply max_length (truncate or drop) and drop samples with no loss-masked token; count what was lost."""
+    kept = []
+    for cid, ids, mask, err in rendered:
+        if err:
+            stats["template_error"] += 1
+            continue
+        if len(ids) > max_length:
+            if overlength == "drop":
+                stats["dropped_overlength"] += 1
+                continue
+            stats["truncated_samples"] += 1
+            stats["truncated_tokens"] += len(ids) - max_length
+            stats["truncated_loss_tokens"] += int(sum(mask[max_length:]))
+            ids, mask = ids[:max_length], mask[:max_length]
+        m = np.asarray(mask, dtype=np.int8)
+        if not m.any():
+            stats["dropped_no_loss_tokens"] += 1
+            continue
+        kept.append((cid, np.asarray(ids, dtype=np.int32), m))
+    return kept
+
+
+def eval_count(n: int, eval_size: float) -> int:
+    if eval_size < 1:
+        k = int(round(n * eval_size))
+        return max(k, 1) if eval_size > 0 and n >= 2 else k
+    return int(eval_size)
+
+
+def _to_dataset(samples: list[tuple[str, np.ndarray, np.ndarray]]) -> Any:
+    """Build the Arrow table straight from numpy (offsets + flat values): no per-token Python objects."""
+    from datasets import Dataset
+
+    lengths = np.array([len(s[1]) for s in samples], dtype=np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    flat_ids = np.concatenate([s[1] for s in samples]) if samples else np.zeros(0, np.int32)
+    flat_mask = np.concatenate([s[2] for s in samples]) if samples else np.zeros(0, np.int8)
+    table = pa.table({
+        "id": pa.array([s[0] for s in samples], type=pa.string()),
+        "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat_ids, type=pa.int32())),
+        "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(flat_mask, type=pa.int8())),
+    })
+    return Dataset(table)
+
+
+def _flat(samples: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    if not samples:
+        return np.zeros(0, np.int32), np.zeros(0, np.int8)
+    return np.concatenate([s[1] for s in samples]), np.concatenate([s[2] for s in samples])
+
+
+# --------------------------------------------------------------------------------------------------- output
+def _check_replaceable(out: Path) -> None:
+    """Refuse to delete a folder that is not ours (e.g. data.output_dir pointed at a folder with other files)."""
+    if out.exists():
+        if not out.is_dir():
+            raise FileExistsError(f"data.output_dir: {out} exists and is not a folder")
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in OUR_ENTRIES)
+        if foreign:
+            raise FileExistsError(f"data.output_dir: {out} holds files prepare did not write ({', '.join(foreign[:5])}"
+                                  f"); choose an empty or new folder")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished tmp folder into place; an old prepared folder is moved aside first, then removed."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "x")
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _print_summary(out: Path, s: dict[str, Any]) -> None:
+    lines = [
+        f"prepared data written to {out}",
+        f"  sources: {s['records_read']} records read, {s['conversations']} conversations after repair, "
+        f"{s['used']} used (max_samples={s['max_samples']})",
+    ]
+    for src in s["sources"]:
+        lines.append(f"    {src['name']}: read {src['records_read']}, kept {src['yielded']}, repaired {src['repaired']}, "
+                     f"skipped {src['skipped']}" + (f", truncated tail {src['truncated_bytes']} bytes"
+                                                    if src["truncated_bytes"] else "")
+                     + (f", malformed lines {src['malformed_lines']}" if src["malformed_lines"] else "")
+                     + (f", utf8 replacements {src['utf8_replacements']}" if src["utf8_replacements"] else ""))
+    r = s["render"]
+    lines.append(f"  render: template {s['chat_template']!r} thinking={s['thinking']}; {r}")
+    lines.append(f"  samples: train {s['train_samples']}, eval {s['eval_samples']}; tokens train {s['train_tokens']}, "
+                 f"eval {s['eval_tokens']}; loss-masked share {s['loss_share']:.3f}")
+    lines.append(f"  draft vocab: {s['draft_vocab_size']} of {s['target_vocab_size']}, coverage train "
+                 f"{s['vocab_coverage']:.4f}, eval {s['eval_vocab_coverage']:.4f}")
+    lines.append(f"  time: {s['seconds']:.1f}s ({s['conversations_per_s']:.0f} conversations/s rendered)")
+    print("\n".join(lines), flush=True)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Prepare (or reuse) the dataset in cfg.prepared_dir; return the summary dict (also in meta.json)."""
+    t0 = time.monotonic()
+    d = cfg.data
+    out = cfg.prepared_dir
+    tokenizer = load_tokenizer(cfg)
+    tpl = resolve_template(d.chat_template, tokenizer)
+    vsize = target_vocab_size(cfg, tokenizer)
+    fp_in = fingerprint_inputs(cfg, tokenizer, tpl, vsize)
+    fp = fingerprint(fp_in)
+    if is_prepared(out):
+        meta = json.loads((out / "meta.json").read_text())
+        if meta.get("fingerprint") == fp:
+            log.info(f"reusing prepared data at {out} (fingerprint {fp[:12]})")
+            print(f"reusing prepared data at {out} (fingerprint {fp[:12]})", flush=True)
+            return meta["summary"]
+        old = meta.get("fingerprint_inputs", {})
+        changed = sorted(k for k in set(old) | set(fp_in) if old.get(k) != fp_in.get(k))
+        log.info(f"prepared data at {out} is from a different config (changed: {', '.join(changed)}); rebuilding")
+    _check_replaceable(out)
+
+    convs, src_stats = read_all(cfg)
+    if not convs:
+        raise ValueError(f"data.sources: no usable conversation in {[s.path for s in d.sources]}")
+    random.Random(d.seed).shuffle(convs)
+    used = convs[: d.max_samples] if d.max_samples else convs
+    t_render = time.monotonic()
+    rendered = render_all(used, cfg, tokenizer, tpl)
+    render_s = time.monotonic() - t_render
+    rstats: Counter[str] = Counter()
+    errors = [e for *_, e in rendered if e]
+    samples = fit_length(rendered, d.max_length, d.overlength, rstats)
+    if errors:
+        log.warning(f"{len(errors)} conversations could not be rendered; first: {errors[0]}")
+        if len(errors) > MAX_TEMPLATE_ERROR_SHARE * len(used):
+            raise TemplateError(f"{len(errors)} of {len(used)} conversations failed to render with template "
+                                f"{tpl.name!r} (more than {MAX_TEMPLATE_ERROR_SHARE:.0%}); first: {errors[0]}")
+    n_eval = eval_count(len(samples), d.eval_size)
+    if n_eval >= len(samples):
+        raise ValueError(f"data.eval_size={d.eval_size} leaves no training sample ({len(samples)} samples in all)")
+    eval_s, train_s = samples[:n_eval], samples[n_eval:]
+
+    train_ids, train_mask = _flat(train_s)
+    eval_ids, eval_mask = _flat(eval_s)
+    top = max(int(train_ids.max(initial=0)), int(eval_ids.max(initial=0)))
+    if top >= vsize:
+        raise ValueError(f"token id {top} is outside the target vocab ({vsize}) of target.path={cfg.target.path!r}")
+    vocab: DraftVocab = build_draft_vocab(train_ids, train_mask, vsize, cfg.draft.vocab_size)
+    if cfg.draft.vocab_size >= vsize:
+        log.info(f"draft.vocab_size={cfg.draft.vocab_size} >= target vocab {vsize}: the draft uses the full vocab")
+
+    n_loss = int(train_mask.sum() + eval_mask.sum())
+    n_tok = len(train_ids) + len(eval_ids)
+    seconds = time.monotonic() - t0
+    summary: dict[str, Any] = {
+        "sources": [s.summary() for s in src_stats],
+        "records_read": sum(s.records_read for s in src_stats),
+        "conversations": len(convs),
+        "used": len(used),
+        "max_samples": d.max_samples,
+        "chat_template": tpl.name,
+        "thinking": d.thinking,
+        "render": dict(sorted(rstats.items())),
+        "train_samples": len(train_s),
+        "eval_samples": len(eval_s),
+        "train_tokens": len(train_ids),
+        "eval_tokens": len(eval_ids),
+        "loss_tokens": n_loss,
+        "loss_share": n_loss / n_tok if n_tok else 0.0,
+        "target_vocab_size": vsize,
+        "draft_vocab_size": len(vocab.d2t),
+        "vocab_coverage": vocab.coverage,
+        "eval_vocab_coverage": vocab.coverage_of(eval_ids, eval_mask),
+        "seconds": seconds,
+        "conversations_per_s": len(used) / render_s if render_s > 0 else 0.0,
+    }
+    meta = {
+        "version": PREPARE_VERSION,
+        "fingerprint": fp,
+        "fingerprint_inputs": fp_in,
+        "target_path": cfg.target.path,
+        "tokenizer": fp_in["tokenizer"] | {"name_or_path": str(getattr(tokenizer, "name_or_path", ""))},
+        "chat_template": tpl.name,
+        "chat_template_text": tpl.text,
+        "thinking": d.thinking,
+        "system_prompt": d.system_prompt,
+        "max_length": d.max_length,
+        "target_vocab_size": vsize,
+        "draft_vocab_size": len(vocab.d2t),
+        "vocab_coverage": vocab.coverage,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "summary": summary,
+    }
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)  # left by a killed run (prepare is not run twice at once)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+
+        bars = is_progress_bar_enabled()
+        disable_progress_bar()  # two one-shard saves: their bars only clutter a log file
+        try:
+            _to_dataset(train_s).save_to_disk(str(tmp / "train"))
+            _to_dataset(eval_s).save_to_disk(str(tmp / "eval"))
+        finally:
+            if bars:
+                enable_progress_bar()
+        save_vocab(tmp / "vocab.safetensors", vocab.d2t, vocab.t2d)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))  # last: marks completeness
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary["seconds"] = time.monotonic() - t0
+    _print_summary(out, summary)
+    return summary

@@ -1,0 +1,285 @@
+"""Chat templates: a Conversation -> `input_ids` and an assistant-only `loss_mask`.
+
+    tok = load_tokenizer(cfg)
+    ids, mask = render(conv, tok, "kimi-k2.5", thinking=True, system_prompt=None)
+    prompt_ids = render_prompt(turns, tok, "auto", thinking=False)   # for generation (regenerate, eval)
+
+The loss mask is 1 on exactly the tokens the model must GENERATE when an engine serves it: for each assistant
+turn, everything after that turn's generation prompt up to and including the end-of-turn token
+(`<|im_end|>`, `<|eot_id|>`, `<｜end▁of▁sentence｜>` or the tokenizer's eos). It is 0 on system and user text,
+on the generation prompt (`<|im_start|>assistant\\n`, `<|im_assistant|>assistant<|im_middle|>`, ...) and on
+scaffolding after the end-of-turn token (ChatML's trailing "\\n").
+
+Most templates have no `{% generation %}` markers, so the mask is derived by rendering prefixes: for the
+assistant turn i, P = render(messages[:i], add_generation_prompt=True) and S = render(messages[:i+1]); the
+answer is S[len(P):], and both P and S must be prefixes of the full render (prefix stability; otherwise
+TemplateError names the template, conversation and turn). The full text is tokenized ONCE (so input_ids are
+exactly `tokenizer(full_text, add_special_tokens=False)`), and character spans map to tokens through the
+offsets: a token is in the loss when it overlaps an answer span (the rule transformers uses for
+`return_assistant_tokens_mask`). Tokenizers without offsets (slow ones such as Kimi's tiktoken tokenizer) are
+tokenized segment by segment, and the concatenation is checked against the full tokenization.
+
+Kimi-K2.5 think tags (built-in `kimi-k2.5`, REFERENCE.md section 4; no newlines between turns):
+- thinking on: the generation prompt ends with `<think>`, so `<think>` is prompt (mask 0) and the final answer
+  `{reasoning}</think>{answer}<|im_end|>` is all mask 1, `</think>` included: the model generates it.
+- thinking off: the generation prompt is `...<|im_middle|><think></think>` (what K2.5 renders with
+  thinking=False), so both tags are prompt (mask 0) and the mask covers `{answer}<|im_end|>`.
+- past assistant turns (before the last user turn) carry an empty `<think></think>` and their reasoning is
+  dropped, as the K2.5 template does; with thinking on their mask is `</think>{answer}<|im_end|>` (the prompt
+  ends with `<think>` and the model emitted `</think>` right away), with thinking off `{answer}<|im_end|>`.
+  To stay prefix-stable, `render` drops the reasoning of assistant turns before the last user turn itself.
+The built-in `kimi-k2.5` adds no default system prompt (use data.system_prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle3.data.types import Conversation, Turn
+
+# --------------------------------------------------------------------------------------- built-in templates
+KIMI_K25 = (
+    "{%- set thinking = thinking if thinking is defined else true -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|><think>"
+    "{%- if thinking and loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
+    "{{ m['reasoning_content'] }}{%- endif -%}</think>{{ m['content'] }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking -%}<think>{%- else -%}<think></think>{%- endif -%}{%- endif -%}"
+)
+
+CHATML = (
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+LLAMA3 = (
+    "{{- '<|begin_of_text|>' -}}"
+    "{%- for m in messages -%}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}"
+)
+
+DEEPSEEK_V3 = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + ('\\n\\n' if ns.system else '') + m['content'] -%}{%- endif -%}{%- endfor -%}"
+    "{{- '<｜begin▁of▁sentence｜>' + ns.system -}}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{{ '<｜User｜>' + m['content'] }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<｜Assistant｜>' }}{%- endif -%}"
+)
+
+BUILTIN: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kimi-k2.5": (KIMI_K25, ("<|im_end|>",)),
+    "chatml": (CHATML, ("<|im_end|>",)),
+    "llama3": (LLAMA3, ("<|eot_id|>",)),
+    "deepseek-v3": (DEEPSEEK_V3, ("<｜end▁of▁sentence｜>",)),
+}
+# End-of-turn strings looked for in `auto` / file templates (plus the tokenizer's eos).
+KNOWN_EOT = ("<|im_end|>", "<|eot_id|>", "<｜end▁of▁sentence｜>", "<|end|>", "<end_of_turn>", "</s>", "<|endoftext|>")
+
+
+class TemplateError(ValueError):
+    """The template cannot give a trustworthy loss mask (not prefix-stable, or no template at all)."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    name: str
+    """`auto`, a built-in name, or the Jinja file path."""
+    text: str
+    eot: tuple[str, ...]
+    """End-of-turn strings; the answer's mask ends after the last one found in the answer span."""
+
+
+def resolve_template(template: str | ChatTemplate, tokenizer: Any) -> ChatTemplate:
+    """Turn `data.chat_template` (auto / built-in name / Jinja file) into the template text to render with."""
+    if isinstance(template, ChatTemplate):
+        return template
+    eos = getattr(tokenizer, "eos_token", None)
+    extra = (eos,) if isinstance(eos, str) and eos else ()
+    if template in BUILTIN:
+        text, eot = BUILTIN[template]
+        return ChatTemplate(template, text, eot)
+    if template == "auto":
+        text = getattr(tokenizer, "chat_template", None)
+        if isinstance(text, dict):  # several named templates: use the default one
+            text = text.get("default")
+        if not text:
+            where = getattr(tokenizer, "name_or_path", "?")
+            raise TemplateError(f"data.chat_template=auto, but the tokenizer at {where} has no chat template; "
+                                f"set data.chat_template to one of {sorted(BUILTIN)} or a path to a Jinja file")
+        return ChatTemplate("auto", text, tuple(dict.fromkeys(extra + KNOWN_EOT)))
+    p = Path(template).expanduser()
+    if p.is_file():
+        return ChatTemplate(str(p), p.read_text(encoding="utf-8"), tuple(dict.fromkeys(extra + KNOWN_EOT)))
+    raise TemplateError(f"data.chat_template={template!r}: not a built-in template ({', '.join(sorted(BUILTIN))}, "
+                        f"auto) and not an existing Jinja file")
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+def chat_messages(turns: list[Turn], thinking: bool) -> list[dict[str, str]]:
+    """Turns -> the message dicts chat templates read (`reasoning_content` only in thinking mode)."""
+    out = []
+    for t in turns:
+        m = {"role": t.role, "content": t.content}
+        if thinking and t.role == "assistant" and t.reasoning:
+            m["reasoning_content"] = t.reasoning
+        out.append(m)
+    return out
+
+
+def _apply(tokenizer: Any, tpl: ChatTemplate, messages: list[dict[str, str]], gen: bool, thinking: bool) -> str:
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=tpl.text, tokenize=False, add_generation_prompt=gen,
+        thinking=thinking, enable_thinking=thinking,
+    )
+    if not isinstance(text, str):
+        raise TemplateError(f"chat template {tpl.name!r}: rendering did not return text ({type(text).__name__})")
+    return text
+
+
+def _with_system(turns: list[Turn], system_prompt: str | None) -> list[Turn]:
+    if system_prompt is not None and (not turns or turns[0].role != "system"):
+        return [Turn(role="system", content=system_prompt), *turns]
+    return list(turns)
+
+
+def _first_diff(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _not_prefix(tpl: ChatTemplate, conv_id: str, turn: int, what: str, short: str, long: str) -> TemplateError:
+    k = _first_diff(short, long)
+    return TemplateError(
+        f"chat template {tpl.name!r} is not prefix-stable at turn {turn} of conversation {conv_id!r}: {what}; "
+        f"first difference at char {k}: {short[max(0, k - 30):k + 30]!r} vs {long[max(0, k - 30):k + 30]!r}. "
+        f"The assistant-only loss mask cannot be derived; use a prefix-stable template (data.chat_template)")
+
+
+def answer_spans(conv: Conversation, tokenizer: Any, template: str | ChatTemplate, thinking: bool,
+                 system_prompt: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendered text and the character spans [start, end) the loss covers (see module docstring)."""
+    tpl = resolve_template(template, tokenizer)
+    turns = _with_system(conv.turns, system_prompt)
+    last_user = max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
+    if thinking:  # the template drops reasoning before the last user turn; drop it here too (prefix stability)
+        turns = [Turn(t.role, t.content, None) if i < last_user else t for i, t in enumerate(turns)]
+    messages = chat_messages(turns, thinking)
+    full = _apply(tokenizer, tpl, messages, gen=False, thinking=thinking)
+    spans: list[tuple[int, int]] = []
+    for i, t in enumerate(turns):
+        if t.role != "assistant":
+            continue
+        prompt = _apply(tokenizer, tpl, messages[:i], gen=True, thinking=thinking) if i else ""
+        with_answer = _apply(tokenizer, tpl, messages[: i + 1], gen=False, thinking=thinking)
+        if not with_answer.startswith(prompt):
+            raise _not_prefix(tpl, conv.id, i, "the generation prompt is not a prefix of the render with the answer",
+                              prompt, with_answer)
+        if not full.startswith(with_answer):
+            raise _not_prefix(tpl, conv.id, i, "the render up to this answer is not a prefix of the full render",
+                              with_answer, full)
+        start, end = len(prompt), len(with_answer)
+        answer = full[start:end]
+        cut = max((answer.rfind(e) + len(e) for e in tpl.eot if e in answer), default=-1)
+        end = start + (cut if cut >= 0 else len(answer.rstrip()))
+        if end > start:
+            spans.append((start, end))
+    return full, spans
+
+
+def _mask_from_offsets(offsets: Any, spans: list[tuple[int, int]]) -> list[int]:
+    """1 where a token [s, e) overlaps a span: the first span ending after s must start before e (vectorised)."""
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    if not spans or not len(off):
+        return [0] * len(off)
+    sp = np.asarray(spans, dtype=np.int64)
+    j = np.searchsorted(sp[:, 1], off[:, 0], side="right")
+    inside = j < len(sp)
+    mask = np.zeros(len(off), dtype=np.int8)
+    mask[inside] = off[inside, 1] > sp[j[inside], 0]
+    return mask.tolist()
+
+
+def tokenize_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Tokenize `text` once; mark tokens overlapping `spans`. Slow tokenizers: per segment, checked against full.
+
+    Fast tokenizers go straight to their Rust backend (`backend_tokenizer.encode`, what `tokenizer(text,
+    add_special_tokens=False)` runs too, minus the Python-side conversion that dominated the time)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:
+        enc = backend.encode(text, add_special_tokens=False)
+        return enc.ids, _mask_from_offsets(enc.offsets, spans)
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), _mask_from_offsets(enc["offset_mapping"], spans)
+    ids: list[int] = []
+    mask: list[int] = []
+    pos = 0
+    for s, e in [*spans, (len(text), len(text))]:
+        for seg, m in ((text[pos:s], 0), (text[s:e], 1)):
+            if seg:
+                seg_ids = tokenizer(seg, add_special_tokens=False)["input_ids"]
+                ids += seg_ids
+                mask += [m] * len(seg_ids)
+        pos = e
+    full_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if ids != full_ids:
+        raise TemplateError("tokenizing the prompt and answer segments separately differs from tokenizing the full "
+                            "text (a token crosses a segment boundary) and this tokenizer has no offsets mapping")
+    return ids, mask
+
+
+def render(conv: Conversation, tokenizer: Any, template: str | ChatTemplate, thinking: bool,
+           system_prompt: str | None = None) -> tuple[list[int], list[int]]:
+    """Render a conversation: (input_ids, loss_mask) with the mask on what the assistant generates."""
+    text, spans = answer_spans(conv, tokenizer, template, thinking, system_prompt)
+    return tokenize_with_mask(tokenizer, text, spans)
+
+
+def render_prompt(turns: list[Turn], tokenizer: Any, template: str | ChatTemplate, thinking: bool,
+                  system_prompt: str | None = None) -> list[int]:
+    """Token ids of the generation prompt for the next assistant turn after `turns` (regenerate / eval)."""
+    tpl = resolve_template(template, tokenizer)
+    text = _apply(tokenizer, tpl, chat_messages(_with_system(turns, system_prompt), thinking), gen=True,
+                  thinking=thinking)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+def load_tokenizer(cfg: Any) -> Any:
+    """The target's tokenizer: bundled names resolved, remote code as configured, slow when there is no fast one.
+
+    Kimi's tokenizer is tiktoken-based remote code without a fast version; AutoTokenizer normally picks the slow
+    class itself, and `use_fast=False` is retried when the fast attempt fails."""
+    from transformers import AutoTokenizer
+
+    from eagle3.bundled import resolve_target_path
+
+    path = resolve_target_path(cfg.target.path)
+    kwargs = {"trust_remote_code": cfg.target.trust_remote_code, "revision": cfg.target.revision}
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (ValueError, OSError, TypeError, ImportError) as first:
+        try:
+            return AutoTokenizer.from_pretrained(path, use_fast=False, **kwargs)
+        except Exception:
+            raise RuntimeError(f"cannot load the tokenizer of target.path={cfg.target.path!r} ({path}): {first}"
+                               ) from first

@@ -1,0 +1,76 @@
+"""The draft vocabulary: the most frequent target tokens among loss-masked positions of the TRAIN split.
+
+    vocab = build_draft_vocab(train_ids, train_masks, target_vocab_size=49152, draft_vocab_size=8192)
+    save_vocab(prepared_dir / "vocab.safetensors", vocab.d2t, vocab.t2d)
+
+Selection: top `draft_vocab_size` by count, ties broken by the smaller id (deterministic; tokens never seen
+fill the tail by id), then sorted by id. `d2t[i] = target_id - i` (int64; engines compute target = i + d2t[i]),
+`t2d` is a bool mask over the target vocab. coverage = share of loss-masked tokens whose id is in the draft vocab.
+If draft_vocab_size >= target_vocab_size the draft vocab is the full target vocab (d2t all zeros, t2d all
+True): a tiny target has nothing to prune, and this keeps tiny-model runs working with the default size.
+Counting is one numpy bincount over the flattened arrays (no per-token Python loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftVocab:
+    d2t: torch.Tensor
+    """int64 [draft_vocab]: target id = i + d2t[i]."""
+    t2d: torch.Tensor
+    """bool [target_vocab]: which target tokens the draft can emit."""
+    counts: np.ndarray
+    """int64 [target_vocab]: loss-masked occurrences per target token (train split)."""
+    coverage: float
+    """Share of loss-masked train tokens inside the draft vocab."""
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t), dtype=torch.int64) + self.d2t
+
+    def coverage_of(self, ids: np.ndarray, mask: np.ndarray) -> float:
+        """Coverage on another split (e.g. eval): share of its loss-masked tokens inside the draft vocab."""
+        sel = ids[mask.astype(bool)]
+        return float(self.t2d.numpy()[sel].mean()) if sel.size else 0.0
+
+
+def masked_counts(ids: Sequence[np.ndarray] | np.ndarray, masks: Sequence[np.ndarray] | np.ndarray,
+                  target_vocab_size: int) -> np.ndarray:
+    """Token counts over positions where the mask is 1; arrays may be ragged lists or already flat."""
+    flat_ids = np.concatenate(ids) if isinstance(ids, list | tuple) else np.asarray(ids)
+    flat_mask = np.concatenate(masks) if isinstance(masks, list | tuple) else np.asarray(masks)
+    if flat_ids.shape != flat_mask.shape:
+        raise ValueError(f"input_ids ({flat_ids.shape}) and loss_mask ({flat_mask.shape}) differ in length")
+    sel = flat_ids[flat_mask.astype(bool)].astype(np.int64)
+    if sel.size and (sel.min() < 0 or sel.max() >= target_vocab_size):
+        raise ValueError(f"token id {int(sel.max())} outside the target vocab of {target_vocab_size}: the tokenizer "
+                         f"and the target model disagree")
+    return np.bincount(sel, minlength=target_vocab_size).astype(np.int64)
+
+
+def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:
+    target_vocab_size = len(counts)
+    total = int(counts.sum())
+    if draft_vocab_size >= target_vocab_size:
+        ids = np.arange(target_vocab_size, dtype=np.int64)
+    else:
+        # lexsort: last key is primary -> by count descending, then id ascending.
+        order = np.lexsort((np.arange(target_vocab_size), -counts))
+        ids = np.sort(order[:draft_vocab_size]).astype(np.int64)
+    d2t = torch.from_numpy(ids - np.arange(len(ids), dtype=np.int64))
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+    t2d[torch.from_numpy(ids)] = True
+    coverage = float(counts[ids].sum() / total) if total else 0.0
+    return DraftVocab(d2t=d2t, t2d=t2d, counts=counts, coverage=coverage)
+
+
+def build_draft_vocab(ids: Sequence[np.ndarray] | np.ndarray, masks: Sequence[np.ndarray] | np.ndarray,
+                      target_vocab_size: int, draft_vocab_size: int) -> DraftVocab:
+    return select_draft_vocab(masked_counts(ids, masks, target_vocab_size), draft_vocab_size)
