@@ -140,9 +140,10 @@ def check_fingerprint(cache_dir: str | Path, expected: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- layout
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Readers and a resumed run see either the old or the new file, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
+def write_json_atomic(path: Path, data: dict[str, Any], tmp_tag: str = "") -> None:
+    """Readers and a resumed run see either the old or the new file, never half of one. `tmp_tag` keeps the
+    temporary names of concurrent writers (ranks writing the same meta.json) apart."""
+    tmp = path.with_name(f"{path.name}{tmp_tag}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 

@@ -1,0 +1,265 @@
+"""Offline extraction: prepared samples -> target hidden states -> the sharded Arrow cache (eagle3.cache).
+
+    eagle3 extract --config configs/smollm2-135m.yaml
+    accelerate launch --num_processes 8 extract.py --config configs/kimi-k2.5.yaml
+
+Extraction of a big target runs for hours, so it is built to be killed:
+- Work is cut into shards fixed in advance: rank r of W owns samples r, r+W, r+2W, ... of each split, and its
+  shard i is items [i*S, (i+1)*S) of that list. A re-run recomputes exactly the missing shards, in the same
+  batches, so the finished cache is byte-identical to an uninterrupted run's.
+- A shard is streamed into `*.tmp` and renamed into place when whole; the rank's manifest is rewritten
+  atomically only after that, so a SIGKILL at any moment leaves at most a stale .tmp (deleted on restart) or a
+  shard the manifest does not list yet (recomputed, same bytes).
+- Ranks share nothing but the cache folder: each writes its own shards and manifest; readers wait for all.
+- Preflight before the long part: disk space for the estimated size, the target loads, one sample's states
+  come back with the prompt's token count.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+
+from eagle3.cache import (
+    SPLITS,
+    CacheError,
+    Manifest,
+    ShardEntry,
+    ShardWriter,
+    expected_fingerprint,
+    fingerprint_diff,
+    payload_bytes_per_token,
+    rank_stem,
+    read_meta,
+    shard_name,
+    write_json_atomic,
+)
+from eagle3.data.prepared import load_prepared
+from eagle3.logs import Progress, setup_logging
+
+log = logging.getLogger("eagle3")
+
+_DTYPE_NAMES = {"bfloat16", "float16", "float32"}
+
+
+def rank_world() -> tuple[int, int]:
+    """This process's (rank, world size) from the launcher's environment (accelerate/torchrun set RANK and
+    WORLD_SIZE); (0, 1) when run alone."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return rank, world
+
+
+def plan_rank(num_samples: int, rank: int, world: int, shard_samples: int) -> list[list[int]]:
+    """This rank's shards as lists of sample indices (see the module docstring)."""
+    mine = list(range(rank, num_samples, world))
+    return [mine[i: i + shard_samples] for i in range(0, len(mine), shard_samples)]
+
+
+def sample_lengths(ds: Any) -> np.ndarray:
+    """Token count of every row, straight from the Arrow column (no Python loop over 10K samples)."""
+    if getattr(ds, "_indices", None) is None:
+        return pc.list_value_length(ds.data.column("input_ids")).to_numpy().astype(np.int64)
+    return np.array([len(x) for x in ds["input_ids"]], dtype=np.int64)
+
+
+@dataclass
+class Job:
+    split: str
+    shard: int
+    rows: list[int]
+
+
+def open_cache(cache_dir: Path, fingerprint: dict[str, Any], layout: dict[str, Any], rank: int) -> None:
+    """Create the cache's meta.json, or check that an existing cache was made for the same job."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = cache_dir / "meta.json"
+    if meta_path.is_file():
+        meta = read_meta(cache_dir)
+        diff = fingerprint_diff(meta["fingerprint"], fingerprint)
+        if diff:
+            raise CacheError(
+                f"refusing to add to hidden-state cache {cache_dir}: it\n"
+                + "\n".join(f"  {d}" for d in diff)
+                + f"\nUse a new extract.cache_dir=..., or delete {cache_dir} to extract again from scratch."
+            )
+        if meta["layout"] != layout:
+            raise CacheError(
+                f"refusing to resume cache {cache_dir}: it was started with layout {meta['layout']} and this run "
+                f"has {layout} (world size, samples per shard and max_samples decide which sample goes to which "
+                f"shard). Re-run with the original settings, or use a new extract.cache_dir."
+            )
+        return
+    write_json_atomic(meta_path, {"format": "eagle3-hidden-states", "fingerprint": fingerprint, "layout": layout},
+                      tmp_tag=f".{rank}")
+
+
+def _load_manifest(cache_dir: Path, split: str, rank: int, world: int, plan: list[list[int]]) -> Manifest:
+    path = Manifest.path(cache_dir, split, rank, world)
+    fresh = Manifest(split, rank, world, planned_samples=sum(map(len, plan)), planned_shards=len(plan))
+    if not path.is_file():
+        return fresh
+    m = Manifest.load(path)
+    if (m.planned_samples, m.planned_shards) != (fresh.planned_samples, fresh.planned_shards):
+        raise CacheError(f"{path}: planned {m.planned_samples} samples in {m.planned_shards} shards, this run plans "
+                         f"{fresh.planned_samples} in {fresh.planned_shards}: the prepared data changed")
+    kept = [s for s in m.shards if (cache_dir / split / s.file).is_file()]
+    if len(kept) != len(m.shards):
+        log.warning("%s: %d shard file(s) listed but missing; they will be extracted again",
+                    path, len(m.shards) - len(kept))
+    m.shards = kept
+    return m
+
+
+def _clean_stale_tmp(split_dir: Path, rank: int, world: int) -> None:
+    """Remove this rank's leftovers from a killed run (never another rank's: it may be writing right now)."""
+    for p in split_dir.glob(f"{rank_stem(rank, world)}*.tmp"):
+        log.info("removing stale temporary file %s from an interrupted run", p)
+        p.unlink(missing_ok=True)
+
+
+def _remaining_tokens(cache_dir: Path, world: int, lengths: dict[str, np.ndarray], shard_samples: int) -> int:
+    """Tokens not yet committed by any rank (ranks usually share the disk, so check for the whole job)."""
+    total = 0
+    for split, lens in lengths.items():
+        for r in range(world):
+            plan = plan_rank(len(lens), r, world, shard_samples)
+            path = Manifest.path(cache_dir, split, r, world)
+            done = {s.index for s in Manifest.load(path).shards} if path.is_file() else set()
+            total += sum(int(lens[rows].sum()) for i, rows in enumerate(plan) if i not in done)
+    return total
+
+
+def preflight_disk(cache_dir: Path, tokens: int, hidden_size: int, dtype: str, margin: float = 0.10) -> None:
+    need = tokens * payload_bytes_per_token(hidden_size, dtype)
+    free = shutil.disk_usage(cache_dir).free
+    log.info("preflight: %d tokens to extract, about %.2f GB; %.2f GB free on %s", tokens, need / 1e9, free / 1e9,
+             cache_dir)
+    if need * (1 + margin) > free:
+        raise CacheError(
+            f"not enough disk for the hidden-state cache: about {need / 1e9:.2f} GB needed (+{margin:.0%} margin) "
+            f"for {tokens} tokens x {payload_bytes_per_token(hidden_size, dtype)} bytes/token, but only "
+            f"{free / 1e9:.2f} GB is free on {cache_dir}. Point extract.cache_dir at a bigger disk, extract fewer "
+            f"samples (extract.max_samples=N), or use extract.mode=online."
+        )
+
+
+def _check_backend(backend: Any, fp: dict[str, Any]) -> None:
+    got = {"hidden_size": backend.hidden_size, "num_layers": backend.num_layers, "layer_ids": list(backend.layer_ids)}
+    want = {k: fp[k] for k in got}
+    if got != want:
+        raise CacheError(f"the loaded target does not match its config.json: backend reports {got}, expected {want}")
+
+
+def _preflight_sample(backend: Any, ids: list[int], hidden: int) -> None:
+    t0 = time.monotonic()
+    c = backend.capture([ids])[0]
+    if c.aux.shape != (len(ids), 3 * hidden) or c.final.shape != (len(ids), hidden):
+        raise CacheError(f"preflight: a {len(ids)}-token prompt came back with states {tuple(c.aux.shape)} / "
+                         f"{tuple(c.final.shape)}; expected ({len(ids)}, {3 * hidden}) / ({len(ids)}, {hidden}). "
+                         "Missing tokens usually mean prefix caching or chunked prefill in the serving engine.")
+    if not (c.aux.float().isfinite().all() and c.final.float().isfinite().all()):
+        raise CacheError("preflight: the target returned non-finite hidden states for the first sample")
+    log.info("preflight: one %d-token sample captured in %.2fs, token count matches", len(ids), time.monotonic() - t0)
+
+
+def _kill_hook(counter: str, n: int) -> None:
+    """Tests only: SIGKILL this very process after n units (a real, uncatchable kill at a chosen point)."""
+    limit = os.environ.get(f"EAGLE3_TEST_KILL_AFTER_{counter}")
+    if limit is not None and n >= int(limit):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
+    """Extract this rank's missing shards of every prepared split into `cfg.cache_dir`."""
+    setup_logging()
+    rank, world = rank_world()
+    if world > 1 and cfg.target.device == "cuda":
+        cfg.target.device = f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
+    cache_dir = cfg.cache_dir
+    prepared = load_prepared(cfg.prepared_dir)
+    fp = expected_fingerprint(cfg, prepared.meta)
+    S = cfg.extract.shard_samples
+    open_cache(cache_dir, fp, {"world_size": world, "shard_samples": S, "max_samples": cfg.extract.max_samples}, rank)
+
+    data = {"train": prepared.train, "eval": prepared.eval}
+    lengths = {split: sample_lengths(ds) for split, ds in data.items()}
+    if cfg.extract.max_samples is not None:  # train only: the eval split is small and the trainer needs it whole
+        lengths["train"] = lengths["train"][: cfg.extract.max_samples]
+    jobs: list[Job] = []
+    manifests: dict[str, Manifest] = {}
+    for split in SPLITS:
+        split_dir = cache_dir / split
+        split_dir.mkdir(exist_ok=True)
+        _clean_stale_tmp(split_dir, rank, world)
+        plan = plan_rank(len(lengths[split]), rank, world, S)
+        m = manifests[split] = _load_manifest(cache_dir, split, rank, world, plan)
+        m.save(cache_dir)  # a rank with nothing to do is complete right away
+        done = {s.index for s in m.shards}
+        jobs += [Job(split, i, rows) for i, rows in enumerate(plan) if i not in done]
+
+    todo_samples = sum(len(j.rows) for j in jobs)
+    todo_tokens = sum(int(lengths[j.split][j.rows].sum()) for j in jobs)
+    if not jobs:
+        log.info("rank %d/%d: cache %s already holds all its shards; nothing to do", rank, world, cache_dir)
+        return {"rank": rank, "shards": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
+    log.info("rank %d/%d: %d shard(s), %d samples, %d tokens to extract into %s", rank, world, len(jobs),
+             todo_samples, todo_tokens, cache_dir)
+    if cfg.extract.preflight:
+        preflight_disk(cache_dir, _remaining_tokens(cache_dir, world, lengths, S), fp["hidden_size"], fp["dtype"])
+
+    if backend is None:
+        from eagle3.target.hf import make_backend
+
+        backend = make_backend(cfg)
+    _check_backend(backend, fp)
+    if cfg.extract.preflight:
+        first = jobs[0]
+        _preflight_sample(backend, list(data[first.split][first.rows[0]]["input_ids"]), fp["hidden_size"])
+
+    from eagle3.target.hf import plan_batches
+
+    dtype = backend.dtype
+    t0 = time.monotonic()
+    tokens_done = batches_done = 0
+    with Progress(todo_samples, f"extract rank {rank}/{world}", unit="samples") as prog:
+        for shards_done, job in enumerate(jobs, start=1):
+            ds, lens = data[job.split], lengths[job.split]
+            name = shard_name(rank, world, job.shard)
+            writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], dtype)
+            try:
+                for batch in plan_batches([int(lens[i]) for i in job.rows], cfg.extract.batch_tokens,
+                                          cfg.extract.max_batch_size):
+                    rows = ds[[job.rows[b] for b in batch]]
+                    caps = backend.capture(rows["input_ids"])
+                    writer.write([{"sample_id": sid, "input_ids": ids, "loss_mask": mask, "aux": c.aux,
+                                   "final": c.final}
+                                  for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"],
+                                                               caps, strict=True)])
+                    n_tok = sum(len(x) for x in rows["input_ids"])
+                    tokens_done += n_tok
+                    batches_done += 1
+                    prog.update(len(batch), tok_s=f"{tokens_done / max(time.monotonic() - t0, 1e-9):.0f}")
+                    _kill_hook("BATCHES", batches_done)
+                size = writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
+            m = manifests[job.split]
+            m.shards.append(ShardEntry(job.shard, name, writer.num_samples, writer.num_tokens, size))
+            m.save(cache_dir)
+            _kill_hook("SHARDS", shards_done)
+    dt = time.monotonic() - t0
+    log.info("rank %d/%d: extracted %d samples, %d tokens in %.1fs (%.0f tokens/s)", rank, world, todo_samples,
+             tokens_done, dt, tokens_done / max(dt, 1e-9))
+    return {"rank": rank, "shards": len(jobs), "samples": todo_samples, "tokens": tokens_done, "seconds": dt}

@@ -1,0 +1,125 @@
+"""The Arrow cache: bit-exact 16-bit round trip, zero-copy reads, fingerprint refusal, info."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.cache import (
+    CacheError,
+    HiddenStateDataset,
+    Manifest,
+    ShardEntry,
+    ShardWriter,
+    check_fingerprint,
+    print_info,
+    shard_name,
+    write_json_atomic,
+)
+
+H = 8
+
+
+def _fingerprint(dtype: str = "bfloat16") -> dict:
+    return {"format": 1, "target_path": "t", "revision": None, "weights_id": "w", "architectures": ["X"],
+            "num_layers": 6, "hidden_size": H, "dtype": dtype, "layer_ids": [2, 3, 4],
+            "layer_id_convention": "input-of-layer", "prepared_fingerprint": "p", "max_length": 64}
+
+
+def _special(t: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    x = torch.randn(t, width, generator=torch.Generator().manual_seed(seed)) * 3
+    flat = x.view(-1)
+    specials = [2.5e4, -2.5e4, 1e-8, -1e-8, 1e-40, -0.0, 0.0, float("inf"), float("-inf"), 65504.0, 3e38]
+    n = min(len(specials), flat.numel())
+    flat[:n] = torch.tensor(specials[:n])
+    return x.to(dtype)
+
+
+def _write_cache(root, dtype: torch.dtype, samples: list[int], per_batch: int = 2, world: int = 1) -> list[dict]:
+    fp = _fingerprint(str(dtype).removeprefix("torch."))
+    (root / "train").mkdir(parents=True)
+    (root / "eval").mkdir()
+    write_json_atomic(root / "meta.json", {"fingerprint": fp, "layout": {"world_size": world}})
+    rows = [{"sample_id": f"s{i}", "input_ids": list(range(3, 3 + t)), "loss_mask": [i % 2] * t,
+             "aux": _special(t, 3 * H, dtype, i), "final": _special(t, H, dtype, 100 + i)}
+            for i, t in enumerate(samples)]
+    w = ShardWriter(root / "train" / shard_name(0, world, 0), H, dtype)
+    for k in range(0, len(rows), per_batch):
+        w.write(rows[k: k + per_batch])
+    size = w.commit()
+    assert not w.tmp.exists()
+    entry = ShardEntry(0, shard_name(0, world, 0), len(rows), sum(samples), size)
+    Manifest("train", 0, world, len(rows), 1, [entry]).save(root)
+    Manifest("eval", 0, world, 0, 0).save(root)
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    rows = _write_cache(tmp_path, dtype, [5, 1, 9, 4, 7])
+    ds = HiddenStateDataset(tmp_path, "train")
+    assert len(ds) == 5 and ds.lengths == [5, 1, 9, 4, 7]
+    for i, r in enumerate(rows):
+        item = ds[i]
+        assert item["sample_id"] == r["sample_id"]
+        assert item["aux"].dtype == dtype and item["aux"].shape == r["aux"].shape
+        assert item["final"].shape == r["final"].shape
+        bits = torch.int16 if dtype != torch.float32 else torch.int32
+        # bit patterns, so -0.0 vs 0.0 and subnormals count
+        assert torch.equal(item["aux"].view(bits), r["aux"].view(bits))
+        assert torch.equal(item["final"].view(bits), r["final"].view(bits))
+        assert item["input_ids"].dtype == torch.int64 and item["input_ids"].tolist() == r["input_ids"]
+        assert item["loss_mask"].tolist() == r["loss_mask"]
+    if dtype == torch.bfloat16:
+        a = ds[0]["aux"].view(-1)
+        assert a[0].item() == pytest.approx(24960.0)  # bf16(2.5e4)
+        assert torch.signbit(a[5]) and a[5].item() == 0.0  # -0.0 survives
+        assert a[4].item() != 0.0 and abs(a[4].item()) < 1.2e-38  # subnormal kept
+        assert torch.isinf(a[7]) and torch.isinf(a[8])
+
+
+def test_reads_are_zero_copy_views_of_the_mapping(tmp_path):
+    _write_cache(tmp_path, torch.bfloat16, [6, 6])
+    ds = HiddenStateDataset(tmp_path, "train")
+    a, b = ds[0]["aux"], ds[0]["aux"]
+    assert a.data_ptr() == b.data_ptr()  # same mapped bytes, no copy per access
+    batch = ds._batches[0]
+    assert a.data_ptr() == batch.aux.ctypes.data
+
+
+def test_shards_are_readable_by_datasets(tmp_path):
+    from datasets import Dataset
+
+    _write_cache(tmp_path, torch.bfloat16, [3, 4])
+    d = Dataset.from_file(str(tmp_path / "train" / shard_name(0, 1, 0)))
+    assert d["sample_id"] == ["s0", "s1"] and d["num_tokens"] == [3, 4]
+    assert np.asarray(d[1]["aux"]).shape == (4, 3 * H)
+
+
+def test_fingerprint_mismatch_names_the_field(tmp_path):
+    _write_cache(tmp_path, torch.bfloat16, [3])
+    check_fingerprint(tmp_path, _fingerprint())
+    want = {**_fingerprint(), "layer_ids": [3, 3, 4]}
+    with pytest.raises(CacheError, match=r"layer ids \[2, 3, 4\] but the config asks for \[3, 3, 4\]"):
+        check_fingerprint(tmp_path, want)
+    with pytest.raises(CacheError, match="target dtype 'bfloat16' but the config asks for 'float32'"):
+        HiddenStateDataset(tmp_path, "train", expected={**_fingerprint(), "dtype": "float32"})
+
+
+def test_incomplete_cache_refused_and_reported(tmp_path, capsys):
+    _write_cache(tmp_path, torch.bfloat16, [3, 5], world=2)  # rank 1 of 2 never wrote anything
+    with pytest.raises(CacheError, match=r"incomplete: rank\(s\) \[1\]"):
+        HiddenStateDataset(tmp_path, "train")
+    assert len(HiddenStateDataset(tmp_path, "train", allow_incomplete=True)) == 2  # what rank 0 finished
+    print_info(tmp_path)
+    assert "INCOMPLETE" in capsys.readouterr().out
+
+
+def test_print_info(tmp_path, capsys):
+    _write_cache(tmp_path, torch.bfloat16, [10, 20])
+    print_info(tmp_path)
+    out = capsys.readouterr().out
+    assert "train: 2 samples, 30 tokens" in out
+    assert f"payload minimum {4 * H * 2 + 5}" in out
+    assert "layer ids: [2, 3, 4]" in out and "complete" in out
