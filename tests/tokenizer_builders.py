@@ -1,6 +1,6 @@
 """Small test tokenizers saved as real folders, for tests of every stage.
 
-    from tests.tokenizers import kimi_test_tokenizer, llama_test_tokenizer
+    from tokenizer_builders import kimi_test_tokenizer, llama_test_tokenizer   # tests/ is on sys.path under pytest
     tok = kimi_test_tokenizer(tmp_path / "kimi-tok")        # Kimi-K2.5's special ids, vocab 163840
     tok = llama_test_tokenizer(tmp_path / "tok", vocab_size=512)   # ChatML, fits a tiny model's vocab
 
@@ -9,6 +9,9 @@ golden tests can be read straight off the UTF-8 bytes (`list("Hi".encode())` == 
 added tokens at fixed ids; the gap up to the vocab size is filled with unreachable `[unused{i}]` entries
 (cheaper than thousands of added tokens). Saved with save_pretrained, so `AutoTokenizer.from_pretrained(path)`
 loads them like a real target's tokenizer.
+
+Not named tests/tokenizers.py on purpose: pytest puts tests/ first on sys.path, and a tests/tokenizers.py
+shadows the HF `tokenizers` package for every test (transformers imports it).
 """
 
 from __future__ import annotations
