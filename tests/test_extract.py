@@ -168,3 +168,48 @@ def test_two_rank_processes_concurrently(world, tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     _check_two_ranks(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("dtype,max_batch", [("float32", 1), ("bfloat16", 1), ("float32", 3), ("bfloat16", 3)])
+def test_online_equals_offline(world, tmp_path, dtype, max_batch):
+    """Same sample, same states, whichever mode. Bit-exact when both compute one sequence per forward; with
+    batching, the trainer's batches differ from the extraction's and CPU GEMMs pick their reduction order by
+    shape, so the last bits may differ (same float tolerance as batched-vs-alone)."""
+    from eagle3.online import OnlineBatches
+
+    cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path, shard_samples=4, batch_tokens=80,
+                          max_batch_size=max_batch)
+    cfg.target.dtype = dtype
+    run(cfg)
+    cache = HiddenStateDataset(cfg.cache_dir, "train")
+    prepared = load_prepared(world["prepared"])
+    index_batches = [[7, 0, 3], [9], [1, 2, 4, 5, 6, 8]]  # the trainer's choice, unlike the extraction batches
+    seen = 0
+    for idx, items in zip(index_batches, OnlineBatches(HFTarget(cfg), prepared.train, index_batches, prefetch=2),
+                          strict=True):
+        assert [it["sample_id"] for it in items] == [prepared.train[i]["id"] for i in idx]
+        for it in items:
+            off = cache[cache.index_of(it["sample_id"])]
+            assert off.keys() == it.keys()
+            for k in ("input_ids", "loss_mask", "aux", "final"):
+                assert it[k].dtype == off[k].dtype and it[k].shape == off[k].shape, (it["sample_id"], k)
+                if max_batch == 1 or k in ("input_ids", "loss_mask"):
+                    assert torch.equal(it[k], off[k]), (it["sample_id"], k)
+                else:
+                    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 1.6e-2, "atol": 2e-2}
+                    torch.testing.assert_close(it[k], off[k], **tol)
+            seen += 1
+    assert seen == 10
+
+
+def test_online_propagates_errors_and_stops(world, tmp_path):
+    from eagle3.online import OnlineBatches
+
+    class Broken:
+        def capture(self, seqs):
+            raise ValueError("target fell over")
+
+    prepared = load_prepared(world["prepared"])
+    with pytest.raises(RuntimeError, match="online target failed") as e:
+        list(OnlineBatches(Broken(), prepared.train, [[0], [1]], prefetch=1))
+    assert "target fell over" in str(e.value.__cause__)

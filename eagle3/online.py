@@ -1,0 +1,89 @@
+"""Online mode: hidden states computed by the target while the draft trains, no cache on disk.
+
+For targets whose offline cache would not fit (Kimi-K2.5: ~57 KB per token, a 10K-sample set is ~1.2 TB) the
+trainer asks for the states of each batch as it goes. A background thread keeps `prefetch` batches ready, so the
+target's forward of batch i+1 overlaps the draft's step on batch i (torch releases the GIL inside its kernels).
+
+Items are the same dicts `HiddenStateDataset` yields, so the trainer cannot tell the two modes apart:
+{"sample_id", "input_ids" int64 [T], "loss_mask" int8 [T], "aux" [T,3H], "final" [T,H]}.
+
+    batches = OnlineBatches(backend, prepared.train, index_batches, prefetch=cfg.extract.prefetch)
+    for items in batches: ...      # one list of item dicts per index batch, in order
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+_END = object()
+
+
+def capture_items(backend: Any, dataset: Any, indices: list[int]) -> list[dict[str, Any]]:
+    """The item dicts for `indices` of a prepared split, computed by `backend` now."""
+    rows = dataset[list(indices)]
+    caps = backend.capture(rows["input_ids"])
+    return [{"sample_id": sid, "input_ids": torch.tensor(ids, dtype=torch.int64),
+             "loss_mask": torch.tensor(mask, dtype=torch.int8), "aux": c.aux, "final": c.final}
+            for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True)]
+
+
+class OnlineBatches:
+    """Iterate over `index_batches` (chosen by the trainer), yielding each batch's item dicts."""
+
+    def __init__(self, backend: Any, dataset: Any, index_batches: Iterable[list[int]], prefetch: int = 2):
+        self.backend, self.dataset = backend, dataset
+        self.index_batches = index_batches
+        self.prefetch = prefetch
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        if self.prefetch <= 0:
+            for idx in self.index_batches:
+                yield capture_items(self.backend, self.dataset, idx)
+            return
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        self._stop.clear()
+
+        def put(x: object) -> bool:
+            while not self._stop.is_set():
+                try:
+                    q.put(x, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                for idx in self.index_batches:
+                    if not put(capture_items(self.backend, self.dataset, idx)):
+                        return
+                put(_END)
+            except BaseException as e:  # handed to the consumer, which re-raises it in the training loop
+                put(e)
+
+        self._thread = threading.Thread(target=produce, name="eagle3-online-target", daemon=True)
+        self._thread.start()
+        try:
+            while True:
+                x = q.get()
+                if x is _END:
+                    return
+                if isinstance(x, BaseException):
+                    raise RuntimeError("the online target failed while computing hidden states") from x
+                yield x
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the producer (e.g. the trainer stopped early at max_steps)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
