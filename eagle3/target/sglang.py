@@ -1,0 +1,480 @@
+"""SGLang as the target backend: hidden states of a tensor-parallel target (Kimi-K2.5 on 8 GPUs) for extraction.
+
+    python -m eagle3.target.sglang serve --config configs/kimi-k2.5.yaml      # a server in this terminal
+    python -m eagle3.target.sglang command --config configs/kimi-k2.5.yaml    # print its command line only
+    eagle3 extract --config configs/kimi-k2.5.yaml target.sglang.url=http://127.0.0.1:30000
+
+How the states travel (decided here, see eagle3.target.sglang_dump and eagle3.target.sglang_server):
+- The server is `sglang.launch_server` started through `python -m eagle3.target.sglang_server`, which patches
+  SGLang in every TP worker: the model captures the residual streams entering the three aux layers (SGLang's
+  own EAGLE-3 capture, ids translated with `eagle3.layers.to_engine_ids` and read back to be sure), and the
+  logits processor, which sees every prompt token's *post-norm final* state before it keeps only the last
+  token, writes aux + final for each prompt as one safetensors file into a RAM-backed folder
+  (`target.sglang.dump_dir`, /dev/shm). So all four states come out, as tensors, not as JSON floats: a Kimi
+  token is 57 KB of bf16, ~10x that as JSON text. (SGLang's `--enable-return-hidden-states` returns only
+  the final state, `--enable-return-aux-hidden-states` only the aux states, both as JSON lists.)
+- `SGLangTarget.capture` posts the token ids to `/generate` (one batched request, `max_new_tokens: 1`), then
+  reads, validates and deletes each prompt's file. The client and the server must share the folder (same
+  machine); the preflight proves that with a probe prompt.
+
+Why not an in-process `ModelRunner` as SpecForge does: for TP=8 that means 8 ranks of this program each
+building SGLang internals (batch, memory pools, mlp-sync) by hand, which breaks on every SGLang bump. The
+server keeps SGLang's public launch path and patches two stable methods.
+
+Tokens must not be dropped or split, and every sample is checked:
+- radix cache: a prefix hit prefills only the rest of the prompt -> the command always has
+  `--disable-radix-cache`, and a response with `cached_tokens > 0` is an error naming the sample;
+- chunked prefill: a long prompt is prefilled in pieces -> `--chunked-prefill-size -1`; a piece never matches
+  the prompt's file name (the sha256 of all its ids), so a split prompt is reported, never half-read;
+- every dump is checked: token count and ids equal the prompt's, shapes [T, 3H] / [T, H], the server's layer
+  ids equal this run's, values finite; `meta_info.prompt_tokens` must equal the prompt length.
+
+Layer ids: eagle3 id k = input of decoder layer k. SGLang spells that k-1 for Llama-family models and k for
+DeepSeek/Kimi (unless the first id is 1); the server translates and verifies (sglang_server.enable_capture).
+
+The dump folder is cleaned on start (the server's warm-up request and killed runs leave files) and on exit
+(atexit, and SIGTERM turned into a normal exit); only eagle3's own file names are ever deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.config import Config, load_config
+from eagle3.layers import ArchFamily, arch_family, validate_layer_ids
+from eagle3.target.base import Captured
+from eagle3.target.sglang_dump import (
+    ENV_DUMP_DIR,
+    ENV_FAMILY,
+    ENV_LAYER_IDS,
+    DumpError,
+    clean_dump_dir,
+    dump_path,
+    ensure_dump_dir,
+    read_dump,
+    remove_dump_dir,
+    sequence_key,
+)
+
+log = logging.getLogger("eagle3")
+
+SERVER_MODULE = "eagle3.target.sglang_server"
+DEFAULT_PORT = 30000
+STARTUP_TIMEOUT_S = 3600.0
+"""Loading Kimi-K2.5 (554 GB) onto 8 GPUs takes 10-30 minutes; a Llama-135M server starts in about a minute."""
+
+# Flags eagle3 sets itself, or that would drop/split tokens or shard the states: refused in launch_args.
+_REFUSED_FLAGS = {
+    "--model-path": "set target.path",
+    "--model": "set target.path",
+    "--tp-size": "set target.sglang.tp_size",
+    "--tp": "set target.sglang.tp_size",
+    "--port": "set target.sglang.url (or let eagle3 pick a free port)",
+    "--host": "set target.sglang.url",
+    "--dtype": "set target.dtype",
+    "--chunked-prefill-size": "chunked prefill splits prompts; eagle3 disables it (-1)",
+    "--enable-mixed-chunk": "mixed chunks split prompts",
+    "--enable-dp-attention": "DP attention shards hidden states across ranks; rank 0 would dump a part",
+    "--speculative-algorithm": "extraction serves the target alone",
+    "--pp-size": "pipeline parallelism puts the aux layers on different ranks",
+}
+
+
+@dataclass
+class TargetInfo:
+    """What the client needs to know about the target without loading it (read from config.json)."""
+
+    model_path: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    family: ArchFamily
+    architectures: list[str]
+
+
+def read_target_info(cfg: Config) -> TargetInfo:
+    """Depth, width, vocab and SGLang layer-id family from the target's config.json (Kimi: `text_config`)."""
+    from eagle3.bundled import resolve_target_path
+
+    path = resolve_target_path(cfg.target.path)
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(
+            f"target.path={cfg.target.path!r}: no config.json at {cfg_file}; the SGLang backend reads the target's "
+            f"shape from it, so the model folder must be visible on this machine"
+        )
+    hf = json.loads(cfg_file.read_text())
+    text = hf.get("text_config") or hf
+    archs = list(hf.get("architectures") or []) + list(text.get("architectures") or [])
+    try:
+        num_layers = int(cfg.target.num_layers or text["num_hidden_layers"])
+        hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
+    except KeyError as e:
+        raise ValueError(f"{cfg_file}: missing {e.args[0]!r} (looked at the top level and in text_config)") from None
+    family = arch_family(archs, f"{hf.get('model_type', '')} {text.get('model_type', '')}")
+    return TargetInfo(str(path), num_layers, hidden, vocab, family, archs)
+
+
+# ----------------------------------------------------------------------------------------------- the server
+def check_launch_args(args: list[str]) -> None:
+    """Refuse extra flags that eagle3 owns or that would silently drop, split or shard tokens."""
+    for a in args:
+        flag = a.split("=", 1)[0]
+        if flag in _REFUSED_FLAGS:
+            raise ValueError(f"target.sglang.launch_args: {flag} is not allowed here ({_REFUSED_FLAGS[flag]})")
+        if flag.startswith("--speculative-"):
+            raise ValueError(f"target.sglang.launch_args: {flag}: extraction serves the target without a draft")
+
+
+def server_command(cfg: Config, model_path: str, port: int, host: str = "127.0.0.1") -> list[str]:
+    """`python -m eagle3.target.sglang_server <sglang.launch_server flags>` for this config."""
+    s = cfg.target.sglang
+    check_launch_args(s.launch_args)
+    cmd = [
+        sys.executable, "-m", SERVER_MODULE,
+        "--model-path", model_path,
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(s.tp_size),
+        "--dtype", cfg.target.dtype,
+        "--disable-radix-cache",          # a prefix hit would prefill (and dump) only the tail of a prompt
+        "--chunked-prefill-size", "-1",   # a chunk would be dumped as a separate, partial prompt
+        "--disable-cuda-graph",           # graphs serve decode only; extraction is prefill, and startup is faster
+        "--skip-server-warmup",           # its request would only leave a stray dump
+    ]
+    if cfg.target.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if cfg.target.revision:
+        cmd += ["--revision", cfg.target.revision]
+    return cmd + list(s.launch_args)
+
+
+def server_env(dump_dir: str | Path, layer_ids: list[int], family: ArchFamily) -> dict[str, str]:
+    """The EAGLE3_SGLANG_* variables the server's capture patch reads (inherited by its TP workers)."""
+    return {
+        ENV_DUMP_DIR: str(Path(dump_dir).absolute()),
+        ENV_LAYER_IDS: json.dumps(list(layer_ids)),
+        ENV_FAMILY: family,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - URL from the user's config
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:2000]
+        raise RuntimeError(f"{method} {url}: HTTP {e.code}: {detail}") from None
+    return json.loads(raw) if raw.strip() else None
+
+
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 log_file: Path | None = None) -> None:
+    """Poll `/health` until it answers 200; fail early when the launched process dies (with its log tail)."""
+    t0 = time.monotonic()
+    last_note = t0
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the SGLang server exited with code {proc.returncode} before it was healthy"
+                               f"{_log_tail(log_file)}")
+        try:
+            _http("GET", f"{url}/health", timeout=5.0)
+            log.info("SGLang server at %s is healthy (%.0f s)", url, time.monotonic() - t0)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError):
+            pass
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            raise TimeoutError(f"the SGLang server at {url} was not healthy after {timeout_s:.0f} s{_log_tail(log_file)}")
+        if now - last_note >= 30:
+            last_note = now
+            log.info("waiting for the SGLang server at %s (%.0f s so far%s)", url, now - t0,
+                     f", log: {log_file}" if log_file else "")
+        time.sleep(1.0)
+
+
+def _log_tail(log_file: Path | None, lines: int = 40) -> str:
+    if log_file is None or not log_file.is_file():
+        return ""
+    tail = log_file.read_text(errors="replace").splitlines()[-lines:]
+    return f"\n--- last {len(tail)} lines of {log_file} ---\n" + "\n".join(tail)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group (SGLang's TP workers included), then SIGKILL after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so atexit handlers (server stop, dump cleanup) run; keep others' handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+# ----------------------------------------------------------------------------------------------- the client
+class SGLangTarget:
+    """`TargetBackend` over an SGLang server (launched here, or running at `target.sglang.url`)."""
+
+    name = "sglang"
+    dump_grace_s = 5.0
+    """How long to wait for a dump the server should already have written (filesystem visibility only)."""
+
+    def __init__(self, cfg: Config, *, preflight: bool | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 info: TargetInfo | None = None):
+        s = cfg.target.sglang
+        self.cfg = cfg
+        self.info = info or read_target_info(cfg)
+        self.num_layers = self.info.num_layers
+        self.hidden_size = self.info.hidden_size
+        self.vocab_size = self.info.vocab_size
+        self.family: ArchFamily = self.info.family
+        self.layer_ids = cfg.layer_ids(self.num_layers)
+        self.dtype: torch.dtype = getattr(torch, cfg.target.dtype)
+        self.timeout_s = s.timeout_s
+        self.dump_dir = Path(s.dump_dir).absolute()
+        self._proc: subprocess.Popen | None = None
+        self._closed = False
+        self.log_file: Path | None = None
+
+        ensure_dump_dir(self.dump_dir)
+        n = clean_dump_dir(self.dump_dir)
+        if n:
+            log.info("removed %d stale dump file(s) from %s", n, self.dump_dir)
+        atexit.register(self.close)
+        _exit_on_sigterm()
+
+        if s.url:
+            self.url = s.url.rstrip("/")
+            log.info("using the SGLang server at %s (dump folder %s)", self.url, self.dump_dir)
+            wait_healthy(self.url, min(startup_timeout_s, 120.0))
+        else:
+            self._launch(startup_timeout_s)
+        clean_dump_dir(self.dump_dir)
+        if cfg.extract.preflight if preflight is None else preflight:
+            self.preflight()
+
+    # -- lifecycle
+    def _launch(self, startup_timeout_s: float) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = server_command(self.cfg, self.info.model_path, port)
+        env = {**os.environ, **server_env(self.dump_dir, self.layer_ids, self.family)}
+        self.log_file = Path(self.cfg.output_dir) / "logs" / f"sglang-server-{port}.log"
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log.info("launching SGLang (TP=%d), log %s:\n  %s", self.cfg.target.sglang.tp_size, self.log_file,
+                 shlex.join(cmd))
+        with open(self.log_file, "ab") as out:
+            self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(self.url, startup_timeout_s, self._proc, self.log_file)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._proc is not None:
+            log.info("stopping the SGLang server (pid %d)", self._proc.pid)
+            stop_process_group(self._proc)
+        if self._proc is not None:
+            remove_dump_dir(self.dump_dir)  # our own server: the folder is ours alone
+        else:
+            clean_dump_dir(self.dump_dir)
+
+    def __enter__(self) -> SGLangTarget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- capture
+    def bytes_per_token(self) -> int:
+        """Cache size per token: 3 aux + 1 final states of `hidden_size` values (Kimi bf16: 57,344 bytes)."""
+        return 4 * self.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def capture(self, sequences: list[list[int]], names: list[str] | None = None) -> list[Captured]:
+        """States for every token of every sequence, in order; errors name the sample (`names[i]` if given)."""
+        if not sequences:
+            return []
+        seqs = [[int(t) for t in s] for s in sequences]
+        keys = [sequence_key(s) for s in seqs]
+        if names is not None and len(names) != len(seqs):
+            raise ValueError(f"capture: {len(names)} names for {len(seqs)} sequences")
+        labels = names or [f"#{i} of this batch ({len(s)} tokens, key {k[:12]})" for i, (s, k) in
+                           enumerate(zip(seqs, keys, strict=True))]
+        unique: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            if not seqs[i]:
+                raise ValueError(f"sample {labels[i]}: empty token sequence")
+            unique.setdefault(k, i)  # identical prompts are sent (and dumped) once
+        order = list(unique.items())
+        body = {"input_ids": [seqs[i] for _, i in order],
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        out: dict[str, Captured] = {}
+        try:
+            resp = _http("POST", f"{self.url}/generate", body, timeout=self.timeout_s)
+            if isinstance(resp, dict):
+                resp = [resp]
+            if not isinstance(resp, list) or len(resp) != len(order):
+                raise RuntimeError(f"/generate returned {type(resp).__name__} of length "
+                                   f"{len(resp) if isinstance(resp, list) else '?'} for {len(order)} prompts")
+            for (key, i), r in zip(order, resp, strict=True):
+                self._check_meta(r.get("meta_info") or {}, len(seqs[i]), labels[i])
+                path = self._await_dump(key, labels[i], len(seqs[i]))
+                out[key] = read_dump(path, seqs[i], layer_ids=self.layer_ids, hidden_size=self.hidden_size,
+                                     sample=labels[i], dtype=self.dtype)
+        finally:
+            for key, _ in order:
+                dump_path(self.dump_dir, key).unlink(missing_ok=True)
+        return [out[k] for k in keys]
+
+    def _check_meta(self, meta: dict[str, Any], n: int, label: str) -> None:
+        cached = int(meta.get("cached_tokens") or 0)
+        if cached:
+            raise DumpError(f"sample {label}: SGLang reused {cached} cached prefix tokens, so only {n - cached} of "
+                            f"{n} tokens were prefilled: start the server with --disable-radix-cache")
+        pt = meta.get("prompt_tokens")
+        if pt is not None and int(pt) != n:
+            raise DumpError(f"sample {label}: SGLang counted {pt} prompt tokens, the sample has {n} "
+                            f"(truncated by the server's context length?)")
+
+    def _await_dump(self, key: str, label: str, n: int) -> Path:
+        """The server writes before it answers; the grace period only covers slow filesystem visibility."""
+        path = dump_path(self.dump_dir, key)
+        t0 = time.monotonic()
+        while not path.exists():
+            if time.monotonic() - t0 > self.dump_grace_s:
+                raise DumpError(
+                    f"sample {label}: no hidden-state dump for its {n} tokens appeared in {self.dump_dir}. Either the "
+                    f"server is not eagle3's ({SERVER_MODULE}, with {ENV_DUMP_DIR}={self.dump_dir}) on this machine, "
+                    f"or the prompt was prefilled in pieces (start SGLang with --chunked-prefill-size -1 and "
+                    f"--disable-radix-cache; `python -m eagle3.target.sglang serve` does){_log_tail(self.log_file, 15)}"
+                )
+            time.sleep(0.01)
+        return path
+
+    # -- preflight
+    def server_info(self) -> dict[str, Any] | None:
+        for route in ("/server_info", "/get_server_info"):
+            try:
+                info = _http("GET", f"{self.url}{route}", timeout=10.0)
+            except (RuntimeError, OSError):
+                continue
+            if isinstance(info, dict):
+                return info
+        return None
+
+    def preflight(self, sample: list[int] | None = None) -> None:
+        """Before hours of extraction: ids valid for the depth, server flags, and a probe's dump checked twice."""
+        validate_layer_ids(self.layer_ids, self.num_layers, where="target.aux_layer_ids")
+        info = self.server_info()
+        if info is None:
+            log.warning("preflight: %s answers neither /server_info nor /get_server_info; flags not checked", self.url)
+        else:
+            problems = []
+            if info.get("disable_radix_cache") is False:
+                problems.append("the radix cache is on (start with --disable-radix-cache)")
+            cps = info.get("chunked_prefill_size")
+            if cps is not None and int(cps) > 0:
+                problems.append(f"chunked prefill is on (size {cps}; start with --chunked-prefill-size -1)")
+            if info.get("enable_dp_attention"):
+                problems.append("DP attention is on (hidden states are sharded; start without --enable-dp-attention)")
+            if problems:
+                raise RuntimeError(f"preflight: the SGLang server at {self.url} would drop or split tokens: "
+                                   + "; ".join(problems))
+            tp = info.get("tp_size")
+            if tp is not None and int(tp) != self.cfg.target.sglang.tp_size:
+                log.warning("preflight: the server runs TP=%s, target.sglang.tp_size is %d", tp,
+                            self.cfg.target.sglang.tp_size)
+        probe = sample or [(17 + 7919 * i) % self.vocab_size for i in range(24)]
+        t0 = time.monotonic()
+        # Twice: the second identical prompt would hit a radix cache that the flags above did not reveal.
+        for attempt in ("probe", "repeated probe"):
+            (got,) = self.capture([probe], names=[f"preflight {attempt}"])
+        log.info("preflight ok: %s, %d tokens -> aux %s final %s, layers %s (%s family), %.1f s, %d bytes/token",
+                 self.url, len(probe), tuple(got.aux.shape), tuple(got.final.shape), self.layer_ids, self.family,
+                 time.monotonic() - t0, self.bytes_per_token())
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def _serve(cfg: Config, port: int, host: str, dry_run: bool) -> int:
+    info = read_target_info(cfg)
+    layer_ids = cfg.layer_ids(info.num_layers)
+    s = cfg.target.sglang
+    cmd = server_command(cfg, info.model_path, port, host)
+    env = server_env(s.dump_dir, layer_ids, info.family)
+    line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
+    print(line, flush=True)
+    if dry_run:
+        return 0
+    ensure_dump_dir(s.dump_dir)
+    clean_dump_dir(s.dump_dir)
+    os.execve(sys.executable, cmd, {**os.environ, **env})
+    return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eagle3.logs import setup_logging
+
+    setup_logging()
+    p = argparse.ArgumentParser(prog="python -m eagle3.target.sglang",
+                                description="Start (or print) eagle3's capturing SGLang server for a config.")
+    p.add_argument("action", choices=["serve", "command"])
+    p.add_argument("--config", "-c", required=True)
+    p.add_argument("--port", type=int, default=None, help="default: the port of target.sglang.url, else 30000")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_intermixed_args(argv)
+    cfg = load_config(a.config, a.overrides)
+    port = a.port
+    if port is None:
+        from urllib.parse import urlparse
+
+        url = cfg.target.sglang.url
+        port = (urlparse(url).port if url else None) or DEFAULT_PORT
+    return _serve(cfg, port, a.host, dry_run=a.action == "command")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,515 @@
+"""SGLang backend on CPU, without sglang: the dump protocol, the server-side patch (against a fake `sglang`
+package, spawn included), the client against a fake /generate server on 127.0.0.1 that computes real states
+with a tiny HF model, token-count checks, cleanup, id translation, the command line, and the real cache writer.
+
+    pytest -q tests/test_sglang_backend.py
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from models import make_prepared, tiny_llama, tiny_target_cfg
+
+from eagle3.config import Config, load_config
+from eagle3.layers import LAYER_ID_CONVENTION, to_engine_ids
+from eagle3.target import sglang_server
+from eagle3.target.sglang import SGLangTarget, check_launch_args, main, read_target_info, server_command, server_env
+from eagle3.target.sglang_dump import (
+    ENV_DUMP_DIR,
+    ENV_FAMILY,
+    ENV_LAYER_IDS,
+    MARKER,
+    DumpError,
+    clean_dump_dir,
+    dump_path,
+    ensure_dump_dir,
+    read_dump,
+    remove_dump_dir,
+    sequence_key,
+    write_dump,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+IDS = [2, 4, 6]  # eagle3 convention on the 8-layer tiny Llama
+
+
+# ------------------------------------------------------------------------------------------ the fake server
+class FakeSGLang:
+    """Stands in for eagle3's patched SGLang server: /health, /server_info, /generate. /generate computes the
+    states with HF transformers (aux = hidden_states[k] for k in ids = input of layer k; final = the last,
+    post-norm entry) and writes them with the same `write_dump` the real patch uses.
+
+    `mode` injects faults: "ok", "cached" (reports a radix hit), "chunk" (dumps only the tail of the prompt,
+    as a chunked prefill would), "short" (a buggy dump one token short under the prompt's name), "nodump",
+    "radix_on" (server_info says the radix cache is on)."""
+
+    def __init__(self, model_path: Path, dump_dir: Path, layer_ids: list[int], mode: str = "ok"):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.dump_dir, self.layer_ids, self.mode = Path(dump_dir), layer_ids, mode
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):  # keep pytest output clean
+                pass
+
+            def _send(self, code: int, obj) -> None:
+                raw = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(200, {})
+                elif self.path == "/server_info":
+                    self._send(200, {"disable_radix_cache": fake.mode != "radix_on", "chunked_prefill_size": -1,
+                                     "enable_dp_attention": False, "tp_size": 1})
+                else:
+                    self._send(404, {"error": "no route"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append(body)
+                self._send(200, [fake.generate(ids) for ids in body["input_ids"]])
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @torch.no_grad()
+    def generate(self, ids: list[int]) -> dict:
+        hs = self.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[k][0] for k in self.layer_ids], dim=-1)
+        final = hs[-1][0]
+        t = torch.tensor(ids)
+        if self.mode == "chunk":
+            write_dump(self.dump_dir, t[3:], aux[3:], final[3:], self.layer_ids)
+        elif self.mode == "short":
+            from safetensors.torch import save_file
+
+            save_file({"input_ids": t[:-1], "aux": aux[:-1], "final": final[:-1]},
+                      str(dump_path(self.dump_dir, sequence_key(ids))),
+                      metadata={"format": "eagle3-sglang-dump/1", "layer_ids": json.dumps(self.layer_ids),
+                                "convention": LAYER_ID_CONVENTION})
+        elif self.mode != "nodump":
+            write_dump(self.dump_dir, t, aux, final, self.layer_ids)
+        cached = 3 if self.mode == "cached" else 0
+        return {"text": "", "output_ids": [0], "meta_info": {"prompt_tokens": len(ids), "cached_tokens": cached}}
+
+    def __enter__(self) -> FakeSGLang:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _short_grace(monkeypatch):
+    monkeypatch.setattr(SGLangTarget, "dump_grace_s", 0.3)  # fakes answer after writing, as the real patch does
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("t") / "llama")
+
+
+def _cfg(model: Path, tmp_path: Path, url: str | None = None, **sglang) -> Config:
+    cfg = Config(output_dir=str(tmp_path / "run"))
+    cfg.target.path = str(model)
+    cfg.target.dtype = "float32"
+    cfg.target.backend = "sglang"
+    cfg.target.aux_layer_ids = IDS
+    cfg.target.sglang.url = url
+    cfg.target.sglang.dump_dir = str(tmp_path / "dump")
+    for k, v in sglang.items():
+        setattr(cfg.target.sglang, k, v)
+    return cfg
+
+
+def _seqs() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 1, 23, 9)]
+
+
+# ------------------------------------------------------------------------------------------- dump protocol
+def test_key_is_the_same_for_a_device_tensor_and_the_clients_list():
+    ids = [5, 1, 163839, 7]
+    assert sequence_key(ids) == sequence_key(torch.tensor(ids, dtype=torch.int32)) == sequence_key(torch.tensor(ids))
+    assert sequence_key(ids) != sequence_key(ids[:-1])
+
+
+def test_dump_roundtrip_and_every_mismatch_is_refused_naming_the_sample(tmp_path):
+    H, ids = 8, [4, 5, 6, 7, 8]
+    aux, final = torch.randn(5, 3 * H), torch.randn(5, H)
+    p = write_dump(tmp_path, torch.tensor(ids), aux, final, IDS)
+    assert p == dump_path(tmp_path, sequence_key(ids)) and not list(tmp_path.glob(".*tmp*"))
+    c = read_dump(p, ids, layer_ids=IDS, hidden_size=H, sample="s-1")
+    assert torch.equal(c.aux, aux) and torch.equal(c.final, final)
+
+    with pytest.raises(DumpError, match=r"sample s-1: the server returned states for 5 tokens, the prompt has 6"):
+        read_dump(p, ids + [9], layer_ids=IDS, hidden_size=H, sample="s-1")
+    with pytest.raises(DumpError, match=r"sample s-2: the server captured layers \[2, 4, 6\].*\[1, 4, 6\]"):
+        read_dump(p, ids, layer_ids=[1, 4, 6], hidden_size=H, sample="s-2")
+    with pytest.raises(DumpError, match=r"sample s-3: aux states have shape \(5, 24\), expected \(5, 48\)"):
+        read_dump(p, ids, layer_ids=IDS, hidden_size=16, sample="s-3")
+    with pytest.raises(DumpError, match=r"sample s-4: the dump's token ids differ"):
+        read_dump(p, [4, 5, 6, 7, 9], layer_ids=IDS, hidden_size=H, sample="s-4")
+    with pytest.raises(DumpError, match=r"sample s-5: no hidden-state dump"):
+        read_dump(tmp_path / "nope.safetensors", ids, layer_ids=IDS, hidden_size=H, sample="s-5")
+    bad = aux.clone()
+    bad[2, 1] = float("nan")
+    q = write_dump(tmp_path, torch.tensor([1, 2, 3, 4, 5]), bad, final, IDS)
+    with pytest.raises(DumpError, match="NaN"):
+        read_dump(q, [1, 2, 3, 4, 5], layer_ids=IDS, hidden_size=H, sample="s-6")
+
+
+def test_cleanup_removes_only_eagle3_files(tmp_path):
+    d = ensure_dump_dir(tmp_path / "dump")
+    write_dump(d, torch.tensor([1, 2]), torch.zeros(2, 6), torch.zeros(2, 2), IDS)
+    (d / f".{'a' * 64}.tmp-123").write_bytes(b"half")
+    (d / "notes.txt").write_text("not ours")
+    assert clean_dump_dir(d) == 2
+    assert sorted(p.name for p in d.iterdir()) == sorted([MARKER, "notes.txt"])
+    remove_dump_dir(d)
+    assert d.is_dir() and (d / "notes.txt").exists()  # a foreign file keeps the folder
+    (d / "notes.txt").unlink()
+    remove_dump_dir(d)
+    assert not d.exists()
+
+
+# ------------------------------------------------------------------------------ layer ids and the patch side
+def test_kimi_and_smollm2_layer_id_spellings():
+    kimi = [2, 30, 58]
+    assert to_engine_ids(kimi, "sglang", "deepseek") == [2, 30, 58]
+    assert to_engine_ids(kimi, "vllm", "deepseek") == [2, 30, 58]
+    assert to_engine_ids([2, 15, 27], "sglang", "llama") == [1, 14, 26]
+    cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")
+    assert cfg.target.aux_layer_ids == kimi and cfg.layer_ids(61) == kimi
+    assert cfg.target.backend == "sglang" and cfg.target.sglang.tp_size == 8
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers_to_capture: list[int] = []
+
+
+class _FakeModel(torch.nn.Module):
+    """Mimics SGLang 0.5.23's `set_eagle3_layers_to_capture` (REFERENCE.md section 2); layers_to_capture holds
+    the decoder layers whose *input* the model's loop appends."""
+
+    def __init__(self, family: str, n: int = 61, always_shift: bool = False):
+        super().__init__()
+        self.model, self.family, self.n, self.always_shift = _Inner(), family, n, always_shift
+
+    def set_eagle3_layers_to_capture(self, ids=None):
+        if ids is None:
+            got = [2, self.n // 2, self.n - 3]
+        elif self.family == "llama" or self.always_shift or ids[0] == 1:
+            got = [v + 1 for v in ids]
+        else:
+            got = list(ids)
+        self.model.layers_to_capture = got
+
+
+def test_enable_capture_translates_and_verifies_ids():
+    m = _FakeModel("deepseek")
+    sglang_server.enable_capture(m, [2, 30, 58], "deepseek")
+    assert m.model.layers_to_capture == [2, 30, 58]
+    m = _FakeModel("llama", n=30)
+    sglang_server.enable_capture(m, [2, 15, 27], "llama")
+    assert m.model.layers_to_capture == [2, 15, 27]
+    # A version that shifted DeepSeek ids too would capture outputs of 2, 30, 58: refused, not silently used.
+    with pytest.raises(RuntimeError, match=r"layers_to_capture .*\[3, 31, 59\].*expected \[2, 30, 58\]"):
+        sglang_server.enable_capture(_FakeModel("deepseek", always_shift=True), [2, 30, 58], "deepseek")
+
+
+class _Mode:
+    def __init__(self, extend: bool):
+        self.extend = extend
+
+    def is_extend(self):
+        return self.extend
+
+    def is_target_verify(self):
+        return False
+
+
+def test_capture_batch_writes_one_dump_per_prompt_and_skips_decode(tmp_path):
+    H, lens = 4, [3, 5]
+    ids = torch.arange(10, 18)
+    aux = [torch.randn(8, H) for _ in range(3)]
+    hidden = torch.randn(8, H)
+    meta = SimpleNamespace(forward_mode=_Mode(extend=False), extend_seq_lens_cpu=lens)
+    assert sglang_server.capture_batch(ids, hidden, meta, aux, str(tmp_path), IDS) == 0
+    meta.forward_mode = _Mode(extend=True)
+    assert sglang_server.capture_batch(ids, hidden, meta, aux, str(tmp_path), IDS) == 2
+    c = read_dump(dump_path(tmp_path, sequence_key([13, 14, 15, 16, 17])), [13, 14, 15, 16, 17], layer_ids=IDS,
+                  hidden_size=H, sample="b")
+    torch.testing.assert_close(c.aux, torch.cat(aux, -1)[3:])
+    torch.testing.assert_close(c.final, hidden[3:])
+
+
+_FAKE_SGLANG = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/layers/__init__.py": "",
+    "sglang/srt/model_executor/__init__.py": "",
+    "sglang/srt/layers/logits_processor.py": """
+        class LogitsProcessor:
+            def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
+                return "original forward ran"
+    """,
+    "sglang/srt/model_executor/model_runner.py": """
+        import torch
+
+        class _Inner(torch.nn.Module):
+            layers_to_capture = []
+
+        class _Llama(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = _Inner()
+            def set_eagle3_layers_to_capture(self, ids=None):
+                self.model.layers_to_capture = [v + 1 for v in ids]
+
+        class ModelRunner:
+            def load_model(self):
+                self.model = _Llama()
+    """,
+    "sglang/worker.py": """
+        import types, torch
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        class Mode:
+            def is_extend(self):
+                return True
+
+        def run(q):
+            mr = ModelRunner()
+            mr.load_model()
+            ids = torch.tensor([11, 12, 13, 14])
+            meta = types.SimpleNamespace(forward_mode=Mode(), extend_seq_lens_cpu=[4])
+            aux = [torch.full((4, 2), float(i)) for i in range(3)]
+            out = LogitsProcessor().forward(ids, torch.ones(4, 2), None, meta, aux_hidden_states=aux)
+            q.put((out, sorted(mr.model.model.layers_to_capture)))
+    """,
+    "sglang/launch_server.py": """
+        import multiprocessing as mp, sys
+        from sglang import worker
+
+        if __name__ == "__main__":
+            mp.set_start_method("spawn", force=True)  # as SGLang does
+            q = mp.Queue()
+            p = mp.Process(target=worker.run, args=(q,))
+            p.start()
+            print("worker:", q.get(timeout=120), "argv:", sys.argv[1:], flush=True)
+            p.join()
+    """,
+}
+
+
+def test_server_module_patches_spawned_workers(tmp_path):
+    """The patch must reach SGLang's TP workers, which start with `spawn`: a fake sglang package spawns one."""
+    for rel, text in _FAKE_SGLANG.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(textwrap.dedent(text))
+    dump = tmp_path / "dump"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
+           **server_env(dump, IDS, "llama")}
+    r = subprocess.run([sys.executable, "-m", "eagle3.target.sglang_server", "--model-path", "x"], env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "worker: ('original forward ran', [2, 4, 6]) argv: ['--model-path', 'x']" in r.stdout
+    c = read_dump(dump_path(dump, sequence_key([11, 12, 13, 14])), [11, 12, 13, 14], layer_ids=IDS, hidden_size=2,
+                  sample="spawned")
+    assert torch.equal(c.aux[0], torch.tensor([0.0, 0.0, 1.0, 1.0, 2.0, 2.0]))
+    assert "capturing inputs of decoder layers [2, 4, 6] (SGLang spelling [1, 3, 5], llama family)" in r.stderr
+
+
+# ------------------------------------------------------------------------------------- command line, config
+def test_server_command_and_env(llama, tmp_path):
+    cfg = _cfg(llama, tmp_path, tp_size=8, launch_args=["--mem-fraction-static", "0.85"])
+    cfg.target.trust_remote_code = True
+    cmd = server_command(cfg, "/models/Kimi-K2.5", 30001)
+    assert cmd[:3] == [sys.executable, "-m", "eagle3.target.sglang_server"]
+    joined = " ".join(cmd)
+    for part in ("--model-path /models/Kimi-K2.5", "--tp-size 8", "--port 30001", "--disable-radix-cache",
+                 "--chunked-prefill-size -1", "--trust-remote-code", "--dtype float32", "--skip-server-warmup"):
+        assert part in joined
+    assert cmd[-2:] == ["--mem-fraction-static", "0.85"]
+    env = server_env(tmp_path / "d", [2, 30, 58], "deepseek")
+    assert json.loads(env[ENV_LAYER_IDS]) == [2, 30, 58] and env[ENV_FAMILY] == "deepseek"
+    assert Path(env[ENV_DUMP_DIR]).is_absolute()
+    for bad in (["--chunked-prefill-size", "8192"], ["--tp", "4"], ["--enable-dp-attention"],
+                ["--speculative-algorithm=EAGLE3"]):
+        with pytest.raises(ValueError, match="target.sglang.launch_args"):
+            check_launch_args(bad)
+
+
+def test_command_cli_prints_env_and_command(llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("eagle3.logs.setup_logging", lambda: None)  # keep the logger off pytest's captured stream
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"target:\n  path: {llama}\n  backend: sglang\n  aux_layer_ids: {IDS}\n")
+    assert main(["command", "--config", str(cfg_file), "target.sglang.tp_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{ENV_LAYER_IDS}='[2, 4, 6]'" in out and f"{ENV_FAMILY}=llama" in out
+    assert "-m eagle3.target.sglang_server" in out and "--tp-size 2" in out and "--port 30000" in out
+
+
+def test_target_info_reads_kimi_text_config(tmp_path):
+    from models import kimi_wrapped
+
+    k = kimi_wrapped(tmp_path / "kimi")
+    cfg = Config()
+    cfg.target.path = str(k)
+    info = read_target_info(cfg)
+    assert (info.num_layers, info.hidden_size, info.vocab_size, info.family) == (4, 64, 256, "deepseek")
+
+
+# ---------------------------------------------------------------------------------------- client end to end
+def test_capture_through_fake_server_equals_hf_backend(llama, tmp_path):
+    from eagle3.target.hf import HFTarget
+
+    dump = tmp_path / "dump"
+    ensure_dump_dir(dump)
+    stale = write_dump(dump, torch.tensor([1, 2, 3]), torch.zeros(3, 192), torch.zeros(3, 64), IDS)
+    with FakeSGLang(llama, dump, IDS) as fake:
+        t = SGLangTarget(_cfg(llama, tmp_path, fake.url))  # preflight runs (extract.preflight defaults on)
+        assert not stale.exists()  # cleaned on start
+        assert (t.num_layers, t.hidden_size, t.vocab_size, t.family, t.layer_ids) == (8, 64, 256, "llama", IDS)
+        seqs = _seqs() + [_seqs()[0]]
+        got = t.capture(seqs)
+        assert len(fake.requests[-1]["input_ids"]) == 4  # the duplicate prompt is sent once
+        assert fake.requests[-1]["sampling_params"]["max_new_tokens"] == 1
+        t.close()
+    hf_cfg = _cfg(llama, tmp_path)
+    hf_cfg.target.backend = "hf"
+    ref = HFTarget(hf_cfg).capture(seqs)
+    for s, g, r in zip(seqs, got, ref, strict=True):
+        assert g.aux.shape == (len(s), 3 * 64) and g.final.shape == (len(s), 64)
+        torch.testing.assert_close(g.aux, r.aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g.final, r.final, rtol=1e-5, atol=1e-5)
+    assert [p.name for p in dump.iterdir()] == [MARKER]  # every dump read and deleted
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("cached", r"sample #0 of this batch \(9 tokens.*reused 3 cached prefix tokens.*--disable-radix-cache"),
+    ("chunk", r"sample #0 of this batch \(9 tokens.*no hidden-state dump.*--chunked-prefill-size -1"),
+    ("short", r"sample #0 of this batch \(9 tokens.*returned states for 8 tokens, the prompt has 9"),
+])
+def test_dropped_tokens_are_refused_naming_the_sample(llama, tmp_path, mode, message):
+    with FakeSGLang(llama, tmp_path / "dump", IDS, mode=mode) as fake:
+        t = SGLangTarget(_cfg(llama, tmp_path, fake.url), preflight=False)
+        with pytest.raises(DumpError, match=message):
+            t.capture(_seqs()[:1])
+        t.close()
+    assert not list((tmp_path / "dump").glob("*.safetensors"))  # nothing left behind even on failure
+
+
+def test_preflight_refuses_a_server_with_the_radix_cache_on(llama, tmp_path):
+    with FakeSGLang(llama, tmp_path / "dump", IDS, mode="radix_on") as fake:
+        with pytest.raises(RuntimeError, match="radix cache is on"):
+            SGLangTarget(_cfg(llama, tmp_path, fake.url))
+
+
+def test_preflight_catches_a_server_that_writes_nothing(llama, tmp_path):
+    with FakeSGLang(llama, tmp_path / "dump", IDS, mode="nodump") as fake:
+        with pytest.raises(DumpError, match="preflight probe.*eagle3.target.sglang_server"):
+            SGLangTarget(_cfg(llama, tmp_path, fake.url))
+
+
+_FAKE_SERVER_MAIN = """
+import sys
+sys.path.append({tests!r})  # appended: tests/ must not shadow installed packages
+import json, os, time
+from pathlib import Path
+from test_sglang_backend import FakeSGLang
+port = int(sys.argv[sys.argv.index("--port") + 1])
+fake = FakeSGLang(Path({model!r}), Path(os.environ["EAGLE3_SGLANG_DUMP_DIR"]),
+                  json.loads(os.environ["EAGLE3_SGLANG_LAYER_IDS"]))
+fake.httpd.server_close()
+import http.server
+fake.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), fake.httpd.RequestHandlerClass)
+fake.httpd.serve_forever()
+"""
+
+
+def test_extract_run_writes_the_same_cache_as_the_hf_backend_and_resumes(llama, tmp_path):
+    """SGLangTarget (fake server) -> eagle3.extract.run -> the real Arrow cache, compared row by row with the HF
+    backend; a re-run finds every shard done and never touches the backend."""
+    from eagle3.cache import HiddenStateDataset
+    from eagle3.extract import run
+    from eagle3.target.hf import HFTarget
+
+    prepared = make_prepared(tmp_path / "prepared", n=6, n_eval=2)
+    cfg = tiny_target_cfg(llama, prepared, tmp_path / "run", batch_tokens=64, max_batch_size=4, shard_samples=4)
+    cfg.target.backend, cfg.target.aux_layer_ids = "sglang", IDS
+    cfg.target.sglang.dump_dir = str(tmp_path / "dump")
+    with FakeSGLang(llama, tmp_path / "dump", IDS) as fake:
+        cfg.target.sglang.url = fake.url
+        with SGLangTarget(cfg) as t:
+            assert run(cfg, backend=t)["samples"] == 8
+    hf_cfg = tiny_target_cfg(llama, prepared, tmp_path / "hf")
+    hf_cfg.target.aux_layer_ids = IDS
+    hf = HFTarget(hf_cfg)
+    for split in ("train", "eval"):
+        ds = HiddenStateDataset(cfg.cache_dir, split)
+        for i in range(len(ds)):
+            row = ds[i]
+            ref = hf.capture([[int(x) for x in row["input_ids"]]])[0]
+            torch.testing.assert_close(row["aux"].float(), ref.aux, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(row["final"].float(), ref.final, rtol=1e-5, atol=1e-5)
+    assert run(cfg, backend=SimpleNamespace())["samples"] == 0  # resume: all shards there, backend unused
+
+
+@pytest.mark.slow
+def test_launched_server_lifecycle(llama, tmp_path, monkeypatch):
+    """The launch path (Popen in its own session, EAGLE3_SGLANG_* env, /health wait, log file, stop on close)
+    with a fake server process in place of SGLang."""
+    import eagle3.target.sglang as sg
+
+    script = tmp_path / "fake_server.py"
+    script.write_text(_FAKE_SERVER_MAIN.format(tests=str(TESTS), model=str(llama)))
+    real = sg.server_command
+    monkeypatch.setattr(sg, "server_command", lambda cfg, model_path, port, host="127.0.0.1":
+                        [sys.executable, str(script)] + real(cfg, model_path, port, host)[3:])
+    cfg = _cfg(llama, tmp_path)
+    t = SGLangTarget(cfg, startup_timeout_s=120)  # launches, waits for /health, runs the preflight probe
+    proc = t._proc
+    assert proc is not None and t.log_file is not None and t.log_file.parent == tmp_path / "run" / "logs"
+    (c,) = t.capture([[5, 6, 7, 8]])
+    assert c.aux.shape == (4, 192)
+    t.close()
+    assert proc.poll() is not None  # the server's process group is gone
+    assert not (tmp_path / "dump").exists()  # our own server: the dump folder is removed on exit
+
+
+def test_a_server_that_dies_at_startup_is_reported_with_its_log(llama, tmp_path, monkeypatch):
+    import eagle3.target.sglang as sg
+
+    monkeypatch.setattr(sg, "server_command", lambda *a, **k: [sys.executable, "-c",
+                                                               "import sys; print('CUDA out of memory'); sys.exit(3)"])
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 3 before it was healthy.*CUDA out of memory"):
+        SGLangTarget(_cfg(llama, tmp_path), startup_timeout_s=60)
+    assert not (tmp_path / "dump").exists()
