@@ -1,0 +1,163 @@
+"""Batching, the training loop end to end on a tiny target's real cache, exact resume, cache refusal."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3 import trainer
+from eagle3.batching import collate, plan_epoch
+from eagle3.model import Eagle3Draft
+
+sys.path.append(str(Path(__file__).parent))  # tests/models.py (appended: never shadow installed packages)
+from models import make_prepared, tiny_llama, tiny_target_cfg  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------ batching
+def test_plan_is_deterministic_within_budget_and_covers_everything():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 200, (500,), generator=g).tolist()
+    a = plan_epoch(lengths, 1024, seed=3, epoch=0)
+    assert a.batches == plan_epoch(lengths, 1024, seed=3, epoch=0).batches
+    assert a.batches != plan_epoch(lengths, 1024, seed=3, epoch=1).batches
+    assert sorted(i for b in a.batches for i in b) == list(range(500))
+    assert all(max(lengths[i] for i in b) * len(b) <= 1024 for b in a.batches)
+    slots = sum(max(lengths[i] for i in b) * len(b) for b in a.batches)
+    assert a.padding_share == pytest.approx(1 - sum(lengths) / slots)
+    assert a.padding_share < 0.1  # bucketing keeps padding low
+    # Data parallel: disjoint, equal counts per rank.
+    r0, r1 = (plan_epoch(lengths, 1024, 3, 0, rank=r, world_size=2).batches for r in (0, 1))
+    assert len(r0) == len(r1) == len(a.batches) // 2
+    assert not {i for b in r0 for i in b} & {i for b in r1 for i in b}
+
+
+def test_plan_keeps_an_overlong_sample_alone():
+    plan = plan_epoch([10, 5000, 10], 100, seed=0, epoch=0)
+    assert [1] in plan.batches and sorted(i for b in plan.batches for i in b) == [0, 1, 2]
+
+
+def test_collate_pads_right_with_zeros():
+    items = [{"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1], dtype=torch.int8),
+              "aux": torch.ones(3, 6, dtype=torch.bfloat16), "final": torch.ones(3, 2, dtype=torch.bfloat16)},
+             {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([1], dtype=torch.int8),
+              "aux": torch.ones(1, 6, dtype=torch.bfloat16), "final": torch.ones(1, 2, dtype=torch.bfloat16)}]
+    b = collate(items)
+    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert b["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert b["aux"].dtype == torch.bfloat16 and b["aux"][1, 1:].abs().sum() == 0
+    assert b["lengths"].tolist() == [3, 1]
+
+
+# ----------------------------------------------------------------------------------------------- training
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama target, a prepared folder and its real extracted cache, shared by the tests below."""
+    from eagle3.extract import run as extract
+
+    root = tmp_path_factory.mktemp("h3cache")
+    target = tiny_llama(root / "target", vocab=256, hidden=64, layers=8)
+    prepared = make_prepared(root / "prepared", n=24, n_eval=4, vocab=256, draft_vocab=64, max_len=40)
+    cfg = tiny_target_cfg(target, prepared, root / "x")
+    cfg.extract.cache_dir = str(root / "cache")
+    extract(cfg)
+    return {"target": target, "prepared": prepared, "cache": root / "cache"}
+
+
+def make_cfg(paths: dict[str, Path], out: Path, **train):
+    cfg = tiny_target_cfg(paths["target"], paths["prepared"], out)
+    cfg.extract.cache_dir = str(paths["cache"])
+    cfg.draft.vocab_size = 64
+    t = cfg.train
+    t.batch_tokens, t.ttt_steps, t.lr, t.warmup_ratio, t.log_every = 160, 3, 3e-3, 0.2, 1
+    for k, v in train.items():
+        setattr(t, k, v)
+    return cfg
+
+
+def read_log(out: Path) -> dict[int, dict]:
+    """Last entry per step (a resumed run re-logs steps after its checkpoint)."""
+    rows: dict[int, dict] = {}
+    for line in (out / "train_log.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            rows[r["step"]] = r
+    return rows
+
+
+def test_train_end_to_end_checkpoints_best_and_metrics(tiny_cache, tmp_path):
+    cfg = make_cfg(tiny_cache, tmp_path / "run", max_steps=8, save_every=3, keep_checkpoints=2, eval_every=4)
+    metrics = trainer.run(cfg)
+    ck = cfg.checkpoint_dir
+    assert sorted(p.name for p in ck.iterdir()) == ["best", "step_6", "step_8"]  # step_3 rotated out, no tmp left
+    state = json.loads((ck / "step_8" / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["best_step"] in (4, 8)
+    for f in ("model.safetensors", "optimizer.bin", "vocab.safetensors", "draft/config.json"):
+        assert (ck / "step_8" / f).exists(), f
+    best = Eagle3Draft.from_pretrained(ck / "best")
+    assert best.config.draft_vocab_size == 64 and best.config.aux_layer_ids == cfg.layer_ids(8)
+    assert torch.equal(best.t2d[:64], torch.ones(64, dtype=torch.bool))
+    log = read_log(tmp_path / "run")
+    assert sorted(log) == list(range(1, 9))
+    for k in ("loss", "loss_0", "acc_2", "sim_accept_len", "lr", "grad_norm", "tokens_per_s", "padding_share",
+              "data_wait_share"):
+        assert k in log[8], k
+    assert log[8]["loss"] < log[1]["loss"]  # it learns
+    assert 1.0 <= metrics["eval"]["sim_accept_len"] <= 1 + cfg.train.ttt_steps
+
+
+def test_exact_resume_after_a_crash(tiny_cache, tmp_path, monkeypatch):
+    kw = dict(max_steps=6, save_every=2, eval_every=100)
+    straight = make_cfg(tiny_cache, tmp_path / "straight", **kw)
+    trainer.run(straight)
+
+    crashed = make_cfg(tiny_cache, tmp_path / "crashed", **kw)
+    real_save = trainer.save_checkpoint
+
+    def save_then_die(accelerator, model, cfg, state, *a):
+        path = real_save(accelerator, model, cfg, state, *a)
+        if state.step == 4:
+            raise KeyboardInterrupt("simulated kill right after the step-4 checkpoint")
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(crashed)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    assert sorted(read_log(tmp_path / "crashed")) == [1, 2, 3, 4]
+    trainer.run(crashed)  # the same command again: resumes from step_4
+
+    a, b = read_log(tmp_path / "straight"), read_log(tmp_path / "crashed")
+    assert sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-6, abs=1e-7), step
+        assert b[step]["lr"] == pytest.approx(a[step]["lr"], rel=1e-9)
+    wa = Eagle3Draft.from_pretrained(straight.checkpoint_dir / "step_6" / "draft").state_dict()
+    wb = Eagle3Draft.from_pretrained(crashed.checkpoint_dir / "step_6" / "draft").state_dict()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-6)
+
+
+def test_refuses_a_cache_from_other_layers(tiny_cache, tmp_path):
+    from eagle3.cache import CacheError
+
+    cfg = make_cfg(tiny_cache, tmp_path / "bad", max_steps=1)
+    cfg.target.aux_layer_ids = [1, 3, 6]
+    with pytest.raises(CacheError, match="layer"):
+        trainer.run(cfg)
+    assert not cfg.checkpoint_dir.exists()
+
+
+def test_init_from_a_draft_folder_fine_tunes(tiny_cache, tmp_path):
+    first = make_cfg(tiny_cache, tmp_path / "a", max_steps=2, eval_every=100)
+    trainer.run(first)
+    cfg = make_cfg(tiny_cache, tmp_path / "b", max_steps=1, eval_every=100, lr=1e-9, warmup_ratio=0.0)
+    cfg.draft.init_from = str(first.checkpoint_dir / "best")
+    trainer.run(cfg)
+    a = Eagle3Draft.from_pretrained(first.checkpoint_dir / "best").state_dict()
+    b = Eagle3Draft.from_pretrained(cfg.checkpoint_dir / "step_1" / "draft").state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)  # started from it (lr ~ 0)
