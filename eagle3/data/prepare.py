@@ -321,6 +321,9 @@ def run(cfg: Config) -> dict[str, Any]:
         if len(errors) > MAX_TEMPLATE_ERROR_SHARE * len(used):
             raise TemplateError(f"{len(errors)} of {len(used)} conversations failed to render with template "
                                 f"{tpl.name!r} (more than {MAX_TEMPLATE_ERROR_SHARE:.0%}); first: {errors[0]}")
+    if not samples:
+        raise ValueError(f"no sample left after rendering and data.max_length={d.max_length} "
+                         f"(data.overlength={d.overlength}): {dict(rstats)}")
     n_eval = eval_count(len(samples), d.eval_size)
     if n_eval >= len(samples):
         raise ValueError(f"data.eval_size={d.eval_size} leaves no training sample ({len(samples)} samples in all)")
@@ -398,6 +401,5 @@ def run(cfg: Config) -> dict[str, Any]:
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    summary["seconds"] = time.monotonic() - t0
     _print_summary(out, summary)
     return summary
