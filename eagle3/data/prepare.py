@@ -251,6 +251,14 @@ def _check_replaceable(out: Path) -> None:
                                   f"); choose an empty or new folder")
 
 
+def _open_permissions(root: Path) -> None:
+    """mkdtemp makes 0700 folders: give the result the modes a plain mkdir/open would (umask applies)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [root, *root.rglob("*")]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 def _publish(tmp: Path, out: Path) -> None:
     """Move the finished tmp folder into place; an old prepared folder is moved aside first, then removed."""
     old = None
@@ -398,6 +406,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 enable_progress_bar()
         save_vocab(tmp / "vocab.safetensors", vocab.d2t, vocab.t2d)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))  # last: marks completeness
+        _open_permissions(tmp)
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
