@@ -18,6 +18,12 @@ __all__ = ["tiny_llama", "tiny_deepseek_v3", "kimi_wrapped", "make_prepared", "t
 
 
 def _save(model: torch.nn.Module, path: Path) -> Path:
+    # Random norm weights (HF initialises them to 1): otherwise a pre-norm state is just a rescaled post-norm
+    # one and a test could not tell them apart, while in a trained model they differ a lot.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path

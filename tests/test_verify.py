@@ -1,0 +1,103 @@
+"""verify-extraction: passes correct states, catches shifted layers, pre-norm finals and missing tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import make_prepared, tiny_deepseek_v3, tiny_llama, tiny_target_cfg
+
+from eagle3.extract import run as extract
+from eagle3.target.base import Captured
+from eagle3.target.hf import HFTarget
+from eagle3.verify import run as verify
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    return {"llama": tiny_llama(root / "llama"), "deepseek": tiny_deepseek_v3(root / "ds"),
+            "prepared": make_prepared(root / "prepared", n=6, n_eval=2)}
+
+
+class Faulty:
+    """An HF backend that makes one engine mistake on purpose, while reporting the configured layer ids."""
+
+    def __init__(self, cfg, fault: str):
+        self.fault = fault
+        shifted = cfg.model_copy(deep=True)
+        ids = cfg.layer_ids(HFTarget(cfg).num_layers)
+        if fault == "shift":  # an engine whose id k means "output of layer k" = eagle3 id k+1
+            shifted.target.aux_layer_ids = [i + 1 for i in ids]
+        self.inner = HFTarget(shifted)
+        self.name, self.layer_ids, self.dtype = "faulty", ids, self.inner.dtype
+        self.num_layers, self.hidden_size, self.vocab_size = (self.inner.num_layers, self.inner.hidden_size,
+                                                              self.inner.vocab_size)
+        self._pre: dict[str, torch.Tensor] = {}
+        self.inner.norm.register_forward_hook(lambda _m, args, _o: self._pre.__setitem__("x", args[0]))
+
+    def capture(self, seqs):
+        out = []
+        for s in seqs:
+            c = self.inner.capture([s])[0]
+            if self.fault == "prenorm":
+                c = Captured(c.aux, self._pre["x"][0].clone())
+            if self.fault == "prefix":  # a prefix-cache hit: the first 3 tokens never come back
+                c = Captured(c.aux[3:], c.final[3:])
+            out.append(c)
+        return out
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_correct_backend_passes(world, tmp_path, capsys, kind):
+    cfg = tiny_target_cfg(world[kind], world["prepared"], tmp_path)
+    cfg.target.dtype = "bfloat16"
+    assert verify(cfg, "backend", 3) == 0
+    out = capsys.readouterr().out
+    assert "PASS: 3 sample(s)" in out and "FAIL" not in out
+
+
+def test_catches_off_by_one_layers(world, tmp_path, capsys):
+    cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path)
+    assert verify(cfg, "backend", 2, backend=Faulty(cfg, "shift")) == 1
+    out = capsys.readouterr().out
+    ids = cfg.layer_ids(8)
+    assert f"matches id {ids[0] + 1}" in out and "off by one" in out
+    assert "output of layer k" in out and "FAIL: aux layers off by one" in out
+
+
+def test_catches_prenorm_final(world, tmp_path, capsys):
+    cfg = tiny_target_cfg(world["deepseek"], world["prepared"], tmp_path)
+    assert verify(cfg, "backend", 2, backend=Faulty(cfg, "prenorm")) == 1
+    out = capsys.readouterr().out
+    assert "PRE-norm" in out
+    assert out.count("off by") == 0  # the aux layers are fine and reported fine
+
+
+def test_catches_missing_tokens(world, tmp_path, capsys):
+    cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path)
+    assert verify(cfg, "backend", 2, backend=Faulty(cfg, "prefix")) == 1
+    out = capsys.readouterr().out
+    assert "missing tokens" in out and "prefix" in out
+
+
+def test_verifies_a_cache(world, tmp_path, capsys):
+    good = tiny_target_cfg(world["llama"], world["prepared"], tmp_path / "good")
+    good.target.dtype = "bfloat16"
+    extract(good)
+    assert verify(good, str(good.cache_dir), 4) == 0
+    assert "PASS: 4 sample(s)" in capsys.readouterr().out
+    bad = tiny_target_cfg(world["llama"], world["prepared"], tmp_path / "bad")
+    extract(bad, backend=Faulty(bad, "shift"))  # an engine cache written with the other convention
+    assert verify(bad, str(bad.cache_dir), 2) == 1
+    assert "off by one" in capsys.readouterr().out
