@@ -62,7 +62,7 @@ def test_offline_cache_equals_backend_states(world, tmp_path, kind, dtype):
         assert item["input_ids"].tolist() == row["input_ids"] and item["loss_mask"].tolist() == row["loss_mask"]
         c = backend.capture([row["input_ids"]])[0]  # alone, no padding: batched extraction must agree
         assert item["aux"].dtype == want_dtype and item["aux"].shape == c.aux.shape
-        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 1.6e-2, "atol": 1e-2}
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 1.6e-2, "atol": 5e-2}
         torch.testing.assert_close(item["aux"], c.aux, **tol)
         torch.testing.assert_close(item["final"], c.final, **tol)
     # a second run finds everything done and touches nothing
@@ -196,7 +196,7 @@ def test_online_equals_offline(world, tmp_path, dtype, max_batch):
                 if max_batch == 1 or k in ("input_ids", "loss_mask"):
                     assert torch.equal(it[k], off[k]), (it["sample_id"], k)
                 else:
-                    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 1.6e-2, "atol": 2e-2}
+                    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 1.6e-2, "atol": 5e-2}
                     torch.testing.assert_close(it[k], off[k], **tol)
             seen += 1
     assert seen == 10
