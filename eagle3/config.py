@@ -41,6 +41,8 @@ class SGLangSettings(Section):
     """RAM-backed folder where the server drops hidden-state files for the client to read."""
     timeout_s: float = Field(600.0, gt=0)
     """Per-request timeout."""
+    startup_timeout_s: float = Field(3600.0, gt=0)
+    """How long to wait for a launched server to become healthy (Kimi-K2.5 takes 10-30 minutes to load)."""
 
 
 class TargetConfig(Section):
@@ -166,6 +168,12 @@ class TrainConfig(Section):
     resume: bool = True
     """Continue from the newest checkpoint in `<output_dir>/checkpoints` when there is one."""
     num_workers: int = Field(0, ge=0)
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v: object) -> object:
+        # YAML 1.1 reads a bare `no` as False; the user meant the string.
+        return "no" if v is False else v
 
 
 # ------------------------------------------------------------------------------------------------------ eval
@@ -302,6 +310,9 @@ def parse_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
     return data
 
 
+_YAML11_WORDS = {"yes", "no", "on", "off", "y", "n"}
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides; the value is parsed as YAML (`3e-4`, `[2, 15, 27]`, `null`, `true`)."""
     for item in overrides:
@@ -311,10 +322,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         parts = key.strip().split(".")
         if not all(parts):
             raise ConfigError(f"override {item!r}: empty key segment")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
+        if raw.strip().lower() in _YAML11_WORDS:
+            value: Any = raw.strip()  # `mixed_precision=no` means the word, not False
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else ""
+            except yaml.YAMLError:
+                value = raw
         node = data
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)

@@ -132,3 +132,9 @@ def test_cli_config_show(capsys: pytest.CaptureFixture[str]) -> None:
     assert "lr: 0.0005" in out and "aux_layer_ids:" in out
     assert main(["config", "show", "--config", str(REPO / "configs" / "smollm2-135m.yaml"), "train.nope=1"]) == 2
     assert "train.nope: unknown key" in capsys.readouterr().err
+
+
+def test_mixed_precision_no_is_the_word_in_yaml_and_overrides(tmp_path: Path) -> None:
+    assert load_config(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    assert load_config(_write(tmp_path, "train:\n  mixed_precision: no\n")).train.mixed_precision == "no"
+    assert load_config(None, ["train.resume=false"]).train.resume is False
