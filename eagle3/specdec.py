@@ -1,0 +1,485 @@
+"""Real EAGLE-3 speculative decoding with an HF target and an eagle3 draft head, on CPU or GPU.
+
+The evaluator measures what an engine would measure, so the loop does what engines do:
+
+1. **Prefill**: the target reads the prompt `x_0..x_{n-1}` (KV cache: `transformers.DynamicCache`), returns the
+   logits and, through forward pre-hooks on the decoder layers at the aux ids, the low/mid/high residual streams
+   `f_i` of every new token. The first new token (the *root* of the first round) comes from the last logits.
+2. **Draft extend**: the draft reads the pairs `(fc(f_i), x_{i+1})` at position `i` (EAGLE-3's alignment: the
+   feature of token i with the embedding of token i+1 predicts token i+2). Only target features of *accepted*
+   tokens ever enter the draft's KV cache, as in SGLang/vLLM.
+3. **Draft**: chain (topk 1) or tree (EAGLE-2/SGLang): from the root, expand `topk` children per frontier node for
+   `num_steps` steps, feeding the draft's own output hidden back; keep the `topk` best frontier nodes by cumulative
+   log-probability at each step; finally keep the `num_draft_tokens - 1` best nodes of all candidates plus the
+   root. The draft's tree steps use a bool attention mask over (its real KV + ancestors' speculative KV).
+4. **Verify**: ONE target forward over `[root, nodes...]` with per-node position ids (`m + depth`) and a 4D
+   additive mask (each node sees the cached prefix, its ancestors and itself). Greedy: walk down from the root
+   while a child equals the target's argmax. Temperature > 0: lossless rejection sampling (below).
+5. **Commit**: the target KV cache is re-gathered to the accepted path (the accepted nodes' KV rows are selected
+   with `index_select` from the verification forward, no recomputation); the draft KV cache is cropped back to
+   its real part and extended with the accepted tokens' target features. The bonus token is the next root.
+
+Sampling (temperature T > 0) is lossless, i.e. the output is distributed exactly as the target's own sampling:
+- chain (topk 1): draft tokens are *sampled* from the draft's distribution q (at temperature T, mapped from the
+  draft vocab into the target vocab); a token x is accepted with probability min(1, p(x)/q(x)), and on rejection
+  the bonus is drawn from norm(max(p - q, 0)) (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023);
+- tree (topk > 1): children are the draft's deterministic top-k, i.e. point-mass proposals; siblings are tried
+  in order, child c accepted with probability p_res(c), and on rejection c's mass is removed from the residual
+  (recursive rejection sampling with one-hot proposals, as SGLang's `tree_speculative_sampling_target_only`).
+Both are the same rule `accept w.p. min(1, p/q), residual norm(max(p - q, 0))`, with q one-hot in the tree case.
+
+Counting (engines' definitions): one *verify step* yields `accepted + 1` tokens (the bonus counts);
+τ = mean over steps of (accepted + 1). Acceptance rate at draft position j = share of steps whose accepted
+length is >= j. The first token (from prefill) is not a speculative step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+# ---------------------------------------------------------------------------------------------------- draft API
+class DraftHead(Protocol):
+    """What the decoder needs from a draft (eagle3.model.Eagle3Draft provides exactly this)."""
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class SpecSettings:
+    """Drafting shape and sampling; mirrors `eval.*` (and SGLang's --speculative-* flags)."""
+
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+    temperature: float = 0.0
+    max_new_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
+            raise ValueError(f"need num_steps >= 1, topk >= 1, num_draft_tokens >= 2, got {self}")
+        if self.num_draft_tokens > 1 + self.topk * self.num_steps:
+            raise ValueError(
+                f"num_draft_tokens={self.num_draft_tokens} exceeds 1 + topk * num_steps = "
+                f"{1 + self.topk * self.num_steps}: the tree cannot hold that many tokens"
+            )
+
+
+# -------------------------------------------------------------------------------------------------- results
+@dataclass
+class Generation:
+    """One prompt's output and the counters engines report."""
+
+    tokens: list[int]
+    seconds: float
+    accept_lengths: list[int] = field(default_factory=list)
+    """Per verify step: accepted draft tokens + 1 (the bonus), engines' definition."""
+    target_forwards: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accept_lengths)
+
+
+@dataclass
+class AcceptanceStats:
+    """Aggregate of many generations: τ, per-position acceptance, tokens per target forward."""
+
+    steps: int = 0
+    accepted_tokens: int = 0
+    """Sum over verify steps of accepted draft tokens (bonus excluded)."""
+    accepted_per_pos: list[int] = field(default_factory=list)
+    generated: int = 0
+    target_forwards: int = 0
+    seconds: float = 0.0
+
+    def add(self, accept_lengths: Iterable[int], generated: int = 0, target_forwards: int = 0,
+            seconds: float = 0.0) -> None:
+        for length in accept_lengths:
+            if length < 1:
+                raise ValueError(f"an accept length counts the bonus token, so it is >= 1, got {length}")
+            acc = length - 1
+            self.steps += 1
+            self.accepted_tokens += acc
+            if len(self.accepted_per_pos) < acc:
+                self.accepted_per_pos.extend([0] * (acc - len(self.accepted_per_pos)))
+            for j in range(acc):
+                self.accepted_per_pos[j] += 1
+        self.generated += generated
+        self.target_forwards += target_forwards
+        self.seconds += seconds
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: (accepted + bonus) per verify step (SGLang spec_accept_length, vLLM's)."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else float("nan")
+
+    def acceptance_rate(self, num_positions: int) -> list[float]:
+        """Share of verify steps that accepted at least j+1 draft tokens, for j < num_positions."""
+        counts = self.accepted_per_pos + [0] * max(0, num_positions - len(self.accepted_per_pos))
+        return [c / self.steps if self.steps else float("nan") for c in counts[:num_positions]]
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated / self.target_forwards if self.target_forwards else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.seconds if self.seconds else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------- target
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of an HF causal LM (Llama, DeepSeek-V3, and `language_model` wrappers)."""
+    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers"):
+        obj: Any = model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for model.layers)")
+
+
+class HFTargetDecoder:
+    """An HF causal LM with a KV cache, returning logits and the aux states (eagle3 ids) of the new tokens.
+
+    Aux states come from forward PRE-hooks on decoder layer k for id k (eagle3's convention: id k = input of
+    layer k = HF hidden_states[k]), so nothing beyond the three tensors is kept.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.model = model.eval()
+        self.layer_ids = list(layer_ids)
+        layers = decoder_layers(model)
+        bad = [k for k in layer_ids if not 0 <= k < len(layers)]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} outside the target's {len(layers)} decoder layers")
+        self._captured: dict[int, torch.Tensor] = {}
+        self.capture = True
+        self._handles = [layers[k].register_forward_pre_hook(self._hook(k), with_kwargs=True) for k in layer_ids]
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+
+    def _hook(self, k: int):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.capture:
+                self._captured[k] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                tree_mask: torch.Tensor | None = None, aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run new tokens [S] at positions [S] after `cache`; return logits [S, V] (float32) and aux [S, 3H].
+
+        `tree_mask` is a bool [S, S] (True = may attend) among the new tokens; the cached prefix is always visible.
+        """
+        s = input_ids.shape[-1]
+        mask = None
+        if tree_mask is not None:
+            past = cache.get_seq_length()
+            allowed = torch.cat([torch.ones(s, past, dtype=torch.bool, device=self.device), tree_mask], dim=1)
+            mask = torch.zeros(1, 1, s, past + s, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~allowed[None, None], torch.finfo(self.dtype).min)
+        self.capture = aux
+        self._captured.clear()
+        out = self.model(input_ids=input_ids.view(1, s).to(self.device), position_ids=position_ids.view(1, s).to(
+            self.device), attention_mask=mask, use_cache=True, **{self._cache_kw: cache})
+        feats = None
+        if aux:
+            feats = torch.cat([self._captured[k][0] for k in self.layer_ids], dim=-1)
+            self._captured.clear()
+        return out.logits[0].float(), feats
+
+
+def keep_cache_positions(cache: Any, keep: torch.Tensor) -> None:
+    """Keep only the sequence positions `keep` (sorted indices) of every layer of a DynamicCache, in place."""
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError("sliding-window caches cannot be re-gathered to a tree path")
+        idx = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, idx)
+        layer.values = layer.values.index_select(-2, idx)
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+def probs_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=generator).item())
+
+
+def accept_among(p: torch.Tensor, candidates: list[int], proposals: list[torch.Tensor | None],
+                 generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """Lossless rejection over sibling candidates: return (index of the accepted one or -1, residual p).
+
+    proposals[i] is the distribution candidate i was drawn from (None = a deterministic pick, i.e. one-hot).
+    Rule (Leviathan/Chen; recursive over siblings as SpecInfer/EAGLE): accept x w.p. min(1, p(x)/q(x)); else
+    p <- norm(max(p - q, 0)). When every candidate is rejected the caller samples from the returned residual.
+    """
+    p = p.clone()
+    for i, (x, q) in enumerate(zip(candidates, proposals, strict=True)):
+        u = torch.rand((), generator=generator, dtype=torch.float64).item()
+        if q is None:
+            if u < float(p[x]):
+                return i, p
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            qx = float(q[x])
+            if qx <= 0 or u < min(1.0, float(p[x]) / qx):
+                return i, p
+            residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        if total <= 0:  # p was (numerically) q itself: nothing left to reject into; keep p
+            continue
+        p = residual / total
+    return -1, p
+
+
+# ------------------------------------------------------------------------------------------------------ tree
+@dataclass
+class DraftTree:
+    """Nodes of one round; node 0 is the root (the last committed token, not yet seen by the target)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    proposals: list[torch.Tensor | None]
+    """Per node: the target-vocab distribution it was sampled from (chain sampling), None = deterministic."""
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, par in enumerate(self.parents) if par == node]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """bool [N, N]: node i may attend to node j iff j is i or an ancestor of i."""
+        n = len(self.tokens)
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = self.parents[j]
+        return m
+
+
+class SpeculativeDecoder:
+    """EAGLE-3 decoding with an HF target (`HFTargetDecoder`) and a draft head; see the module docstring."""
+
+    def __init__(self, target: HFTargetDecoder, draft: DraftHead, settings: SpecSettings,
+                 eos_token_ids: Iterable[int] = ()):
+        self.target, self.draft, self.s = target, draft, settings
+        self.eos = set(int(e) for e in eos_token_ids)
+        self.draft_dtype = next(iter(draft.parameters())).dtype if isinstance(draft, nn.Module) else target.dtype
+        self.device = target.device
+
+    # ----------------------------------------------------------------------------------------- baseline
+    @torch.inference_mode()
+    def generate_baseline(self, prompt: list[int], generator: torch.Generator | None = None) -> Generation:
+        """Plain decoding with the target's KV cache, one token per forward (the no-speculation reference)."""
+        t0 = time.perf_counter()
+        cache = self.target.new_cache()
+        ids = torch.tensor(prompt, dtype=torch.long)
+        logits, _ = self.target.forward(ids, torch.arange(len(prompt)), cache, aux=False)
+        out: list[int] = []
+        forwards = 1
+        while True:
+            tok = self._pick(logits[-1], generator)
+            out.append(tok)
+            if tok in self.eos or len(out) >= self.s.max_new_tokens:
+                break
+            pos = len(prompt) + len(out) - 1
+            logits, _ = self.target.forward(torch.tensor([tok]), torch.tensor([pos]), cache, aux=False)
+            forwards += 1
+        return Generation(out, time.perf_counter() - t0, target_forwards=forwards)
+
+    def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        if self.s.temperature <= 0:
+            return int(torch.argmax(logits).item())
+        return sample(probs_at(logits, self.s.temperature), generator)
+
+    # -------------------------------------------------------------------------------------- speculative
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], generator: torch.Generator | None = None) -> Generation:
+        t0 = time.perf_counter()
+        n = len(prompt)
+        cache = self.target.new_cache()
+        logits, aux = self.target.forward(torch.tensor(prompt, dtype=torch.long), torch.arange(n), cache)
+        root = self._pick(logits[-1], generator)
+        out = [root]
+        gen = Generation(out, 0.0, target_forwards=1)
+        # The draft reads (f_i, x_{i+1}) at position i: features of the prompt with the prompt shifted by one.
+        kv, h_last, logits_last = self._extend(None, aux, prompt[1:] + [root], start=0)
+        m = n  # target position of the root; the target cache holds 0..m-1, the draft's real KV as well
+        while root not in self.eos and len(out) < self.s.max_new_tokens:
+            tree, kv = self._draft_tree(kv, m, h_last, logits_last, root, generator)
+            mask = tree.ancestor_mask()
+            positions = m + torch.tensor(tree.depths)
+            vlogits, vaux = self.target.forward(torch.tensor(tree.tokens), positions, cache, tree_mask=mask)
+            gen.target_forwards += 1
+            path, bonus = self._verify(tree, vlogits, generator)
+            gen.accept_lengths.append(len(path) + 1)  # accepted draft tokens + the bonus
+            # Commit: target KV keeps the prefix and the root + accepted nodes; the draft re-reads their features.
+            keep = torch.cat([torch.arange(m), m + torch.tensor([0] + path)])
+            keep_cache_positions(cache, keep)
+            new_tokens = [tree.tokens[i] for i in path] + [bonus]
+            kv = (kv[0][:, :, :m], kv[1][:, :, :m])
+            kv, h_last, logits_last = self._extend(kv, vaux[[0] + path], new_tokens, start=m)
+            m += len(new_tokens)
+            for tok in new_tokens:
+                out.append(tok)
+                if tok in self.eos or len(out) >= self.s.max_new_tokens:
+                    break
+            root = out[-1]
+        gen.seconds = time.perf_counter() - t0
+        return gen
+
+    def _extend(self, kv: tuple[torch.Tensor, torch.Tensor] | None, aux: torch.Tensor, tokens: list[int],
+                start: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Feed target features of accepted tokens into the draft; return its KV and the last hidden/logits."""
+        s = len(tokens)
+        feats = self.draft.project(aux.to(self.draft_dtype)[None])
+        pos = torch.arange(start, start + s, device=self.device)[None]
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]
+        hidden, logits, kv = self.draft.decode(ids, feats, pos, kv, None)
+        return kv, hidden[0, -1], logits[0, -1].float()
+
+    def _draft_tree(self, kv: tuple[torch.Tensor, torch.Tensor], m: int, h_root: torch.Tensor,
+                    logits_root: torch.Tensor, root: int, generator: torch.Generator | None
+                    ) -> tuple[DraftTree, tuple[torch.Tensor, torch.Tensor]]:
+        """Expand the draft tree from the root (see module docstring); return the kept tree and the draft KV."""
+        s = self.s
+        sampled_chain = s.topk == 1 and s.temperature > 0
+        real = kv[0].shape[2]
+        # Candidate arrays (creation order: parents before children). Parent index -1 = the root.
+        c_tok: list[int] = []
+        c_par: list[int] = []
+        c_depth: list[int] = []
+        c_score: list[float] = []
+        c_prop: list[torch.Tensor | None] = []
+        c_kv: dict[int, int] = {}  # candidate -> its KV row in the draft cache (once fed)
+
+        def expand(logits: torch.Tensor, parent: int, base: float, depth: int) -> list[int]:
+            if sampled_chain:
+                q = probs_at(logits, s.temperature)
+                d = torch.multinomial(q, 1, generator=generator)
+                picks = [(int(d.item()), float(torch.log(q[d]).item()), self._to_target_dist(q))]
+            else:
+                lp = torch.log_softmax(logits, dim=-1)
+                val, idx = torch.topk(lp, s.topk)
+                picks = [(int(i), float(v), None) for v, i in zip(val.tolist(), idx.tolist(), strict=True)]
+            new = []
+            for d_id, lp_v, prop in picks:
+                c_tok.append(int(self.draft.draft_to_target(torch.tensor([d_id], device=self.device)).item()))
+                c_par.append(parent)
+                c_depth.append(depth)
+                c_score.append(base + lp_v)
+                c_prop.append(prop)
+                new.append(len(c_tok) - 1)
+            return new
+
+        frontier = expand(logits_root, -1, 0.0, 1)
+        parent_hidden = {-1: h_root}
+        for step in range(1, s.num_steps):
+            k = len(frontier)
+            rows = kv[0].shape[2]
+            mask = torch.zeros(1, k, rows + k, dtype=torch.bool, device=self.device)
+            mask[0, :, :real] = True
+            for r, node in enumerate(frontier):
+                mask[0, r, rows + r] = True
+                a = c_par[node]
+                while a >= 0:
+                    mask[0, r, c_kv[a]] = True
+                    a = c_par[a]
+                c_kv[node] = rows + r
+            ids = torch.tensor([c_tok[f] for f in frontier], device=self.device)[None]
+            hid = torch.stack([parent_hidden[c_par[f]] for f in frontier])[None]
+            pos = torch.full((1, k), m - 1 + step, device=self.device)
+            out_h, out_logits, kv = self.draft.decode(ids, hid, pos, kv, mask)
+            children: list[int] = []
+            for r, node in enumerate(frontier):
+                parent_hidden[node] = out_h[0, r]
+                children += expand(out_logits[0, r].float(), node, c_score[node], step + 1)
+            if sampled_chain:
+                frontier = children
+            else:
+                sc = torch.tensor([c_score[c] for c in children])
+                order = torch.sort(sc, descending=True, stable=True).indices[: s.topk]
+                frontier = [children[i] for i in order.tolist()]
+        # Keep the best num_draft_tokens-1 candidates; a stable sort on the score ranks every parent before its
+        # children (a child's log-prob score is <= its parent's and its index is larger), so the tree stays closed.
+        order = torch.sort(torch.tensor(c_score), descending=True, stable=True).indices[: s.num_draft_tokens - 1]
+        kept = sorted(order.tolist())
+        remap = {-1: 0} | {c: i + 1 for i, c in enumerate(kept)}
+        tree = DraftTree([root], [-1], [0], [None])
+        for c in kept:
+            tree.tokens.append(c_tok[c])
+            tree.parents.append(remap[c_par[c]])
+            tree.depths.append(c_depth[c])
+            tree.proposals.append(c_prop[c])
+        return tree, kv
+
+    def _to_target_dist(self, q_draft: torch.Tensor) -> torch.Tensor:
+        """A draft-vocab distribution as a target-vocab one (zero outside the draft vocab)."""
+        ids = self.draft.draft_to_target(torch.arange(q_draft.shape[-1], device=self.device))
+        v = self.target.model.config.get_text_config().vocab_size
+        q = torch.zeros(v, dtype=torch.float32, device=self.device)
+        q[ids] = q_draft.float()
+        return q
+
+    def _verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None
+                ) -> tuple[list[int], int]:
+        """Walk the tree with the target's logits; return (accepted node indices in path order, bonus token)."""
+        node, path = 0, []
+        while True:
+            kids = tree.children(node)
+            if self.s.temperature <= 0:
+                want = int(torch.argmax(logits[node]).item())
+                nxt = next((c for c in kids if tree.tokens[c] == want), None)
+                if nxt is None:
+                    return path, want
+                node = nxt
+            else:
+                p = probs_at(logits[node], self.s.temperature)
+                i, residual = accept_among(p, [tree.tokens[c] for c in kids], [tree.proposals[c] for c in kids],
+                                           generator)
+                if i < 0:
+                    return path, sample(residual, generator)
+                node = kids[i]
+            path.append(node)

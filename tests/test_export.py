@@ -1,0 +1,202 @@
+"""Export to SGLang / vLLM: names, dtypes and layer-id spelling per engine and target family; exact reload; errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eagle3.export import ExportError, export
+from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+
+VOCAB, DRAFT_VOCAB, H = 200, 48, 32
+FAMILIES = {
+    "llama": {"path": "/models/tiny-llama", "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "num_layers": 12},
+    "deepseek": {"path": "/models/tiny-kimi", "architectures": ["DeepseekV3ForCausalLM"],
+                 "model_type": "deepseek_v3", "num_layers": 12},
+}
+
+
+def make_draft(family: str = "llama", ids: list[int] | None = None, seed: int = 0) -> Eagle3Draft:
+    cfg = Eagle3DraftConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            intermediate_size=64, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H,
+                            rope_theta=10000.0, max_position_embeddings=512, aux_layer_ids=ids or [2, 6, 9],
+                            target=dict(FAMILIES[family]))
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg, embed_weight=torch.randn(VOCAB, H))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.2)  # norms too: nothing that an export could get right by accident
+    target_ids = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[target_ids] = True
+    draft.set_vocab(target_ids - torch.arange(DRAFT_VOCAB), t2d)
+    return draft
+
+
+def _outputs(draft: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    dtype = draft.fc.weight.dtype
+    aux = torch.randn(1, 7, 3 * H, generator=g).to(dtype)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=g)
+    with torch.no_grad():
+        hidden, logits, _ = draft.decode(ids, draft.project(aux), torch.arange(7)[None], None)
+    return hidden, logits
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_export_names_dtypes_ids(tmp_path, engine, family):
+    draft = make_draft(family)
+    src = draft.save_pretrained(tmp_path / "draft")
+    out = export(src, tmp_path / "out", to=engine)
+    cfg = json.loads((out / "config.json").read_text())
+    t = _tensors(out)
+    prefix = "midlayer." if engine == "sglang" else "layers.0."
+    assert sorted(k for k in t if "self_attn" in k or "mlp" in k or "norm" in k) == sorted(
+        [f"{prefix}{k}" for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                  "mlp.down_proj.weight", "hidden_norm.weight", "input_layernorm.weight",
+                                  "post_attention_layernorm.weight")] + ["norm.weight"])
+    assert not any(k.startswith("embed_tokens") for k in t)
+    assert t["fc.weight"].shape == (H, 3 * H) and t[f"{prefix}self_attn.q_proj.weight"].shape == (32, 2 * H)
+    assert t["lm_head.weight"].shape == (DRAFT_VOCAB, H)
+    assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
+    assert all(v.dtype == torch.bfloat16 for k, v in t.items() if k not in ("d2t", "t2d"))
+    assert torch.equal(t["d2t"], draft.d2t) and torch.equal(t["t2d"], draft.t2d)
+
+    # ids: eagle3 [2, 6, 9] = inputs of layers 2, 6, 9. SGLang Llama adds 1 -> write k-1; DeepSeek/Kimi as-is.
+    expected = [1, 5, 8] if (engine, family) == ("sglang", "llama") else [2, 6, 9]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle3_aux_layer_ids"] == [2, 6, 9]
+    assert cfg["eagle3"]["aux_layer_ids"] == [2, 6, 9] and cfg["eagle3"]["layer_id_convention"] == "input-of-layer"
+    assert cfg["eagle3"]["target"]["architectures"] == FAMILIES[family]["architectures"]
+    if engine == "sglang":
+        assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": expected, "use_aux_hidden_state": True}
+        llama = cfg
+        assert (cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (DRAFT_VOCAB, H)
+    else:
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == expected
+        assert cfg["speculators_model_type"] == "eagle3"
+        assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False
+        sc = cfg["speculators_config"]
+        assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] == 3
+        assert sc["verifier"]["name_or_path"] == FAMILIES[family]["path"]
+        assert (cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (DRAFT_VOCAB, H)
+        llama = cfg["transformer_layer_config"]
+    assert llama["model_type"] == "llama" and llama["num_hidden_layers"] == 1
+    assert llama["vocab_size"] == VOCAB and llama["tie_word_embeddings"] is False
+    assert (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], llama["head_dim"],
+            llama["intermediate_size"]) == (H, 4, 2, 8, 64)
+    assert llama["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_reload_of_export_reproduces_outputs_bit_exact(tmp_path, engine, family):
+    draft = make_draft(family, seed=3)
+    src = draft.save_pretrained(tmp_path / "draft")
+    embed = draft.embed_tokens.weight
+    # Kept dtype (float32): the reload equals the trained head.
+    out = export(src, tmp_path / "f32", to=engine, dtype=None)
+    back = Eagle3Draft.from_pretrained(out, embed_weight=embed)
+    assert back.config.aux_layer_ids == [2, 6, 9]
+    assert torch.equal(back.d2t, draft.d2t) and torch.equal(back.t2d, draft.t2d)
+    for a, b in zip(_outputs(draft), _outputs(back), strict=True):
+        assert torch.equal(a, b)
+    # bf16 export: the reload equals the head cast to bf16.
+    out = export(src, tmp_path / "bf16", to=engine)
+    back = Eagle3Draft.from_pretrained(out, embed_weight=embed, dtype=torch.bfloat16)
+    ref = make_draft(family, seed=3).to(torch.bfloat16)
+    for a, b in zip(_outputs(ref), _outputs(back), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_accepts_step_folder_and_existing_export(tmp_path):
+    draft = make_draft()
+    draft.save_pretrained(tmp_path / "checkpoints" / "step_10" / "draft")
+    a = export(tmp_path / "checkpoints" / "step_10", tmp_path / "sg", to="sglang")
+    b = export(a, tmp_path / "vl", to="vllm")  # re-export of an export
+    c = export(b, tmp_path / "sg2", to="sglang")
+    ta, tc = _tensors(a), _tensors(c)
+    assert ta.keys() == tc.keys() and all(torch.equal(ta[k], tc[k]) for k in ta)
+    assert json.loads((a / "config.json").read_text()) == json.loads((c / "config.json").read_text())
+    # re-exporting over a previous export replaces it; a foreign folder is never overwritten
+    export(tmp_path / "checkpoints" / "step_10", tmp_path / "sg", to="sglang")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="refusing to overwrite"):
+        export(a, tmp_path / "mine", to="vllm")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_cli_export(tmp_path):
+    from eagle3.cli import main
+
+    src = make_draft().save_pretrained(tmp_path / "draft")
+    assert main(["export", "--to", "vllm", str(src), str(tmp_path / "v")]) == 0
+    with safe_open(str(tmp_path / "v" / "model.safetensors"), "pt") as f:
+        assert "layers.0.self_attn.q_proj.weight" in f.keys()
+
+
+def _corrupt(tmp_path: Path, edit_cfg=None, edit_tensors=None) -> Path:
+    src = make_draft().save_pretrained(tmp_path / "draft")
+    if edit_cfg:
+        cfg = json.loads((src / "config.json").read_text())
+        edit_cfg(cfg)
+        (src / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        t = _tensors(src)
+        edit_tensors(t)
+        save_file(t, str(src / "model.safetensors"))
+    return src
+
+
+def _shift_d2t(t):
+    t["d2t"] = t["d2t"].clone()
+    t["d2t"][3] += 1
+
+
+def _drop_t2d(t):
+    t["t2d"] = t["t2d"].clone()
+    t["t2d"][torch.nonzero(t["t2d"])[0]] = False
+
+
+@pytest.mark.parametrize("case, edit_cfg, edit_tensors, message", [
+    ("no draft vocab", lambda c: c.update(draft_vocab_size=None), None, "draft_vocab_size is missing"),
+    ("no ids", lambda c: c.update(aux_layer_ids=None), None, "aux_layer_ids"),
+    ("other convention", lambda c: c.update(layer_id_convention="output-of-layer"), None, "layer_id_convention"),
+    ("no target family", lambda c: c.update(target={}), None, "architectures/model_type"),
+    ("sglang cannot spell id 0", lambda c: c.update(aux_layer_ids=[0, 6, 9]), None, "cannot express layer id 0"),
+    ("d2t length", lambda c: c.update(draft_vocab_size=DRAFT_VOCAB + 1), None, "d2t has 48 entries"),
+    ("t2d sum", None, _drop_t2d, "t2d marks 47"),
+    ("d2t vs t2d", None, _shift_d2t, "d2t is inconsistent with t2d"),
+    ("lm_head rows", None, lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:-1].clone()}),
+     "lm_head.weight has shape"),
+    ("missing tensor", None, lambda t: t.pop("midlayer.hidden_norm.weight"), "tensors missing"),
+    ("float d2t", None, lambda t: t.update(d2t=t["d2t"].float()), "integer tensor"),
+])
+def test_contradictory_inputs_are_errors(tmp_path, case, edit_cfg, edit_tensors, message):
+    src = _corrupt(tmp_path, edit_cfg, edit_tensors)
+    with pytest.raises(ExportError, match=message):
+        export(src, tmp_path / "out", to="sglang")
+    assert not (tmp_path / "out").exists()
+
+
+def test_vllm_needs_verifier_and_deepseek_refuses_first_id_1(tmp_path):
+    src = _corrupt(tmp_path, lambda c: c["target"].update(path=None))
+    with pytest.raises(ExportError, match="verifier"):
+        export(src, tmp_path / "v", to="vllm")
+    ds = make_draft("deepseek", ids=[1, 6, 9]).save_pretrained(tmp_path / "ds")
+    with pytest.raises(ExportError, match="first value is 1"):
+        export(ds, tmp_path / "s", to="sglang")
+    assert export(ds, tmp_path / "v2", to="vllm")  # vLLM spells it as-is
