@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from eagle3.batching import iter_batches, plan_epoch
+from eagle3.batching import collate, iter_batches, plan_epoch
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.logs import Progress, setup_logging
@@ -100,12 +100,42 @@ def init_tracking(accelerator, cfg: Config) -> None:
     accelerator.trackers = []
 
 
-def open_datasets(cfg: Config) -> tuple[Any, Any]:
-    """(train, eval) datasets of dicts {input_ids, loss_mask, aux, final, sample_id} with `.lengths`."""
-    if cfg.extract.mode == "online":
-        from eagle3.online import open_online_datasets  # written by the extraction stage
+class OnlineSource:
+    """Online mode: a prepared split whose states the target computes batch by batch (eagle3.online), with
+    `lengths` for the batch planner; the trainer cannot tell it from a cache split."""
 
-        return open_online_datasets(cfg)
+    def __init__(self, backend: Any, split: Any, prefetch: int):
+        self.backend, self.split, self.prefetch = backend, split, prefetch
+        self.lengths = [len(x) for x in split["input_ids"]]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def iter_collated(self, index_batches: list[list[int]]):
+        from eagle3.online import OnlineBatches
+
+        for items in OnlineBatches(self.backend, self.split, index_batches, prefetch=self.prefetch):
+            yield collate(items)
+
+
+def batch_iter(source: Any, index_batches: list[list[int]]):
+    """Collated batches of an offline cache split (prefetched) or an online source (target-computed)."""
+    if isinstance(source, OnlineSource):
+        return source.iter_collated(index_batches)
+    return iter_batches(source, index_batches)
+
+
+def open_datasets(cfg: Config) -> tuple[Any, Any]:
+    """(train, eval): cache splits (HiddenStateDataset) or, in online mode, OnlineSource over the prepared data.
+    Items are dicts {input_ids, loss_mask, aux, final, sample_id}; both kinds have `.lengths`."""
+    if cfg.extract.mode == "online":
+        from eagle3.data.prepared import load_prepared
+        from eagle3.target.hf import make_backend
+
+        prepared = load_prepared(cfg.prepared_dir)
+        backend = make_backend(cfg)
+        evald = OnlineSource(backend, prepared.eval, cfg.extract.prefetch) if len(prepared.eval) else None
+        return OnlineSource(backend, prepared.train, cfg.extract.prefetch), evald
     from eagle3.cache import HiddenStateDataset, check_fingerprint, expected_fingerprint
 
     if not (cfg.cache_dir / "meta.json").is_file():
@@ -254,7 +284,7 @@ def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) ->
     steps = cfg.train.ttt_steps
     total = StepStats(*(torch.zeros(steps, device=accelerator.device) for _ in range(3)))
     model.eval()
-    for batch in iter_batches(dataset, plan.batches):
+    for batch in batch_iter(dataset, plan.batches):
         _, st = forward_loss(model, teacher, to_device(batch, accelerator.device), cfg)
         total = StepStats(total.loss_sum + st.loss_sum, total.correct + st.correct, total.valid + st.valid)
     model.train()
@@ -327,7 +357,7 @@ def run(cfg: Config) -> dict[str, Any]:
         if state.batch_index + tc.grad_accum > usable:
             state.epoch, state.batch_index = state.epoch + 1, 0
             continue
-        batches = iter(iter_batches(train_ds, plan.batches[state.batch_index:usable]))
+        batches = batch_iter(train_ds, plan.batches[state.batch_index:usable])
         while state.step < total_steps and state.batch_index + tc.grad_accum <= usable:
             t0 = time.perf_counter()
             wait = 0.0
@@ -382,6 +412,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 metrics["eval"] = ev
             if state.step % tc.save_every == 0 or last:
                 save_checkpoint(accelerator, model, cfg, state, d2t, t2d)
+        batches.close()  # stop the prefetch thread (max_steps may end an epoch early)
     progress.close()
 
     best = cfg.checkpoint_dir / "best"
