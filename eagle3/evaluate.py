@@ -1,0 +1,279 @@
+"""`eagle3 eval`: acceptance length and speed under real speculative decoding.
+
+    eagle3 eval --config configs/smollm2-135m.yaml eval.max_prompts=10 eval.max_new_tokens=64
+    eagle3 eval --config configs/smollm2-135m.yaml --engine vllm      # also measure τ inside vLLM
+    eagle3 eval --config configs/smollm2-135m.yaml --engine sglang    # ... or a running SGLang server
+
+The built-in evaluator (eagle3.specdec) runs the HF target and the head with engine-style chain/tree drafting and
+verification, on every prompt set of `eval.prompt_sets`, and runs plain decoding on the same prompts for the
+speed baseline. It writes `<output_dir>/eval/report.json` and `report.png` and prints τ per set. At temperature 0
+it also checks that every speculative answer equals plain greedy decoding token for token (a mismatch means a
+bug, and is reported).
+
+`--engine vllm|sglang` first runs the built-in evaluator, then sends the exact same rendered prompts to the
+engine and reads its own acceptance counters, so the two τ are printed side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.config import Config
+from eagle3.logs import Progress, setup_logging
+from eagle3.prompts import Prompt, PromptSet, load_prompt_set
+from eagle3.specdec import AcceptanceStats, HFTargetDecoder, SpecSettings, SpeculativeDecoder
+
+log = logging.getLogger("eagle3")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------------------- loading
+def resolve_checkpoint(cfg: Config) -> Path:
+    """eval.checkpoint, else the trainer's best head, else its newest step, else an SGLang export."""
+    from eagle3.export import resolve_draft_folder
+
+    if cfg.eval.checkpoint:
+        return resolve_draft_folder(cfg.eval.checkpoint)
+    tried = [cfg.checkpoint_dir / "best"]
+    steps = sorted(cfg.checkpoint_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[-1]) if
+                   p.name.split("_")[-1].isdigit() else -1)
+    tried += steps[::-1] + [cfg.export_dir / "sglang"]
+    for cand in tried:
+        if (cand / "config.json").is_file() or (cand / "draft" / "config.json").is_file():
+            return resolve_draft_folder(cand)
+    raise FileNotFoundError(
+        "no draft to evaluate: set eval.checkpoint=<draft folder> or train first; looked in "
+        + ", ".join(str(t) for t in tried[:3])
+    )
+
+
+def load_target(cfg: Config) -> tuple[torch.nn.Module, Any]:
+    """The HF target (Kimi-style wrappers included) and its tokenizer."""
+    from eagle3.bundled import resolve_target_path
+    from eagle3.data.templates import load_tokenizer
+    from eagle3.target.hf import load_causal_lm
+
+    path = resolve_target_path(cfg.target.path)
+    model = load_causal_lm(path, _DTYPES[cfg.target.dtype], cfg.target.device, cfg.target.trust_remote_code,
+                           cfg.target.revision)
+    return model, load_tokenizer(cfg)
+
+
+def load_draft(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
+    """The head, on the target's device and dtype, with the target's embeddings; ids checked against the target."""
+    from eagle3.layers import validate_layer_ids
+    from eagle3.model import Eagle3Draft
+
+    p = next(target.parameters())
+    embed = target.get_input_embeddings().weight.detach()
+    draft = Eagle3Draft.from_pretrained(folder, embed_weight=embed, dtype=p.dtype).to(p.device).eval()
+    c, tc = draft.config, target.config.get_text_config()
+    if c.vocab_size != tc.vocab_size or c.target_hidden_size != tc.hidden_size:
+        raise ValueError(f"{folder}: the head was made for vocab {c.vocab_size} / hidden {c.target_hidden_size}, "
+                         f"but the target has vocab {tc.vocab_size} / hidden {tc.hidden_size}")
+    if not c.aux_layer_ids:
+        raise ValueError(f"{folder}: the head does not record its aux layer ids")
+    validate_layer_ids(c.aux_layer_ids, tc.num_hidden_layers, where=f"{folder} aux_layer_ids")
+    if cfg.target.aux_layer_ids and list(cfg.target.aux_layer_ids) != list(c.aux_layer_ids):
+        raise ValueError(f"target.aux_layer_ids={cfg.target.aux_layer_ids} but the head {folder} was trained on "
+                         f"ids {c.aux_layer_ids} (eagle3 convention); evaluate it with its own ids")
+    return draft
+
+
+def eos_ids(tokenizer: Any, model: torch.nn.Module) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(x) for x in src)
+    return ids
+
+
+def settings_from(cfg: Config) -> SpecSettings:
+    e = cfg.eval
+    return SpecSettings(num_steps=e.num_steps, topk=e.topk, num_draft_tokens=e.num_draft_tokens,
+                        temperature=e.temperature, max_new_tokens=e.max_new_tokens)
+
+
+# ------------------------------------------------------------------------------------------------ running
+class PromptRenderer:
+    """Text turns -> token ids with the target's chat template (eagle3.data.templates.render_prompt)."""
+
+    def __init__(self, tokenizer: Any, cfg: Config):
+        self.tokenizer, self.cfg = tokenizer, cfg
+
+    def __call__(self, history: list[Any]) -> list[int]:
+        from eagle3.data.templates import render_prompt
+
+        d = self.cfg.data
+        return render_prompt(history, self.tokenizer, d.chat_template, d.thinking, d.system_prompt)
+
+    def answer(self, tokens: list[int], eos: set[int]) -> str:
+        return self.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+
+
+def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer, eos: set[int], seed: int,
+                 progress: Progress) -> tuple[dict[str, Any], list[list[int]]]:
+    """Speculative and plain decoding of every turn of every prompt; returns the set's metrics and the rendered
+    prompts (what an engine check replays)."""
+    from eagle3.data.types import Turn
+
+    spec, base = AcceptanceStats(), AcceptanceStats()
+    greedy = dec.s.temperature <= 0
+    mismatches = 0
+    rendered: list[list[int]] = []
+    per_turn: list[dict[str, Any]] = []
+    for i, prompt in enumerate(ps.prompts):
+        hist_spec: list[Turn] = []
+        hist_base: list[Turn] = []
+        for t, text in enumerate(_turns(prompt)):
+            if text is None:
+                ids_spec = ids_base = list(prompt.token_ids or [])
+            else:
+                hist_spec.append(Turn("user", text))
+                hist_base.append(Turn("user", text))
+                ids_spec, ids_base = render(hist_spec), render(hist_base)
+            g = torch.Generator().manual_seed(seed + 1000 * i + t)
+            out = dec.generate(ids_spec, g)
+            g = torch.Generator().manual_seed(seed + 1000 * i + t)
+            ref = dec.generate_baseline(ids_base, g)
+            spec.add(out.accept_lengths, len(out.tokens), out.target_forwards, out.seconds)
+            base.add([], len(ref.tokens), ref.target_forwards, ref.seconds)
+            same = out.tokens == ref.tokens
+            if greedy and not same:
+                mismatches += 1
+                log.warning("%s turn %d: speculative output differs from plain greedy decoding", prompt.id, t + 1)
+            rendered.append(ids_spec)
+            per_turn.append({"id": prompt.id, "turn": t + 1, "prompt_tokens": len(ids_spec),
+                             "new_tokens": len(out.tokens), "verify_steps": out.num_steps,
+                             "tau": (sum(out.accept_lengths) / out.num_steps) if out.num_steps else None})
+            if text is not None:
+                hist_spec.append(Turn("assistant", render.answer(out.tokens, eos)))
+                hist_base.append(Turn("assistant", render.answer(ref.tokens, eos)))
+            progress.update(1, tau=f"{spec.tau:.2f}")
+    result = metrics(spec, base, dec.s.num_steps)
+    result.update(prompts=len(ps.prompts), turns=len(per_turn), per_turn=per_turn)
+    if greedy:
+        result["greedy_mismatches"] = mismatches
+    return result, rendered
+
+
+def _turns(prompt: Prompt) -> list[str | None]:
+    return [None] if prompt.token_ids is not None else list(prompt.turns)
+
+
+def metrics(spec: AcceptanceStats, base: AcceptanceStats, num_positions: int) -> dict[str, Any]:
+    tps_spec, tps_base = spec.tokens_per_second, base.tokens_per_second
+    return {
+        "tau": spec.tau,
+        "acceptance_rate": spec.acceptance_rate(num_positions),
+        "verify_steps": spec.steps,
+        "accepted_tokens": spec.accepted_tokens,
+        "generated_tokens": spec.generated,
+        "baseline_generated_tokens": base.generated,
+        "tokens_per_forward": spec.tokens_per_forward,
+        "tokens_per_s": {"spec": tps_spec, "baseline": tps_base},
+        "speedup": tps_spec / tps_base if tps_base else float("nan"),
+        "seconds": {"spec": spec.seconds, "baseline": base.seconds},
+    }
+
+
+def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]], Path]:
+    """The built-in evaluation; returns (report, rendered prompts per set, draft folder)."""
+    folder = resolve_checkpoint(cfg)
+    log.info("eval: target %s (%s, %s), draft %s", cfg.target.path, cfg.target.dtype, cfg.target.device, folder)
+    model, tokenizer = load_target(cfg)
+    draft = load_draft(folder, model, cfg)
+    ids = list(draft.config.aux_layer_ids)
+    target = HFTargetDecoder(model, ids)
+    settings = settings_from(cfg)
+    eos = eos_ids(tokenizer, model)
+    dec = SpeculativeDecoder(target, draft, settings, eos)
+    render = PromptRenderer(tokenizer, cfg)
+    sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
+    # Warm-up (first-call allocations would otherwise be billed to whichever method runs first).
+    warm = sets[0].prompts[0]
+    warm_ids = warm.token_ids if warm.token_ids is not None else render([_user(warm.turns[0])])
+    full = dec.s.max_new_tokens
+    dec.s.max_new_tokens = 4
+    dec.generate(warm_ids[:64], torch.Generator().manual_seed(0))
+    dec.generate_baseline(warm_ids[:64], torch.Generator().manual_seed(0))
+    dec.s.max_new_tokens = full
+
+    report: dict[str, Any] = {
+        "engine": "builtin",
+        "device": str(target.device),
+        "target": {"path": cfg.target.path, "dtype": cfg.target.dtype,
+                   "architectures": getattr(model.config, "architectures", None),
+                   "num_layers": model.config.get_text_config().num_hidden_layers},
+        "draft": str(folder),
+        "aux_layer_ids": ids,
+        "settings": {**asdict(settings), "seed": cfg.eval.seed, "max_prompts": cfg.eval.max_prompts},
+        "definitions": {
+            "tau": "mean over verify steps of (accepted draft tokens + 1 bonus token), as SGLang/vLLM report it",
+            "acceptance_rate": "per draft position j: share of verify steps that accepted at least j tokens",
+            "tokens_per_forward": "generated tokens per target forward (prefill included)",
+        },
+        "sets": {},
+    }
+    rendered: dict[str, list[list[int]]] = {}
+    total = sum(ps.num_turns for ps in sets)
+    with Progress(total, "eval", unit="turn") as progress:
+        for ps in sets:
+            result, rendered[ps.name] = evaluate_set(dec, ps, render, eos, cfg.eval.seed, progress)
+            report["sets"][ps.name] = result
+            log.info("eval %s: τ=%.3f over %d turns", ps.name, result["tau"], result["turns"])
+    target.close()
+    return report, rendered, folder
+
+
+def _user(text: str) -> Any:
+    from eagle3.data.types import Turn
+
+    return Turn("user", text)
+
+
+def write_report(report: dict[str, Any], eval_dir: Path) -> None:
+    from eagle3.report import plot, summary_lines, write_json
+
+    write_json(report, eval_dir / "report.json")
+    plot(report, eval_dir / "report.png")
+    for line in summary_lines(report):
+        print(line, flush=True)
+    print(f"report: {eval_dir / 'report.json'} and {eval_dir / 'report.png'}", flush=True)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """`eagle3 eval`: built-in speculative decoding, then (optionally) the same prompts inside an engine."""
+    setup_logging()
+    report, rendered, folder = run_builtin(cfg)
+    engine = cfg.eval.engine
+    if engine != "builtin":
+        all_prompts = [p for ps in rendered.values() for p in ps]
+        builtin_tau = _pooled_tau(report)
+        if engine == "vllm":
+            from eagle3.engines.vllm_check import run_vllm
+
+            result = run_vllm(cfg, folder, all_prompts)
+        else:
+            from eagle3.engines.sglang_check import run_sglang
+
+            result = run_sglang(cfg, all_prompts)
+        result["builtin_tau"] = builtin_tau
+        report["engines"] = {engine: result}
+    write_report(report, cfg.eval_dir)
+    (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
+    return report
+
+
+def _pooled_tau(report: dict[str, Any]) -> float:
+    steps = sum(r["verify_steps"] for r in report["sets"].values())
+    acc = sum(r["accepted_tokens"] for r in report["sets"].values())
+    return (acc + steps) / steps if steps else float("nan")

@@ -1,0 +1,106 @@
+"""Prompt sets for the evaluator: MT-Bench, the prepared eval split, or any JSONL of prompts.
+
+- `mt-bench`: the 80 MT-Bench questions (FastChat, Apache-2.0; shipped as eagle3/assets/mt_bench_question.jsonl,
+  see its README). Two turns each: the second turn is asked after the model's OWN first answer, as MT-Bench does.
+- `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
+  (assistant) token, i.e. the first user turn already rendered with the generation prompt.
+- a path to a JSONL file: one object per line, `{"prompt": "..."}` or `{"turns": ["...", "..."]}`
+  (optional `"id"`).
+
+Text turns are rendered later, by the evaluator, with the target's chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+MT_BENCH = ASSETS / "mt_bench_question.jsonl"
+
+
+@dataclass
+class Prompt:
+    """One prompt: user turns as text (rendered by the evaluator) or an already-rendered token prefix."""
+
+    id: str
+    turns: list[str] = field(default_factory=list)
+    token_ids: list[int] | None = None
+    category: str | None = None
+
+
+@dataclass
+class PromptSet:
+    name: str
+    prompts: list[Prompt]
+
+    @property
+    def num_turns(self) -> int:
+        return sum(max(1, len(p.turns)) for p in self.prompts)
+
+
+def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
+    """`{"prompt": str}` or `{"turns": [str, ...]}` per line; errors name the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, eval-split, or a JSONL path)")
+    prompts: list[Prompt] = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{p}:{i}: expected an object with \"prompt\" or \"turns\"")
+        if "turns" in rec:
+            turns = rec["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+                raise ValueError(f"{p}:{i}: \"turns\" must be a non-empty list of non-empty strings")
+        elif isinstance(rec.get("prompt"), str) and rec["prompt"]:
+            turns = [rec["prompt"]]
+        else:
+            raise ValueError(f"{p}:{i}: expected a non-empty \"prompt\" string or a \"turns\" list")
+        pid = str(rec.get("id", rec.get("question_id", f"{p.stem}-{i}")))
+        prompts.append(Prompt(pid, list(turns), category=rec.get("category")))
+    if not prompts:
+        raise ValueError(f"{p}: no prompts")
+    return PromptSet(name or p.stem, prompts)
+
+
+def mt_bench() -> PromptSet:
+    return read_jsonl_prompts(MT_BENCH, "mt-bench")
+
+
+def eval_split(prepared_dir: str | Path) -> PromptSet:
+    """Prompts of the prepared eval split: each sample's tokens before its first assistant (loss-masked) token."""
+    from eagle3.data.prepared import load_prepared
+
+    prepared = load_prepared(prepared_dir)
+    prompts: list[Prompt] = []
+    for row in prepared.eval:
+        mask = row["loss_mask"]
+        first = next((i for i, m in enumerate(mask) if m), None)
+        if not first:  # no assistant token, or one at position 0 (nothing to condition on)
+            continue
+        prompts.append(Prompt(str(row["id"]), token_ids=[int(t) for t in row["input_ids"][:first]]))
+    if not prompts:
+        raise ValueError(f"{prepared_dir}/eval: no sample has a user prefix before its first loss-masked token")
+    return PromptSet("eval-split", prompts)
+
+
+def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_prompts: int | None = None) -> PromptSet:
+    """`mt-bench`, `eval-split` (needs `prepared_dir`) or a JSONL path; keep the first `max_prompts`."""
+    if name == "mt-bench":
+        ps = mt_bench()
+    elif name == "eval-split":
+        if prepared_dir is None:
+            raise ValueError("prompt set eval-split needs the prepared data folder")
+        ps = eval_split(prepared_dir)
+    else:
+        ps = read_jsonl_prompts(name)
+    if max_prompts is not None:
+        ps.prompts = ps.prompts[:max_prompts]
+    return ps

@@ -1,0 +1,124 @@
+"""The evaluation report: `report.json` (every number) and `report.png` (the three charts people look at).
+
+The chart shows, per prompt set: the mean acceptance length τ (engines' definition, bonus token included), the
+acceptance rate at each draft position, and decoding speed with and without speculation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+
+
+def _num(x: float | None) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def plot(report: dict[str, Any], path: str | Path) -> Path:
+    """Three panels (τ, acceptance per position, tokens/s) for every prompt set of `report["sets"]`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets: dict[str, dict[str, Any]] = report["sets"]
+    names = list(sets)
+    s = report.get("settings", {})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    ax = axes[0]
+    taus = [_num(sets[n].get("tau")) for n in names]
+    bars = ax.bar(names, taus, color=colors[: len(names)])
+    for b, t in zip(bars, taus, strict=True):
+        if not math.isnan(t):
+            ax.annotate(f"{t:.2f}", (b.get_x() + b.get_width() / 2, t), ha="center", va="bottom", fontsize=10)
+    ceiling = s.get("num_steps", 0) + 1
+    if ceiling > 1:
+        ax.axhline(ceiling, color="gray", ls="--", lw=1)
+        ax.text(-0.4, ceiling, f" max {ceiling}", va="bottom", color="gray", fontsize=9)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_ylim(0, max([ceiling, *[t for t in taus if not math.isnan(t)]]) * 1.15 or 1)
+    ax.set_ylabel("τ: tokens per verify step")
+    ax.set_title("Mean acceptance length τ")
+
+    ax = axes[1]
+    for i, n in enumerate(names):
+        rate = sets[n].get("acceptance_rate") or []
+        if rate:
+            ax.plot(range(1, len(rate) + 1), [100 * r for r in rate], marker="o", color=colors[i % len(colors)],
+                    label=n)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("verify steps accepting ≥ this many (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("Acceptance rate per draft position")
+    if ceiling > 1:
+        ax.set_xticks(range(1, ceiling))
+    if names:
+        ax.legend(fontsize=9)
+
+    ax = axes[2]
+    width = 0.38
+    xs = list(range(len(names)))
+    base = [_num(sets[n].get("tokens_per_s", {}).get("baseline")) for n in names]
+    spec = [_num(sets[n].get("tokens_per_s", {}).get("spec")) for n in names]
+    ax.bar([x - width / 2 for x in xs], base, width, label="without speculation", color="#999999")
+    ax.bar([x + width / 2 for x in xs], spec, width, label="EAGLE-3", color=colors[0])
+    for x, b, sp in zip(xs, base, spec, strict=True):
+        if b and not math.isnan(b) and not math.isnan(sp):
+            ax.annotate(f"{sp / b:.2f}×", (x + width / 2, sp), ha="center", va="bottom", fontsize=10)
+    ax.set_xticks(xs, names)
+    top = max([v for v in base + spec if not math.isnan(v)] or [1.0])
+    ax.set_ylim(0, top * 1.3)
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"Decoding speed ({report.get('device', 'cpu')})")
+    ax.legend(fontsize=9, loc="upper center", ncol=2)
+
+    shape = (f"steps {s.get('num_steps')} · topk {s.get('topk')} · draft tokens {s.get('num_draft_tokens')} · "
+             f"T={s.get('temperature')} · max_new {s.get('max_new_tokens')}")
+    target = Path(str(report.get("target", {}).get("path", "target"))).name
+    draft = "/".join(Path(str(report.get("draft", ""))).parts[-2:])
+    fig.suptitle(f"target {target} + draft {draft}"
+                 f"   ({shape})", fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """One human line per prompt set (what `eagle3 eval` prints)."""
+    lines = []
+    for name, r in report["sets"].items():
+        rate = " ".join(f"{100 * x:.0f}%" for x in r.get("acceptance_rate") or [])
+        tps = r.get("tokens_per_s", {})
+        line = (f"{name}: τ={r.get('tau', float('nan')):.3f} (accept per position: {rate}) "
+                f"tokens/forward={r.get('tokens_per_forward', float('nan')):.2f} "
+                f"tokens/s spec={tps.get('spec', float('nan')):.1f} baseline={tps.get('baseline', float('nan')):.1f} "
+                f"speedup={r.get('speedup', float('nan')):.2f}x over {r.get('turns')} turns")
+        if r.get("greedy_mismatches"):
+            line += f" WARNING: {r['greedy_mismatches']} turns differ from plain greedy decoding"
+        lines.append(line)
+    for engine, r in (report.get("engines") or {}).items():
+        lines.append(f"{engine}: τ={r.get('tau', float('nan')):.3f} (built-in τ on the same prompts: "
+                     f"{r.get('builtin_tau', float('nan')):.3f})")
+    return lines

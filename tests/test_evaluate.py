@@ -1,0 +1,208 @@
+"""The evaluator end to end on a tiny target, prompt sets, and the engines' metric parsing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from models import make_prepared, tiny_llama
+from tokenizer_builders import llama_test_tokenizer
+
+from eagle3.config import Config
+from eagle3.engines.sglang_check import parse_sglang_meta
+from eagle3.engines.vllm_check import parse_prometheus_text, parse_vllm_metrics
+from eagle3.prompts import load_prompt_set, mt_bench, read_jsonl_prompts
+
+VOCAB = 512
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only spin on a busy 2-core machine
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------------------- prompts
+def test_mt_bench_has_80_two_turn_questions():
+    ps = mt_bench()
+    assert len(ps.prompts) == 80 and ps.num_turns == 160
+    assert all(len(p.turns) == 2 for p in ps.prompts)
+    assert ps.prompts[0].id == "81" and ps.prompts[0].category == "writing"
+    assert len(load_prompt_set("mt-bench", max_prompts=5).prompts) == 5
+
+
+def test_jsonl_prompts_and_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n\n{"id": "x", "turns": ["a", "b"]}\n')
+    ps = read_jsonl_prompts(f)
+    assert [p.turns for p in ps.prompts] == [["hi"], ["a", "b"]] and ps.prompts[1].id == "x"
+    for bad, msg in [('{"prompt": ""}', "non-empty"), ('{"turns": []}', "turns"), ("[1]", "object"),
+                     ("{oops", "not valid JSON")]:
+        f.write_text('{"prompt": "ok"}\n' + bad + "\n")
+        with pytest.raises(ValueError, match=msg) as e:
+            read_jsonl_prompts(f)
+        assert "p.jsonl:2" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="known sets"):
+        load_prompt_set(str(tmp_path / "missing.jsonl"))
+
+
+def test_eval_split_prompts_stop_before_the_first_answer_token(tmp_path):
+    from datasets import load_from_disk
+
+    prepared = make_prepared(tmp_path / "prep", n=4, n_eval=3, vocab=VOCAB)
+    ps = load_prompt_set("eval-split", prepared)
+    rows = list(load_from_disk(str(prepared / "eval")))
+    assert len(ps.prompts) == 3
+    for p, row in zip(ps.prompts, rows, strict=True):
+        first = row["loss_mask"].index(1)
+        assert p.token_ids == row["input_ids"][:first] and p.id == row["id"]
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def _setup(tmp_path: Path, **eval_overrides) -> Config:
+    from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+
+    target = tiny_llama(tmp_path / "target", vocab=VOCAB, layers=4)
+    llama_test_tokenizer(target, vocab_size=VOCAB)
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(target)
+    cfg = Config(output_dir=str(tmp_path / "run"))
+    cfg.target.path, cfg.target.dtype = str(target), "float32"
+    cfg.data.output_dir = str(make_prepared(tmp_path / "prep", n=4, n_eval=2, vocab=VOCAB))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "two", "turns": ["Hello there", "And again?"]}\n{"prompt": "Count to ten"}\n')
+    cfg.eval.prompt_sets = [str(prompts), "eval-split"]
+    cfg.eval.max_new_tokens = 10
+    for k, v in eval_overrides.items():
+        setattr(cfg.eval, k, v)
+    dc = Eagle3DraftConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           intermediate_size=128, vocab_size=VOCAB, draft_vocab_size=128, target_hidden_size=64,
+                           aux_layer_ids=cfg.layer_ids(4),
+                           target={"path": str(target), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                   "num_layers": 4})
+    torch.manual_seed(0)
+    draft = Eagle3Draft(dc)
+    ids = torch.arange(128) * 4
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(128), t2d)
+    draft.init_from_target(model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach())
+    draft.save_pretrained(cfg.checkpoint_dir / "best")
+    return cfg
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), (2, 3, 6)], ids=["chain", "tree"])
+def test_run_writes_report_and_is_lossless(tmp_path, shape, capsys):
+    from eagle3.evaluate import run
+
+    steps, topk, n = shape
+    cfg = _setup(tmp_path, num_steps=steps, topk=topk, num_draft_tokens=n)
+    report = run(cfg)
+    saved = json.loads((cfg.eval_dir / "report.json").read_text())
+    assert saved["sets"].keys() == {"prompts", "eval-split"}
+    assert (cfg.eval_dir / "report.png").stat().st_size > 10_000
+    for name, r in saved["sets"].items():
+        assert r["greedy_mismatches"] == 0, name
+        assert 1.0 <= r["tau"] <= steps + 1
+        assert len(r["acceptance_rate"]) == steps
+        assert r["tokens_per_s"]["spec"] > 0 and r["tokens_per_s"]["baseline"] > 0
+    assert saved["sets"]["prompts"]["turns"] == 3  # the two-turn prompt counts twice
+    assert saved["sets"]["eval-split"]["turns"] == 2
+    assert saved["aux_layer_ids"] == cfg.layer_ids(4) and saved["settings"]["topk"] == topk
+    assert report["sets"]["prompts"]["tau"] == saved["sets"]["prompts"]["tau"]
+    out = capsys.readouterr().out
+    assert "prompts: τ=" in out and "eval-split: τ=" in out
+    rendered = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())
+    assert len(rendered["prompts"]) == 3  # second turn rendered after the model's own first answer
+    assert rendered["prompts"][1][: len(rendered["prompts"][0])] == rendered["prompts"][0]
+
+
+def test_checkpoint_resolution(tmp_path):
+    import shutil
+
+    from eagle3.evaluate import resolve_checkpoint
+
+    cfg = _setup(tmp_path)
+    ck = cfg.checkpoint_dir
+    assert resolve_checkpoint(cfg) == ck / "best"
+    for step in (3, 12):
+        shutil.copytree(ck / "best", ck / f"step_{step}" / "draft")
+    shutil.rmtree(ck / "best")
+    assert resolve_checkpoint(cfg) == ck / "step_12" / "draft"  # newest step, numerically
+    cfg.eval.checkpoint = str(ck / "step_3")
+    assert resolve_checkpoint(cfg) == ck / "step_3" / "draft"
+    cfg.eval.checkpoint = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_checkpoint(cfg)
+    cfg.eval.checkpoint = None
+    cfg.output_dir = str(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no draft to evaluate"):
+        resolve_checkpoint(cfg)
+
+
+def test_draft_trained_on_other_ids_is_refused(tmp_path):
+    from eagle3.evaluate import load_draft, load_target
+
+    cfg = _setup(tmp_path)
+    model, _ = load_target(cfg)
+    cfg.target.aux_layer_ids = [0, 1, 3]
+    with pytest.raises(ValueError, match="trained on ids"):
+        load_draft(cfg.checkpoint_dir / "best", model, cfg)
+
+
+# ------------------------------------------------------------------------------------------------- engines
+def test_vllm_metrics_parse():
+    records = [
+        {"name": "vllm:spec_decode_num_drafts", "value": 10},
+        {"name": "vllm:spec_decode_num_draft_tokens", "value": 30},
+        {"name": "vllm:spec_decode_num_accepted_tokens", "value": 17},
+        {"name": "vllm:spec_decode_num_accepted_tokens_per_pos", "values": [8, 6, 3]},
+        {"name": "vllm:generation_tokens", "value": 99},
+    ]
+    r = parse_vllm_metrics(records)
+    assert r["tau"] == pytest.approx(1 + 17 / 10)
+    assert r["acceptance_rate"] == pytest.approx([0.8, 0.6, 0.3])
+    assert r["draft_token_acceptance"] == pytest.approx(17 / 30)
+    with pytest.raises(ValueError, match="no speculative drafts"):
+        parse_vllm_metrics(records[-1:])
+
+
+def test_prometheus_text_parse():
+    text = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 17.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="0"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="2"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="1"} 6.0
+vllm:num_requests_running{engine="0"} 0.0
+"""
+    r = parse_vllm_metrics(parse_prometheus_text(text))
+    assert r["tau"] == pytest.approx(2.7) and r["acceptance_rate"] == pytest.approx([0.8, 0.6, 0.3])
+
+
+def test_sglang_meta_parse():
+    metas = [{"completion_tokens": 30, "spec_verify_ct": 10, "spec_accept_length": 3.0},
+             {"completion_tokens": 10, "spec_verify_ct": 10}]
+    r = parse_sglang_meta(metas)
+    assert r["tau"] == pytest.approx(40 / 20) and r["mean_request_accept_length"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="spec_verify_ct"):
+        parse_sglang_meta([{"completion_tokens": 3}])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not __import__("os").environ.get(
+    "EAGLE3_VLLM_PYTHON"), reason="vllm not installed (set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python)")
+def test_vllm_engine_check_end_to_end(tmp_path):
+    from eagle3.evaluate import run
+
+    cfg = _setup(tmp_path, engine="vllm", max_prompts=1)
+    report = run(cfg)
+    v = report["engines"]["vllm"]
+    assert v["num_drafts"] > 0 and 1.0 <= v["tau"] <= cfg.eval.num_steps + 1
+    assert (cfg.export_dir / "vllm" / "config.json").is_file()
