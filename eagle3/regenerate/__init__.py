@@ -1,0 +1,176 @@
+"""Self-distillation: the target re-answers every conversation, so the draft learns the target's own outputs.
+
+    eagle3 regenerate --config configs/smollm2-135m.yaml regenerate.max_tokens=64 data.max_samples=20
+
+Reads every source in `data.sources` (at most `data.max_samples` conversations, taken in source order), keeps
+the system and user turns, and replaces each assistant turn with the target's answer, turn by turn (later turns
+see the regenerated earlier answers). Writes ShareGPT JSONL to `regenerate.output` (default
+`<output_dir>/regenerated.jsonl`), one line per finished conversation, the format `prepare` reads.
+To train on the result, point the data at it:
+
+    eagle3 prepare --config configs/smollm2-135m.yaml 'data.sources=[{path: runs/smollm2-135m/regenerated.jsonl}]'
+
+Backends (`regenerate.backend`): `hf` generates in process with transformers (small targets, tests); `openai`
+talks to OpenAI-compatible servers (SGLang, vLLM) listed in `regenerate.endpoints`.
+
+A killed run resumes where it stopped: finished conversations are skipped, a torn last line is cut off.
+Conversations that fail after `regenerate.max_retries` retries are listed in `<output>.failed.jsonl` and the
+summary, and are tried again by the next run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, Protocol
+
+from eagle3.config import Config
+from eagle3.data.types import Conversation
+from eagle3.logs import Progress
+from eagle3.regenerate.dialogue import Dialogue, Outcome, split_reasoning, to_sharegpt
+from eagle3.regenerate.output import JsonlAppender, failed_path, recover
+
+__all__ = ["Summary", "load_conversations", "make_backend", "regenerate", "run", "split_reasoning"]
+
+log = logging.getLogger("eagle3")
+
+
+class Backend(Protocol):
+    def outcomes(self, dialogues: Iterable[Dialogue]) -> Iterator[Outcome]:
+        """Finished conversations, in any order."""
+        ...
+
+
+@dataclass
+class Summary:
+    output: Path
+    regenerated: int = 0
+    failed: int = 0
+    skipped_done: int = 0
+    """Already in the output from an earlier run."""
+    skipped_duplicate: int = 0
+    """Ids seen earlier in the sources (only the first is regenerated)."""
+    skipped_no_prompt: int = 0
+    """Conversations without a user turn: nothing to answer."""
+    truncated_turns: int = 0
+    """Answers cut at regenerate.max_tokens (finish_reason "length")."""
+    truncated_conversations: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    total_in_output: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        failed = f" (listed in {failed_path(self.output)}; rerun to retry them)" if self.failed else ""
+        return (
+            f"regenerate: {self.regenerated} regenerated, {self.failed} failed{failed}, "
+            f"{self.truncated_turns} answers truncated at max_tokens (in {self.truncated_conversations} "
+            f"conversations), {self.skipped_done} skipped as already done, {self.skipped_duplicate} duplicate ids "
+            f"and {self.skipped_no_prompt} without a user turn skipped; {self.tokens} tokens in "
+            f"{self.seconds:.1f}s ({self.tokens_per_s:.1f} tok/s, "
+            f"{self.regenerated / self.seconds if self.seconds else 0:.2f} conv/s). "
+            f"{self.output} holds {self.total_in_output} conversations: train on it with "
+            f"'data.sources=[{{path: {self.output}}}]'"
+        )
+
+
+def load_conversations(cfg: Config) -> Iterator[Conversation]:
+    """Every conversation of every `data.sources` entry, in order, capped at `data.max_samples`."""
+    from eagle3.data.sources import read_conversations
+
+    def all_sources() -> Iterator[Conversation]:
+        for src in cfg.data.sources:
+            yield from read_conversations(src)
+
+    return islice(all_sources(), cfg.data.max_samples)
+
+
+def make_backend(cfg: Config) -> Backend:
+    if cfg.regenerate.backend == "openai":
+        from eagle3.regenerate.openai import OpenAIBackend
+
+        return OpenAIBackend(cfg.regenerate)
+    from eagle3.regenerate.hf import HFBackend
+
+    return HFBackend(cfg)
+
+
+def regenerate(cfg: Config, conversations: Iterable[Conversation], backend: Backend | None = None) -> Summary:
+    """Regenerate `conversations` into `cfg.regenerated_path`, resuming from what is already there."""
+    out = cfg.regenerated_path
+    done = recover(out)
+    summary = Summary(out)
+    todo: list[Dialogue] = []
+    seen: set[str] = set()
+    for conv in conversations:
+        if conv.id in seen:
+            summary.skipped_duplicate += 1
+            continue
+        seen.add(conv.id)
+        if conv.id in done:
+            summary.skipped_done += 1
+            continue
+        d = Dialogue(conv, cfg.data.system_prompt)
+        if not d.has_prompt:
+            summary.skipped_no_prompt += 1
+            continue
+        todo.append(d)
+    if summary.skipped_duplicate:
+        log.warning("regenerate: %d conversations reuse an id seen earlier; only the first of each is used",
+                    summary.skipped_duplicate)
+    log.info("regenerate: %d to do, %d already in %s", len(todo), summary.skipped_done, out)
+    summary.total_in_output = len(done)
+    if todo:
+        backend = backend or make_backend(cfg)
+        _drive(cfg, backend, todo, summary)
+    else:
+        failed_path(out).unlink(missing_ok=True)
+    log.info(summary.line())
+    return summary
+
+
+def _drive(cfg: Config, backend: Backend, todo: list[Dialogue], summary: Summary) -> None:
+    out = summary.output
+    keep = cfg.regenerate.keep_reasoning
+    t0 = time.monotonic()
+    # The sidecar lists this run's failures only: earlier failures are not in the output, so they are retried now.
+    failed_file = failed_path(out)
+    failed_file.unlink(missing_ok=True)
+    failures: JsonlAppender | None = None
+    try:
+        with JsonlAppender(out) as writer, Progress(len(todo), "regenerate", unit="conv") as bar:
+            for o in backend.outcomes(todo):
+                if o.conversation is not None:
+                    writer.write(to_sharegpt(o.conversation, keep))
+                    summary.regenerated += 1
+                    summary.total_in_output += 1
+                    summary.tokens += o.tokens
+                    summary.truncated_turns += o.truncated_turns
+                    summary.truncated_conversations += o.truncated_turns > 0
+                else:
+                    failures = failures or JsonlAppender(failed_file, fsync_every_s=0.0)
+                    failures.write(_failure_record(o))
+                    summary.failed += 1
+                    log.warning("regenerate: conversation %r failed after %d attempts: %s", o.id, o.attempts, o.error)
+                dt = time.monotonic() - t0
+                bar.update(1, tok_s=f"{summary.tokens / dt:.1f}" if dt > 0 else "0", failed=summary.failed)
+    finally:
+        if failures is not None:
+            failures.close()
+        summary.seconds = time.monotonic() - t0
+
+
+def _failure_record(o: Outcome) -> dict[str, Any]:
+    return {"id": o.id, "error": o.error, "attempts": o.attempts, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def run(cfg: Config) -> Summary:
+    """`eagle3 regenerate`: read the sources, regenerate, log the summary."""
+    return regenerate(cfg, load_conversations(cfg))

@@ -1,0 +1,114 @@
+"""In-process transformers backend: batched `generate` with left padding, for small targets and tests.
+
+Prompts are rendered by eagle3.data.templates exactly as `prepare` renders conversations (`data.chat_template`:
+the tokenizer's own template or a built-in one), so the answers are generated in the format trained on.
+A batch of conversations advances in lockstep: round r generates the r-th answer of every conversation that
+still has one to give, so multi-turn conversations stay batched and each answer sees the regenerated history.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from typing import Any
+
+from eagle3.config import Config
+from eagle3.data.templates import load_tokenizer, render_prompt
+from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, split_reasoning
+
+log = logging.getLogger("eagle3")
+
+
+class HFBackend:
+    """Generates answers with an AutoModelForCausalLM loaded from `target.path`."""
+
+    def __init__(self, cfg: Config, model: Any = None, tokenizer: Any = None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from eagle3.bundled import resolve_target_path
+
+        self.cfg = cfg
+        self.rcfg = cfg.regenerate
+        if model is None or tokenizer is None:
+            path = resolve_target_path(cfg.target.path)
+            t = cfg.target
+            tokenizer = load_tokenizer(cfg)
+            kwargs: dict[str, Any] = {"dtype": getattr(torch, t.dtype), "revision": t.revision,
+                                      "trust_remote_code": t.trust_remote_code}
+            if t.device == "auto":
+                kwargs["device_map"] = "auto"
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            if t.device != "auto":
+                model = model.to(t.device)
+            log.info("regenerate: loaded %s (%s, %s)", path, t.dtype, t.device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.eos_ids = self._eos_ids()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self._specials = [s for s in tokenizer.all_special_tokens if s not in ("<think>", "</think>")]
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            v = getattr(src, "eos_token_id", None)
+            ids.update(v if isinstance(v, list) else [] if v is None else [v])
+        if not ids:
+            raise RuntimeError("regenerate: the target defines no eos_token_id; generation could never stop")
+        return ids
+
+    def generate(self, prompts: list[list[int]]) -> list[Answer]:
+        """One batched `generate` over left-padded prompts; answers cut at the first EOS."""
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        r = self.rcfg
+        sampling: dict[str, Any] = {"do_sample": False}
+        if r.temperature > 0:
+            sampling = {"do_sample": True, "temperature": r.temperature, "top_p": r.top_p}
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=r.max_tokens,
+                pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), **sampling,
+            )
+        answers = []
+        for row in out[:, width:].tolist():
+            stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            new = row if stop is None else row[:stop]
+            # Keep special tokens while decoding so `<think>` survives where it is a special token (Kimi),
+            # then drop the rest of them from the text.
+            text = self.tokenizer.decode(new, skip_special_tokens=False)
+            content, reasoning = split_reasoning(self._strip_specials(text))
+            answers.append(Answer(content, reasoning, "stop" if stop is not None else "length", len(new)))
+        return answers
+
+    def _strip_specials(self, text: str) -> str:
+        for s in self._specials:
+            text = text.replace(s, "")
+        return text
+
+    def outcomes(self, dialogues: Iterable[Dialogue]) -> Iterator[Outcome]:
+        it = iter(dialogues)
+        while batch := list(islice(it, self.rcfg.batch_size)):
+            yield from self._run_batch(batch)
+
+    def _run_batch(self, batch: list[Dialogue]) -> list[Outcome]:
+        try:
+            prompts = [(d, d.next_prompt()) for d in batch]
+            while active := [(d, h) for d, h in prompts if h is not None]:
+                tokens = [render_prompt(h, self.tokenizer, self.cfg.data.chat_template, self.rcfg.thinking)
+                          for _, h in active]
+                for (d, _), ans in zip(active, self.generate(tokens), strict=True):
+                    d.add_answer(ans)
+                prompts = [(d, d.next_prompt()) for d, _ in active]
+        except Exception as e:  # noqa: BLE001 - one bad batch is recorded as failed, the run goes on
+            log.exception("regenerate: a batch of %d conversations failed", len(batch))
+            return [Outcome(d.source.id, error=f"{type(e).__name__}: {e}", attempts=1) for d in batch]
+        return [d.outcome() for d in batch]
