@@ -80,6 +80,42 @@ def test_split_reasoning(content, field, answer, reasoning):
     assert split_reasoning(content, field) == (answer, reasoning)
 
 
+def test_dialogue_answer_points_and_system_prompt():
+    from eagle3.data.types import Conversation, Turn
+    from eagle3.regenerate.dialogue import Answer, Dialogue
+
+    conv = Conversation("x", [Turn("assistant", "opening line"), Turn("user", "u1"), Turn("user", "u1b"),
+                              Turn("assistant", "a1"), Turn("user", "u2")])
+    d = Dialogue(conv, system_prompt="sys")
+    prompts = []
+    while (h := d.next_prompt()) is not None:
+        prompts.append([t.content for t in h])
+        d.add_answer(Answer(f"new{len(prompts)}", tokens=2))
+    # The leading assistant turn answers nothing (dropped); consecutive user turns get one answer; a trailing
+    # user turn gets one too; the system prompt is inserted because the conversation has none.
+    assert prompts == [["sys", "u1", "u1b"], ["sys", "u1", "u1b", "new1", "u2"]]
+    out = d.outcome()
+    assert [(t.role, t.content) for t in out.conversation.turns] == [
+        ("system", "sys"), ("user", "u1"), ("user", "u1b"), ("assistant", "new1"), ("user", "u2"),
+        ("assistant", "new2")]
+    assert out.tokens == 4 and not out.cut_at_max_length
+    assert not Dialogue(Conversation("y", [Turn("system", "s"), Turn("assistant", "a")])).has_prompt
+
+
+def test_dialogue_stops_at_max_length():
+    from eagle3.data.types import Conversation, Turn
+    from eagle3.regenerate.dialogue import Answer, Dialogue
+
+    conv = Conversation("x", [Turn("user", "u1"), Turn("assistant", "a1"), Turn("user", "u2"),
+                              Turn("assistant", "a2")])
+    d = Dialogue(conv, max_length=100)
+    d.next_prompt()
+    d.add_answer(Answer("new1", tokens=40, prompt_tokens=60))  # 60 + 40 tokens: prepare keeps nothing after
+    assert d.next_prompt() is None
+    out = d.outcome()
+    assert [t.content for t in out.conversation.turns] == ["u1", "new1"] and out.cut_at_max_length
+
+
 def test_recover_cuts_torn_line_and_lists_ids(tmp_path):
     out = tmp_path / "r.jsonl"
     out.write_text('{"id": "a", "conversations": []}\n{"id": "b", "conversations": []}\n{"id": "c", "conv')
@@ -135,6 +171,27 @@ def test_openai_multi_turn_success_writes_sharegpt(tmp_path):
     assert {(b["temperature"], b["top_p"], b["max_tokens"], b["model"]) for b in bodies} == {(0.7, 0.9, 32, "fake-model")}
     assert all(b["chat_template_kwargs"]["thinking"] is False for b in bodies)
     assert not failed_path(cfg.regenerated_path).exists()
+    # The file reads back through the sources reader `prepare` uses, turn for turn.
+    from eagle3.config import SourceConfig
+    from eagle3.data.sources import read_conversations
+
+    back = {c.id: c for c in read_conversations(SourceConfig(path=str(cfg.regenerated_path)))}
+    assert [(t.role, t.content) for t in back["c0"].turns] == [
+        ("system", "be brief"), ("user", "hello"), ("assistant", "A1: hello"), ("user", "and then?"),
+        ("assistant", "A2: and then?")]
+
+
+def test_openai_stops_conversation_at_max_length(tmp_path):
+    src = write_sharegpt(tmp_path / "convs.jsonl", TWO_TURN)
+    with FakeOpenAIServer() as srv:  # reports prompt_tokens=10 and a few completion tokens
+        cfg = openai_cfg(tmp_path, src, [srv.url])
+        cfg.data.max_length = 12
+        s = run_openai(cfg)
+        assert len(srv.requests) == 3  # c0's second turn is never asked
+    recs = {r["id"]: r for r in read_jsonl(cfg.regenerated_path)}
+    assert [t["value"] for t in recs["c0"]["conversations"]] == ["be brief", "hello", "A1: hello"]
+    assert (s.regenerated, s.cut_at_max_length) == (3, 1)
+    assert "1 ended early at data.max_length" in s.line()
 
 
 @pytest.mark.parametrize("style", ["field", "tags", "open"])
@@ -339,3 +396,13 @@ def test_hf_backend_regenerates_batched_multi_turn(tmp_path, tiny_hf_target):
 
     s2 = run(cfg)  # everything done: nothing is generated again
     assert (s2.regenerated, s2.skipped_done) == (0, 3)
+
+    # data.max_length: c0's second prompt is longer than the first prompt + 1 token, so c0 ends after answer 1.
+    first = render_prompt([Turn("system", "be brief"), Turn("user", "hello")], backend.tokenizer, "auto", False)
+    cfg3 = hf_cfg(tmp_path / "cut", tiny_hf_target, src)
+    cfg3.data.max_length = len(first) + 1
+    s3 = run(cfg3)
+    recs3 = {r["id"]: r for r in read_jsonl(cfg3.regenerated_path)}
+    assert [t["from"] for t in recs3["c0"]["conversations"]] == ["system", "human", "gpt"]
+    assert recs3["c0"]["conversations"][2]["value"] == c0[2]["value"]
+    assert s3.cut_at_max_length == 1 and s3.regenerated == 3

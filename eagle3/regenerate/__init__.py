@@ -4,7 +4,8 @@
 
 Reads every source in `data.sources` (at most `data.max_samples` conversations, taken in source order), keeps
 the system and user turns, and replaces each assistant turn with the target's answer, turn by turn (later turns
-see the regenerated earlier answers). Writes ShareGPT JSONL to `regenerate.output` (default
+see the regenerated earlier answers). A conversation that reaches `data.max_length` tokens ends with the answer
+that got it there: `prepare` would cut the later turns anyway. Writes ShareGPT JSONL to `regenerate.output` (default
 `<output_dir>/regenerated.jsonl`), one line per finished conversation, the format `prepare` reads.
 To train on the result, point the data at it:
 
@@ -59,6 +60,8 @@ class Summary:
     truncated_turns: int = 0
     """Answers cut at regenerate.max_tokens (finish_reason "length")."""
     truncated_conversations: int = 0
+    cut_at_max_length: int = 0
+    """Conversations ended early because they reached data.max_length tokens (prepare would cut the rest)."""
     tokens: int = 0
     seconds: float = 0.0
     total_in_output: int = 0
@@ -72,7 +75,7 @@ class Summary:
         return (
             f"regenerate: {self.regenerated} regenerated, {self.failed} failed{failed}, "
             f"{self.truncated_turns} answers truncated at max_tokens (in {self.truncated_conversations} "
-            f"conversations), {self.skipped_done} skipped as already done, {self.skipped_duplicate} duplicate ids "
+            f"conversations), {self.cut_at_max_length} ended early at data.max_length, {self.skipped_done} skipped as already done, {self.skipped_duplicate} duplicate ids "
             f"and {self.skipped_no_prompt} without a user turn skipped; {self.tokens} tokens in "
             f"{self.seconds:.1f}s ({self.tokens_per_s:.1f} tok/s, "
             f"{self.regenerated / self.seconds if self.seconds else 0:.2f} conv/s). "
@@ -117,7 +120,7 @@ def regenerate(cfg: Config, conversations: Iterable[Conversation], backend: Back
         if conv.id in done:
             summary.skipped_done += 1
             continue
-        d = Dialogue(conv, cfg.data.system_prompt)
+        d = Dialogue(conv, cfg.data.system_prompt, cfg.data.max_length)
         if not d.has_prompt:
             summary.skipped_no_prompt += 1
             continue
@@ -154,6 +157,7 @@ def _drive(cfg: Config, backend: Backend, todo: list[Dialogue], summary: Summary
                     summary.tokens += o.tokens
                     summary.truncated_turns += o.truncated_turns
                     summary.truncated_conversations += o.truncated_turns > 0
+                    summary.cut_at_max_length += o.cut_at_max_length
                 else:
                     failures = failures or JsonlAppender(failed_file, fsync_every_s=0.0)
                     failures.write(_failure_record(o))

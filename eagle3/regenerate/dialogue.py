@@ -26,6 +26,8 @@ class Answer:
     """`stop` or `length` (cut at max_tokens); None when the backend did not say."""
     tokens: int = 0
     """Generated tokens (reasoning included), for throughput."""
+    prompt_tokens: int | None = None
+    """Tokens of the prompt it answered, when the backend knows (for the `max_length` cut)."""
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Outcome:
     attempts: int = 0
     tokens: int = 0
     truncated_turns: int = 0
+    cut_at_max_length: bool = False
 
 
 @dataclass
@@ -46,9 +49,15 @@ class Dialogue:
 
     source: Conversation
     system_prompt: str | None = None
+    max_length: int | None = None
+    """Stop extending the conversation once it is this many tokens long (`data.max_length`): `prepare` would
+    cut everything after that point anyway, so generating it is wasted work."""
     history: list[Turn] = field(default_factory=list)
     tokens: int = 0
     truncated_turns: int = 0
+    context_tokens: int = 0
+    """Length of the conversation so far (last prompt + its answer), when the backend reports it."""
+    cut_at_max_length: bool = False
     _pos: int = 0
     _skeleton: list[tuple[Turn, bool]] = field(default_factory=list)
 
@@ -73,7 +82,10 @@ class Dialogue:
         return any(answer for _, answer in self._skeleton)
 
     def next_prompt(self) -> list[Turn] | None:
-        """The history the next answer must follow (ends with a user turn), or None when all are answered."""
+        """The history the next answer must follow (ends with a user turn), or None when all are answered
+        (or the conversation already reached `max_length`: it then ends with the last answer)."""
+        if self.max_length is not None and self.context_tokens >= self.max_length:
+            self.end_with_last_answer()
         while self._pos < len(self._skeleton):
             turn, answer_after = self._skeleton[self._pos]
             self._pos += 1
@@ -82,17 +94,29 @@ class Dialogue:
                 return list(self.history)
         return None
 
+    def end_with_last_answer(self) -> None:
+        """Drop every later turn (the conversation reached `max_length`); a no-op before the first answer."""
+        answered = [i for i, t in enumerate(self.history) if t.role == "assistant"]
+        if not answered:
+            return
+        rest = self._skeleton[self._pos:]
+        self.cut_at_max_length = len(self.history) > answered[-1] + 1 or any(a for _, a in rest)
+        del self.history[answered[-1] + 1:]
+        self._pos = len(self._skeleton)
+
     def add_answer(self, answer: Answer) -> None:
         if not self.history or self.history[-1].role != "user":
             raise RuntimeError(f"conversation {self.source.id!r}: an answer arrived with no user turn to answer")
         self.history.append(Turn("assistant", answer.content, answer.reasoning))
         self.tokens += answer.tokens
         self.truncated_turns += answer.finish_reason == "length"
+        if answer.prompt_tokens is not None:
+            self.context_tokens = answer.prompt_tokens + answer.tokens
 
     def outcome(self, attempts: int = 1) -> Outcome:
         conv = Conversation(self.source.id, list(self.history))
         return Outcome(self.source.id, conv, attempts=attempts, tokens=self.tokens,
-                       truncated_turns=self.truncated_turns)
+                       truncated_turns=self.truncated_turns, cut_at_max_length=self.cut_at_max_length)
 
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"

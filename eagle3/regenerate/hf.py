@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from itertools import islice
 from typing import Any
 
 from eagle3.config import Config
@@ -95,20 +94,47 @@ class HFBackend:
         return text
 
     def outcomes(self, dialogues: Iterable[Dialogue]) -> Iterator[Outcome]:
+        """Up to `batch_size` conversations in flight; each round generates the next answer of every one of
+        them, and a finished conversation's slot is refilled at once, so rounds stay full."""
         it = iter(dialogues)
-        while batch := list(islice(it, self.rcfg.batch_size)):
-            yield from self._run_batch(batch)
+        active: list[tuple[Dialogue, list[int]]] = []
+        while True:
+            while len(active) < self.rcfg.batch_size and (d := next(it, None)) is not None:
+                item = self._next(d)
+                if isinstance(item, Outcome):
+                    yield item
+                else:
+                    active.append((d, item))
+            if not active:
+                return
+            try:
+                answers = self.generate([ids for _, ids in active])
+            except Exception as e:  # noqa: BLE001 - a failed batch is recorded as failed, the run goes on
+                log.exception("regenerate: generating for %d conversations failed", len(active))
+                yield from (Outcome(d.source.id, error=f"{type(e).__name__}: {e}", attempts=1) for d, _ in active)
+                active = []
+                continue
+            still: list[tuple[Dialogue, list[int]]] = []
+            for (d, ids), ans in zip(active, answers, strict=True):
+                ans.prompt_tokens = len(ids)
+                d.add_answer(ans)
+                item = self._next(d)
+                if isinstance(item, Outcome):
+                    yield item
+                else:
+                    still.append((d, item))
+            active = still
 
-    def _run_batch(self, batch: list[Dialogue]) -> list[Outcome]:
+    def _next(self, d: Dialogue) -> list[int] | Outcome:
+        """The next prompt's token ids, or the conversation's outcome when it is finished (or cannot render)."""
         try:
-            prompts = [(d, d.next_prompt()) for d in batch]
-            while active := [(d, h) for d, h in prompts if h is not None]:
-                tokens = [render_prompt(h, self.tokenizer, self.cfg.data.chat_template, self.rcfg.thinking)
-                          for _, h in active]
-                for (d, _), ans in zip(active, self.generate(tokens), strict=True):
-                    d.add_answer(ans)
-                prompts = [(d, d.next_prompt()) for d, _ in active]
-        except Exception as e:  # noqa: BLE001 - one bad batch is recorded as failed, the run goes on
-            log.exception("regenerate: a batch of %d conversations failed", len(batch))
-            return [Outcome(d.source.id, error=f"{type(e).__name__}: {e}", attempts=1) for d in batch]
-        return [d.outcome() for d in batch]
+            history = d.next_prompt()
+            if history is None:
+                return d.outcome()
+            ids = render_prompt(history, self.tokenizer, self.cfg.data.chat_template, self.rcfg.thinking)
+        except Exception as e:  # noqa: BLE001 - e.g. a template error on this conversation only
+            return Outcome(d.source.id, error=f"rendering the prompt: {type(e).__name__}: {e}", attempts=1)
+        if d.max_length is not None and len(ids) >= d.max_length and any(t.role == "assistant" for t in d.history):
+            d.end_with_last_answer()  # the prompt alone is past max_length: end with the answers so far
+            return d.outcome()
+        return ids

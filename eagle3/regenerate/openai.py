@@ -250,4 +250,6 @@ def _parse_reply(reply: dict[str, Any], url: str) -> Answer:
     content, reasoning = split_reasoning(message.get("content"), message.get("reasoning_content")
                                          or message.get("reasoning"))
     usage = reply.get("usage") or {}
-    return Answer(content, reasoning, choice.get("finish_reason"), int(usage.get("completion_tokens") or 0))
+    prompt = usage.get("prompt_tokens")
+    return Answer(content, reasoning, choice.get("finish_reason"), int(usage.get("completion_tokens") or 0),
+                  int(prompt) if isinstance(prompt, int) else None)
