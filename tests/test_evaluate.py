@@ -195,6 +195,75 @@ def test_sglang_meta_parse():
         parse_sglang_meta([{"completion_tokens": 3}])
 
 
+FAKE_VLLM = """
+import json
+from dataclasses import dataclass
+
+
+@dataclass
+class Counter:
+    name: str
+    value: float
+
+
+@dataclass
+class Vector:
+    name: str
+    values: list
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+
+class _Out:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _Req:
+    def __init__(self, ids):
+        self.outputs = [_Out(ids)]
+
+
+class LLM:
+    def __init__(self, model, speculative_config, **kw):
+        cfg = json.load(open(speculative_config["model"] + "/config.json"))
+        assert cfg["speculators_model_type"] == "eagle3", cfg
+        assert speculative_config["method"] == "eagle3" and kw["enforce_eager"] and not kw["disable_log_stats"]
+        self.n = speculative_config["num_speculative_tokens"]
+
+    def generate(self, prompts, params):
+        self.count = len(prompts)
+        return [_Req([5] * params.kw["max_tokens"]) for _ in prompts]
+
+    def get_metrics(self):
+        d = 4 * self.count
+        return [Counter("vllm:spec_decode_num_drafts", d), Counter("vllm:spec_decode_num_draft_tokens", d * self.n),
+                Counter("vllm:spec_decode_num_accepted_tokens", d), Vector(
+                    "vllm:spec_decode_num_accepted_tokens_per_pos", [d * 0.6, d * 0.3, d * 0.1])]
+"""
+
+
+def test_vllm_check_wiring_with_a_stand_in_vllm(tmp_path, monkeypatch):
+    """Export, subprocess, arguments and metric parsing, with a fake `vllm` package on the child's path."""
+    from eagle3.evaluate import run
+
+    fake = tmp_path / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    cfg = _setup(tmp_path, engine="vllm", max_prompts=1, max_new_tokens=6)
+    cfg.eval.prompt_sets = cfg.eval.prompt_sets[:1]
+    report = run(cfg)
+    v = report["engines"]["vllm"]
+    assert v["tau"] == pytest.approx(2.0) and v["acceptance_rate"] == pytest.approx([0.6, 0.3, 0.1])
+    assert v["prompts"] == 2 and v["generated_tokens"] == 12  # both turns of the first prompt, replayed
+    assert v["builtin_tau"] == pytest.approx(report["sets"]["prompts"]["tau"])
+    assert (cfg.export_dir / "vllm" / "config.json").is_file()
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not __import__("os").environ.get(
     "EAGLE3_VLLM_PYTHON"), reason="vllm not installed (set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python)")
