@@ -117,6 +117,8 @@ class DraftConfig(Section):
     head_dim: int | None = Field(None, ge=1)
     intermediate_size: int | None = Field(None, ge=1)
     rms_norm_eps: float | None = Field(None, gt=0)
+    features: Literal["fused", "top"] = "fused"
+    """`fused`: EAGLE-3's low/mid/high features. `top`: an ablation feeding only the high state (EAGLE-1/2 style)."""
     init_from: str | None = None
     """An SGLang-format draft folder (`midlayer.*` or `layers.0.*`) to fine-tune instead of starting from scratch."""
 

@@ -296,6 +296,11 @@ def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", d
     folder = resolve_draft_folder(checkpoint)
     config, tensors = read_draft(folder)
     validate(config, tensors, str(folder))
+    if getattr(config, "features", "fused") == "top":
+        # A top-only ablation head ignores the low/mid thirds; engines feed all three, so zero their fc columns.
+        fc = tensors["fc.weight"].clone()
+        fc[:, : 2 * (fc.shape[1] // 3)] = 0
+        tensors = {**tensors, "fc.weight": fc}
     torch_dtype = _DTYPES[dtype] if dtype else tensors["fc.weight"].dtype
     dtype_name = str(torch_dtype).removeprefix("torch.")
     cfg_json = engine_config(config, to, dtype_name, num_speculative_tokens)

@@ -95,6 +95,8 @@ class Eagle3DraftConfig:
     target: dict[str, Any] = field(default_factory=dict)
     """{path, architectures, model_type, num_layers} of the target the head was trained for."""
     hidden_act: str = "silu"
+    features: str = "fused"
+    """`fused` (EAGLE-3: low/mid/high) or `top` (ablation, EAGLE-1/2 style: only the high state reaches fc)."""
 
     @classmethod
     def from_target(cls, cfg: Any, target_hf_config: Any, draft_vocab_size: int) -> Eagle3DraftConfig:
@@ -142,6 +144,7 @@ class Eagle3DraftConfig:
                 "num_layers": num_layers,
             },
             hidden_act=hf.get("hidden_act") or "silu",
+            features=cfg.draft.features,
         )
 
     def llama_config(self) -> LlamaConfig:
@@ -259,7 +262,13 @@ class Eagle3Draft(nn.Module):
     # ---------------------------------------------------------------------------------------------- forward
     def project(self, aux: Tensor) -> Tensor:
         """[..., 3H_target] fused target features -> [..., H]."""
-        return self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.features == "top":
+            # Ablation: the low and mid thirds never reach fc (export zeroes their fc columns to match).
+            keep = torch.zeros(aux.shape[-1], dtype=aux.dtype, device=aux.device)
+            keep[2 * (aux.shape[-1] // 3):] = 1
+            aux = aux * keep
+        return self.fc(aux)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         w = self.embed_tokens.weight

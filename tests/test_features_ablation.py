@@ -1,0 +1,36 @@
+"""The `draft.features: top` ablation: only the high state reaches fc, in training, eval and the export alike."""
+
+from __future__ import annotations
+
+import torch
+from test_export import H, _outputs, make_draft
+
+from eagle3.config import load_config
+from eagle3.export import export
+from eagle3.model import Eagle3Draft
+
+
+def test_top_only_ignores_low_and_mid() -> None:
+    draft = make_draft()
+    draft.config.features = "top"
+    aux = torch.randn(1, 5, 3 * H)
+    noisy = aux.clone()
+    noisy[..., : 2 * H] = torch.randn(1, 5, 2 * H)
+    assert torch.equal(draft.project(aux), draft.project(noisy))
+    draft.config.features = "fused"
+    assert not torch.equal(draft.project(aux), draft.project(noisy))
+
+
+def test_top_only_export_behaves_like_the_head_for_an_engine_feeding_all_three(tmp_path) -> None:
+    draft = make_draft()
+    draft.config.features = "top"
+    draft.save_pretrained(tmp_path / "draft")
+    out = export(tmp_path / "draft", tmp_path / "sglang", to="sglang", dtype=None)
+    engine_like = Eagle3Draft.from_pretrained(out, embed_weight=draft.embed_tokens.weight)
+    engine_like.config.features = "fused"  # an engine knows nothing of the ablation
+    for a, b in zip(_outputs(draft), _outputs(engine_like)):
+        torch.testing.assert_close(a, b)
+
+
+def test_config_knob() -> None:
+    assert load_config(None, ["draft.features=top"]).draft.features == "top"
