@@ -24,7 +24,7 @@ ArchFamily = Literal["llama", "deepseek"]
 
 def default_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's low/mid/high default, `[2, L//2, L-3]` (Kimi-K2.5, 61 layers: [2, 30, 58])."""
-    if num_layers < 6:
+    if num_layers < 7:
         # Tiny test models: keep three distinct, increasing, valid ids.
         if num_layers < 3:
             raise ValueError(f"a target needs at least 3 decoder layers for low/mid/high features, got {num_layers}")

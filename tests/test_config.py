@@ -138,3 +138,10 @@ def test_mixed_precision_no_is_the_word_in_yaml_and_overrides(tmp_path: Path) ->
     assert load_config(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
     assert load_config(_write(tmp_path, "train:\n  mixed_precision: no\n")).train.mixed_precision == "no"
     assert load_config(None, ["train.resume=false"]).train.resume is False
+
+
+@pytest.mark.parametrize("n", range(3, 70))
+def test_default_ids_are_valid_for_every_depth(n: int) -> None:
+    from eagle3.layers import validate_layer_ids
+
+    validate_layer_ids(default_layer_ids(n), n)
