@@ -58,7 +58,8 @@ class TrainState:
 
 # ---------------------------------------------------------------------------------------------------- setup
 def resolve_mixed_precision(cfg: Config) -> str:
-    """auto: bf16 on GPU, fp32 on CPU (measured on 2 CPU cores: bf16 autocast is slower there, see BENCHMARKS)."""
+    """auto: bf16 on GPU, fp32 on CPU. On the 2-core AMD EPYC dev machine bf16 autocast measured ~1.2x faster
+    (BENCHMARKS.md, Training) but fp32 keeps CPU runs and tests exact; ask for train.mixed_precision=bf16 there."""
     mp = cfg.train.mixed_precision
     if mp == "auto":
         return "bf16" if torch.cuda.is_available() else "no"
@@ -387,7 +388,7 @@ def run(cfg: Config) -> dict[str, Any]:
             loss_mean = float(accelerator.reduce(torch.tensor(loss_total, device=accelerator.device), "mean"))
             tok_all = int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), "sum"))
             metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt,
+                       "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt, "step_s": dt,
                        "data_wait_share": wait / dt, "padding_share": plan.padding_share, "epoch": state.epoch}
             if main:
                 with loss_log.open("a") as f:
@@ -396,6 +397,12 @@ def run(cfg: Config) -> dict[str, Any]:
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
             if state.step % tc.log_every == 0 or state.step == total_steps:
                 accelerator.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=state.step)
+                if main:
+                    accs = " ".join(f"{metrics[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps))
+                    log.info("step %d/%d loss %.4f acc_j [%s] sim_accept_len %.3f lr %.2e grad_norm %.3f "
+                             "%.0f tok/s data wait %.1f%% padding %.1f%%", state.step, total_steps, loss_mean, accs,
+                             metrics["sim_accept_len"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
+                             100 * metrics["data_wait_share"], 100 * plan.padding_share)
 
             last = state.step == total_steps
             if eval_ds is not None and len(eval_ds) and (state.step % tc.eval_every == 0 or last):

@@ -180,3 +180,13 @@ def test_online_mode_matches_offline(tiny_cache, tmp_path):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
         assert b[step]["acc_0"] == pytest.approx(a[step]["acc_0"], abs=1e-6)
     assert not (tmp_path / "no-cache").exists()
+
+
+@pytest.mark.slow
+def test_wandb_offline_tracking(tiny_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = make_cfg(tiny_cache, tmp_path / "wb", max_steps=2, eval_every=2)
+    cfg.tracking.backend, cfg.tracking.run_name = "wandb", "h3-test"
+    trainer.run(cfg)
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
