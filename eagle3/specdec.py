@@ -210,7 +210,8 @@ class HFTargetDecoder:
         mask = None
         if tree_mask is not None:
             past = cache.get_seq_length()
-            allowed = torch.cat([torch.ones(s, past, dtype=torch.bool, device=self.device), tree_mask], dim=1)
+            allowed = torch.cat([torch.ones(s, past, dtype=torch.bool, device=self.device),
+                                 tree_mask.to(self.device)], dim=1)
             mask = torch.zeros(1, 1, s, past + s, dtype=self.dtype, device=self.device)
             mask.masked_fill_(~allowed[None, None], torch.finfo(self.dtype).min)
         self.capture = aux
@@ -238,7 +239,8 @@ def keep_cache_positions(cache: Any, keep: torch.Tensor) -> None:
 
 # ----------------------------------------------------------------------------------------------- sampling
 def probs_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.float() / temperature, dim=-1)
+    """Sampling distribution at `temperature`, on the CPU (where the seeded generator and the coin flips live)."""
+    return torch.softmax(logits.detach().float().cpu() / temperature, dim=-1)
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -457,10 +459,10 @@ class SpeculativeDecoder:
 
     def _to_target_dist(self, q_draft: torch.Tensor) -> torch.Tensor:
         """A draft-vocab distribution as a target-vocab one (zero outside the draft vocab)."""
-        ids = self.draft.draft_to_target(torch.arange(q_draft.shape[-1], device=self.device))
+        ids = self.draft.draft_to_target(torch.arange(q_draft.shape[-1], device=self.device)).cpu()
         v = self.target.model.config.get_text_config().vocab_size
-        q = torch.zeros(v, dtype=torch.float32, device=self.device)
-        q[ids] = q_draft.float()
+        q = torch.zeros(v, dtype=torch.float32)
+        q[ids] = q_draft.float().cpu()
         return q
 
     def _verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None
