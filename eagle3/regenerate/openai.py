@@ -216,10 +216,13 @@ class OpenAIBackend:
                 ans, n = self.answer(history)
                 attempts += n
                 dialogue.add_answer(ans)
-        except RequestError as e:
+        except Exception as e:  # noqa: BLE001 - recorded as this conversation's failure, never lost in a thread
             attempts += getattr(e, "attempts", 1)
             turn = sum(t.role == "assistant" for t in dialogue.history) + 1
-            return Outcome(dialogue.source.id, error=f"answer {turn}: {e}", attempts=attempts)
+            msg = str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
+            if not isinstance(e, RequestError):
+                log.exception("regenerate: conversation %r: unexpected error", dialogue.source.id)
+            return Outcome(dialogue.source.id, error=f"answer {turn}: {msg}", attempts=attempts)
         return dialogue.outcome(attempts)
 
     def outcomes(self, dialogues: Iterable[Dialogue]) -> Iterator[Outcome]:
