@@ -17,9 +17,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3.layers import default_layer_ids, validate_layer_ids
+from eagle3.logs import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config problem, already phrased for the user (dotted path + what is allowed)."""
 
 

@@ -3,11 +3,20 @@
 Python block-buffers stdout into files: the seed pipeline lost an hour staring at an empty log. Every entry
 point calls `setup_logging()`, which makes stdout/stderr line-buffered. `progress()` is tqdm on a terminal and,
 when output goes to a file, plain log lines with rate and ETA every few seconds instead of carriage returns.
+
+`setup_logging()` also installs an exception hook for the process's *uncaught* exceptions: an error phrased for
+the user (a `UserError`, a ValueError/FileNotFoundError/FileExistsError raised by eagle3's own code, a full
+disk anywhere) is printed as `error: ...` lines without a traceback, and the process exits with status 1. A
+traceback from deep inside a library tells a user nothing they can act on; set EAGLE3_TRACEBACK=1 to see it.
+Anything else (a real bug) keeps its full traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -19,7 +28,79 @@ T = TypeVar("T")
 log = logging.getLogger("eagle3")
 
 
+class UserError(Exception):
+    """An error already phrased for the user (what is wrong, where, what to do): no traceback needed."""
+
+
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_OWN_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
+_PKG = os.path.dirname(os.path.abspath(__file__))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def disk_full_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc` when the disk (or a file-size limit or quota) is full, else None.
+
+    Libraries wrap it differently: pyarrow and Python raise OSError(ENOSPC); torch.save raises a RuntimeError
+    ("file write failed") whose context may hold the OSError; some only keep the text."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return e
+        text = str(e)
+        if "No space left on device" in text or "File too large" in text or "Disk quota exceeded" in text:
+            return OSError(errno.ENOSPC, text)
+    return None
+
+
+def _raised_by_eagle3(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_PKG)
+
+
+def user_message(exc: BaseException) -> str | None:
+    """The one-paragraph message for an error phrased for the user, or None when it needs its traceback."""
+    full = disk_full_error(exc)
+    if full is not None and not isinstance(exc, UserError):
+        where = full.filename or next((getattr(e, "filename", None) for e in _chain(exc)
+                                       if getattr(e, "filename", None)), None)
+        free = ""
+        if where:
+            try:
+                free = f" ({shutil.disk_usage(os.path.dirname(os.path.abspath(where))).free / 1e6:.1f} MB free there)"
+            except OSError:
+                pass
+        return (f"disk full while writing {where or 'a file'}{free}: {full.strerror or full}. What was completed "
+                "before is intact; free space (or point the output at a bigger disk) and re-run the same command "
+                "to resume.")
+    if isinstance(exc, UserError) or (isinstance(exc, _OWN_ERRORS) and _raised_by_eagle3(exc)):
+        return str(exc)
+    return None
+
+
+def _excepthook(kind: type[BaseException], exc: BaseException, tb: object) -> None:
+    msg = None if os.environ.get("EAGLE3_TRACEBACK") else user_message(exc)
+    if msg is None:
+        sys.__excepthook__(kind, exc, tb)  # type: ignore[arg-type]
+        return
+    sys.stderr.write("error: " + msg.replace("\n", "\n  ") + "\n")
+    sys.stderr.flush()
+
+
 def setup_logging(level: int = logging.INFO) -> None:
+    if sys.excepthook is sys.__excepthook__:  # never replace a hook someone else installed (pytest, IPython)
+        sys.excepthook = _excepthook
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
