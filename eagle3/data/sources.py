@@ -31,11 +31,15 @@ that are kept) or `.skipped` (by reason):
 6. a trailing user turn (no answer to learn from) is dropped (`trailing_user_dropped`).
 7. a record with no assistant turn left is skipped (`no_assistant_turn`); so is a record that is not a JSON
    object or has neither `conversations` nor `messages` (`not_a_conversation`).
-8. a missing id gets a stable generated one, `<source name>:<record index>` (`generated_id`); a non-string id
+8. a lone UTF-16 surrogate (JSON `"\\ud800"` without its pair) becomes U+FFFD (`lone_surrogate_replaced`):
+   tokenizers and Arrow reject it.
+9. a missing id gets a stable generated one, `<source name>:<record index>` (`generated_id`); a non-string id
    is converted with str().
 Bytes: files are decoded as UTF-8 with errors="replace"; every replaced invalid byte sequence is counted
 (`SourceStats.utf8_replacements`). Malformed JSONL lines are skipped and counted with their line numbers
-(the first few are kept for the summary). `max_records` caps the conversations yielded (after repair/skip)
+(the first few are kept for the summary); so are lines Python's json cannot hold (an integer of more than 4300
+digits, nesting deeper than the recursion limit). In a JSON array such an element ends reading like a truncated
+tail. `max_records` caps the conversations yielded (after repair/skip)
 and is honoured lazily: reading stops as soon as it is reached.
 """
 
@@ -241,6 +245,8 @@ def _iter_json_array(path: Path, stats: SourceStats, chunk_bytes: int = 4 << 20)
                 eof = not refill(want)
                 want *= 2  # a long element (or a broken tail): read more each time
                 continue
+            except (ValueError, RecursionError):
+                break  # parseable but unreadable (an int over 4300 digits, nesting too deep): stop, report the rest
             want = chunk_bytes
             pos = end
             expect_comma = True
@@ -268,7 +274,7 @@ def _iter_jsonl(path: Path, stats: SourceStats) -> Iterator[tuple[int, Any]]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError, an int over 4300 digits, nesting too deep
                 stats.skipped["malformed_json"] += 1
                 if len(stats.malformed_lines) < MAX_LINE_NUMBERS:
                     stats.malformed_lines.append(lineno)
@@ -305,13 +311,34 @@ def _to_conversation(record: Any, index: int, name: str, shape: str | None, stat
     else:
         raise _Skip("not_a_conversation")
     fixes: Counter[str] = Counter()
+    raw = _replace_lone_surrogates(raw, fixes)
     turns = repair(raw, fixes)
     rid = record.get("id")
     if rid is None or rid == "":
         rid = f"{name}:{index}"
         fixes["generated_id"] += 1
+    elif _SURROGATE.search(str(rid)):
+        rid = _SURROGATE.sub("\ufffd", str(rid))
+        fixes["lone_surrogate_replaced"] += 1
     stats.repaired.update(fixes)  # only records that are kept count as repaired
     return Conversation(id=str(rid), turns=turns)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _replace_lone_surrogates(turns: list[Turn], fixes: Counter[str]) -> list[Turn]:
+    """JSON may escape half a UTF-16 pair (`"\\ud800"`); json.loads keeps it as a lone surrogate, which no
+    tokenizer or Arrow column accepts. Replace each with U+FFFD, like an invalid UTF-8 byte."""
+    out = []
+    for t in turns:
+        content, reasoning = t.content, t.reasoning
+        if _SURROGATE.search(content) or (reasoning and _SURROGATE.search(reasoning)):
+            fixes["lone_surrogate_replaced"] += 1
+            content = _SURROGATE.sub("\ufffd", content)
+            reasoning = _SURROGATE.sub("\ufffd", reasoning) if reasoning else reasoning
+        out.append(Turn(role=t.role, content=content, reasoning=reasoning))
+    return out
 
 
 def _sharegpt_turns(items: Any) -> list[Turn]:
