@@ -33,6 +33,7 @@ import pyarrow as pa
 import torch
 
 from eagle3.layers import LAYER_ID_CONVENTION
+from eagle3.logs import UserError
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
@@ -48,7 +49,7 @@ _LABELS = {
 }
 
 
-class CacheError(RuntimeError):
+class CacheError(UserError, RuntimeError):
     """A cache that cannot be used as asked (wrong fingerprint, incomplete, corrupt), phrased for the user."""
 
 
@@ -66,14 +67,30 @@ def read_target_config(folder: str | Path) -> dict[str, Any]:
     return cfg
 
 
+_SAMPLE_BYTES = 1 << 16
+
+
+def _sample_file(path: Path, h: Any) -> None:
+    """Feed 64 KiB from the start, the middle and the end of a file into `h`: the start of a safetensors file
+    is its header (names, shapes), the middle and end are tensor values."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        for off in sorted({0, max(size // 2 - _SAMPLE_BYTES // 2, 0), max(size - _SAMPLE_BYTES, 0)}):
+            f.seek(off)
+            h.update(f.read(_SAMPLE_BYTES))
+
+
 def weights_id(folder: str | Path, revision: str | None = None) -> str:
-    """A cheap identity of the target weights: names and sizes of the weight files, plus the safetensors index
-    (which lists every tensor) when there is one. Hashing 554 GB of Kimi weights is not an option."""
+    """A cheap identity of the target weights: names and sizes of the weight files, 192 KiB sampled from each
+    (start, middle, end), and the safetensors index when there is one. Hashing 554 GB of Kimi weights is not an
+    option, but names and sizes alone cannot tell a fine-tune (or a re-download into the same folder) from the
+    model it came from: same shapes, other values; the samples can (reading ~12 MB for Kimi's 64 files)."""
     d = Path(folder)
     h = hashlib.sha256()
     files = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
     for p in files:
         h.update(f"{p.name}:{p.stat().st_size}\n".encode())
+        _sample_file(p, h)
     for idx in sorted(d.glob("*.index.json")):
         h.update(idx.read_bytes())
     if revision:
@@ -144,8 +161,12 @@ def write_json_atomic(path: Path, data: dict[str, Any], tmp_tag: str = "") -> No
     """Readers and a resumed run see either the old or the new file, never half of one. `tmp_tag` keeps the
     temporary names of concurrent writers (ranks writing the same meta.json) apart."""
     tmp = path.with_name(f"{path.name}{tmp_tag}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: keep the old file, leave no half-written .tmp
+        raise
 
 
 def rank_stem(rank: int, world_size: int) -> str:
@@ -163,6 +184,8 @@ class ShardEntry:
     num_samples: int
     num_tokens: int
     bytes: int
+    skipped_nonfinite: list[str] = field(default_factory=list)
+    """Sample ids of this shard's plan left out because the target gave NaN/inf states (never trained on)."""
 
 
 @dataclass
@@ -286,11 +309,14 @@ class ShardWriter:
         return self.path.stat().st_size
 
     def abort(self) -> None:
-        try:
-            self._writer.close()
-            self._sink.close()
-        finally:
-            self.tmp.unlink(missing_ok=True)
+        """Drop the half-written shard. Best effort on close: after a full disk, closing the stream tries to
+        write its end marker and fails again, and that error must not hide the first one or keep the .tmp."""
+        for close in (self._writer.close, self._sink.close):
+            try:
+                close()
+            except (OSError, pa.ArrowException):
+                pass
+        self.tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -432,6 +458,7 @@ def summary(cache_dir: str | Path) -> dict[str, Any]:
         shards = [s for m in found for s in m.shards]
         out["splits"][split] = {
             "samples": sum(s.num_samples for s in shards), "tokens": sum(s.num_tokens for s in shards),
+            "skipped_nonfinite": sum(len(s.skipped_nonfinite) for s in shards),
             "bytes": sum(s.bytes for s in shards), "shards": len(shards),
             "planned_samples": sum(m.planned_samples for m in found), "incomplete_ranks": incomplete,
         }
@@ -448,7 +475,8 @@ def print_info(cache_dir: str | Path) -> None:
         state = "complete" if not d["incomplete_ranks"] else f"INCOMPLETE (ranks {d['incomplete_ranks']} not done)"
         print(f"  {split}: {d['samples']} samples, {d['tokens']} tokens, {d['bytes'] / 1e6:.1f} MB in "
               f"{d['shards']} shards, {bpt:.1f} bytes/token (payload minimum {payload}: "
-              f"{bpt / payload if payload else 0:.3f}x), {state}")
+              f"{bpt / payload if payload else 0:.3f}x), {state}"
+              + (f", {d['skipped_nonfinite']} samples skipped (non-finite states)" if d["skipped_nonfinite"] else ""))
     print(f"  layer ids: {fp['layer_ids']} ({fp['layer_id_convention']}: id k = input of decoder layer k)")
     print(f"  layout: {s['layout']}")
     print("  fingerprint:")

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
+import torch
 
 from eagle3.cache import (
     SPLITS,
@@ -44,7 +45,7 @@ from eagle3.cache import (
     write_json_atomic,
 )
 from eagle3.data.prepared import load_prepared
-from eagle3.logs import Progress, setup_logging
+from eagle3.logs import Progress, disk_full_error, setup_logging
 
 log = logging.getLogger("eagle3")
 
@@ -168,9 +169,29 @@ def _preflight_sample(backend: Any, ids: list[int], hidden: int) -> None:
         raise CacheError(f"preflight: a {len(ids)}-token prompt came back with states {tuple(c.aux.shape)} / "
                          f"{tuple(c.final.shape)}; expected ({len(ids)}, {3 * hidden}) / ({len(ids)}, {hidden}). "
                          "Missing tokens usually mean prefix caching or chunked prefill in the serving engine.")
-    if not (c.aux.float().isfinite().all() and c.final.float().isfinite().all()):
-        raise CacheError("preflight: the target returned non-finite hidden states for the first sample")
+    if not finite(c):
+        log.warning("preflight: the target returned NaN/inf hidden states for the first sample; such samples are "
+                    "skipped and counted (if most are, the target dtype overflows: try target.dtype=bfloat16)")
     log.info("preflight: one %d-token sample captured in %.2fs, token count matches", len(ids), time.monotonic() - t0)
+
+
+def finite(c: Any) -> bool:
+    """Whether one sample's captured states are all finite (a NaN/inf state must never be trained on)."""
+    return bool(torch.isfinite(c.aux).all() and torch.isfinite(c.final).all())
+
+
+def _disk_full(e: BaseException, path: Path, cache_dir: Path, tokens_left: int, hidden: int, dtype: str,
+               committed: int) -> CacheError:
+    need = tokens_left * payload_bytes_per_token(hidden, dtype)
+    try:
+        free = f"{shutil.disk_usage(cache_dir).free / 1e9:.3f} GB"
+    except OSError:
+        free = "unknown"
+    return CacheError(
+        f"disk full while writing {path}: about {need / 1e9:.3f} GB is still needed for the {tokens_left} tokens "
+        f"left to extract ({payload_bytes_per_token(hidden, dtype)} bytes/token), {free} free on {cache_dir}. "
+        f"The {committed} shard(s) committed before are intact and the partial shard was removed; free space "
+        f"(or set extract.cache_dir to a bigger disk) and re-run the same command: it resumes. ({e})")
 
 
 def _kill_hook(counter: str, n: int) -> None:
@@ -231,35 +252,58 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
 
     dtype = backend.dtype
     t0 = time.monotonic()
-    tokens_done = batches_done = 0
+    tokens_done = batches_done = nonfinite = 0
     with Progress(todo_samples, f"extract rank {rank}/{world}", unit="samples") as prog:
         for shards_done, job in enumerate(jobs, start=1):
             ds, lens = data[job.split], lengths[job.split]
             name = shard_name(rank, world, job.shard)
-            writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], dtype)
+            skipped: list[str] = []
+            writer = None
+            tokens_at_start = tokens_done
+            committed = sum(len(m.shards) for m in manifests.values())
             try:
+                writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], dtype)
                 for batch in plan_batches([int(lens[i]) for i in job.rows], cfg.extract.batch_tokens,
                                           cfg.extract.max_batch_size):
                     rows = ds[[job.rows[b] for b in batch]]
                     caps = backend.capture(rows["input_ids"])
-                    writer.write([{"sample_id": sid, "input_ids": ids, "loss_mask": mask, "aux": c.aux,
-                                   "final": c.final}
-                                  for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"],
-                                                               caps, strict=True)])
+                    keep = []
+                    for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True):
+                        if finite(c):
+                            keep.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "aux": c.aux,
+                                         "final": c.final})
+                        else:  # skipped and counted; the manifest lists it, so `cache info` shows it
+                            skipped.append(sid)
+                            log.warning("%s sample %r: the target returned NaN/inf hidden states; skipped (not "
+                                        "written to the cache, never trained on)", job.split, sid)
+                    writer.write(keep)
                     n_tok = sum(len(x) for x in rows["input_ids"])
                     tokens_done += n_tok
                     batches_done += 1
                     prog.update(len(batch), tok_s=f"{tokens_done / max(time.monotonic() - t0, 1e-9):.0f}")
                     _kill_hook("BATCHES", batches_done)
                 size = writer.commit()
-            except BaseException:
-                writer.abort()
+                m = manifests[job.split]
+                m.shards.append(ShardEntry(job.shard, name, writer.num_samples, writer.num_tokens, size, skipped))
+                m.save(cache_dir)
+            except BaseException as e:
+                if writer is not None:
+                    writer.abort()
+                if disk_full_error(e) is not None:
+                    raise _disk_full(e, cache_dir / job.split / name, cache_dir, todo_tokens - tokens_at_start,
+                                     fp["hidden_size"], fp["dtype"], committed) from e
                 raise
-            m = manifests[job.split]
-            m.shards.append(ShardEntry(job.shard, name, writer.num_samples, writer.num_tokens, size))
-            m.save(cache_dir)
+            nonfinite += len(skipped)
             _kill_hook("SHARDS", shards_done)
     dt = time.monotonic() - t0
     log.info("rank %d/%d: extracted %d samples, %d tokens in %.1fs (%.0f tokens/s)", rank, world, todo_samples,
              tokens_done, dt, tokens_done / max(dt, 1e-9))
-    return {"rank": rank, "shards": len(jobs), "samples": todo_samples, "tokens": tokens_done, "seconds": dt}
+    if nonfinite:
+        log.warning("rank %d/%d: %d of %d samples skipped because the target returned NaN/inf hidden states "
+                    "(listed per shard in the manifests; `eagle3 cache info %s` counts them)", rank, world,
+                    nonfinite, todo_samples, cache_dir)
+        if nonfinite == todo_samples:
+            raise CacheError(f"every sample gave NaN/inf hidden states: the target overflows in {fp['dtype']} "
+                             "(try target.dtype=bfloat16 or float32) or its weights are broken")
+    return {"rank": rank, "shards": len(jobs), "samples": todo_samples, "tokens": tokens_done, "seconds": dt,
+            "skipped_nonfinite": nonfinite}
