@@ -399,8 +399,10 @@ def run(cfg: Config) -> dict[str, Any]:
         bars = is_progress_bar_enabled()
         disable_progress_bar()  # two one-shard saves: their bars only clutter a log file
         try:
-            _to_dataset(train_s).save_to_disk(str(tmp / "train"))
-            _to_dataset(eval_s).save_to_disk(str(tmp / "eval"))
+            # An empty split (data.eval_size=0) must be saved as one empty shard: with the default it gets no data
+            # file at all, and load_from_disk then fails deep inside datasets (IndexError in concat_tables).
+            for name, split in (("train", train_s), ("eval", eval_s)):
+                _to_dataset(split).save_to_disk(str(tmp / name), num_shards=None if split else 1)
         finally:
             if bars:
                 enable_progress_bar()
