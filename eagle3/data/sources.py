@@ -286,7 +286,11 @@ def _iter_jsonl(path: Path, stats: SourceStats) -> Iterator[tuple[int, Any]]:
 def _iter_hf(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:
     from datasets import DatasetDict, load_from_disk
 
-    ds = load_from_disk(str(path))
+    try:
+        ds = load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"data.sources: {path} is a folder but not a datasets folder (save_to_disk output): {e}; "
+                         f"point data.sources at a JSON/JSONL file or a saved dataset") from None
     if isinstance(ds, DatasetDict):
         if split is None:
             if len(ds) != 1:
