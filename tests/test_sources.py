@@ -177,3 +177,12 @@ def test_hf_folders_dataset_and_dict(tmp_path: Path):
 def test_missing_file_names_the_path(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="nope.json"):
         _read(tmp_path / "nope.json")
+
+
+def test_sharegpt_reasoning_written_by_regenerate_is_read(tmp_path: Path):
+    rec = {"id": "g", "conversations": [{"from": "human", "value": "q"},
+                                        {"from": "gpt", "value": "a", "reasoning": "because"}]}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    convs, _ = _read(path)
+    assert convs[0].turns == [Turn("user", "q"), Turn("assistant", "a", "because")]

@@ -358,7 +358,10 @@ def _sharegpt_turns(items: Any) -> list[Turn]:
         value = item.get("value")
         if not isinstance(value, str):
             raise _Skip("non_string_value")
-        turns.append(Turn(role=role, content=value))  # type: ignore[arg-type]
+        # `regenerate` keeps a thinking model's reasoning here (keep_reasoning); carry it to the template.
+        reasoning = item.get("reasoning") or item.get("reasoning_content")
+        reasoning = reasoning if isinstance(reasoning, str) and role == "assistant" else None
+        turns.append(Turn(role=role, content=value, reasoning=reasoning))  # type: ignore[arg-type]
     return turns
 
 
