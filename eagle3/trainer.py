@@ -87,7 +87,14 @@ def init_tracking(accelerator, cfg: Config) -> None:
         return
     kwargs = {"wandb": {k: v for k, v in {"name": cfg.tracking.run_name, "entity": cfg.tracking.entity,
                                           "dir": cfg.output_dir}.items() if v}}
-    for attempt in ("as configured", "offline"):
+    attempts = ["as configured", "offline"]
+    if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun") and not _wandb_reachable():
+        log.warning("wandb: %s is not reachable; logging offline", os.environ.get("WANDB_BASE_URL", "api.wandb.ai"))
+        attempts = ["offline"]
+    for attempt in attempts:
+        if attempt == "offline":
+            # wandb ignores WANDB_MODE changes once its session started: say it in the init kwargs.
+            kwargs["wandb"]["mode"] = "offline"
         try:
             accelerator.init_trackers(cfg.tracking.project, config=cfg.model_dump(mode="json"), init_kwargs=kwargs)
             if attempt == "offline":
@@ -124,6 +131,20 @@ def batch_iter(source: Any, index_batches: list[list[int]]):
     if isinstance(source, OnlineSource):
         return source.iter_collated(index_batches)
     return iter_batches(source, index_batches)
+
+
+def _wandb_reachable(timeout_s: float = 5.0) -> bool:
+    """A TCP connect to the wandb server, so an offline machine does not wait out wandb's own 90 s timeout."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        socket.create_connection((url.hostname or "api.wandb.ai", url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def open_datasets(cfg: Config) -> tuple[Any, Any]:
@@ -218,21 +239,62 @@ def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: tor
     ckpt_dir = cfg.checkpoint_dir
     final = ckpt_dir / f"step_{state.step}"
     tmp = final.with_name(f".tmp-{final.name}")
-    if accelerator.is_main_process:
-        _atomic_dir(final)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    sd = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(tmp / "draft", state_dict=sd)
-        save_vocab(tmp / "vocab.safetensors", d2t, t2d)
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
-        _commit_dir(tmp, final)
-        for _, old in list_checkpoints(ckpt_dir)[: -cfg.train.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint: %s", final)
+    previous = list_checkpoints(ckpt_dir)
+    try:
+        if accelerator.is_main_process:
+            _atomic_dir(final)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        sd = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(tmp / "draft", state_dict=sd)
+            save_vocab(tmp / "vocab.safetensors", d2t, t2d)
+            (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+            _commit_dir(tmp, final)
+            for _, old in list_checkpoints(ckpt_dir)[: -cfg.train.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+            log.info("checkpoint: %s", final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _raise_if_disk_full(e, final, ckpt_dir, previous)
+        raise
     accelerator.wait_for_everyone()
     return final
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _raise_if_disk_full(e: BaseException, final: Path, ckpt_dir: Path, previous: list[tuple[int, Path]]) -> None:
+    """torch.save / safetensors report a full disk without naming the folder; say which checkpoint and how much."""
+    from eagle3.logs import UserError, disk_full_error
+
+    need = _dir_bytes(previous[-1][1]) if previous else 0
+    try:
+        free = shutil.disk_usage(ckpt_dir).free
+    except OSError:
+        free = -1
+    if disk_full_error(e) is None and not (previous and 0 <= free < need):
+        return
+    intact = f"{previous[-1][1]} is intact" if previous else "no earlier checkpoint exists"
+    raise UserError(
+        f"disk full while writing checkpoint {final}: about {need / 2**20:.0f} MB needed, {max(free, 0) / 2**20:.0f} MB "
+        f"free; {intact}; free space and re-run the same command (it resumes)") from e
+
+
+def _check_same_draft(path: Path, current: Eagle3DraftConfig) -> None:
+    """Refuse to resume into a head of other dimensions (torch would fail with a bare size mismatch)."""
+    saved_file = path / "draft" / "config.json"
+    if not saved_file.is_file():
+        return
+    saved = json.loads(saved_file.read_text())
+    now = current.to_json()
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids"):
+        if saved.get(key) != now.get(key):
+            raise ValueError(f"checkpoint {path} was trained with draft.{key}={saved.get(key)}, the config asks for "
+                             f"{now.get(key)}; use a new output_dir or train.resume=false")
 
 
 def save_best(accelerator, model, cfg: Config) -> Path:
@@ -332,6 +394,7 @@ def run(cfg: Config) -> dict[str, Any]:
         if not torch.equal(saved_d2t, d2t):
             raise ValueError(f"checkpoint {path} was trained with another draft vocab than {cfg.prepared_dir}; "
                              "use a new output_dir or train.resume=false")
+        _check_same_draft(path, accelerator.unwrap_model(model).config)
         accelerator.load_state(str(path))
         state = TrainState(**json.loads((path / STATE_FILE).read_text()))
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, state.step, state.epoch, state.batch_index)
