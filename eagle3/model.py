@@ -16,6 +16,7 @@ evaluator uses for chain and tree drafting.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -441,9 +442,11 @@ _ENGINE_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vo
 
 def _config_from_json(raw: dict[str, Any], where: Path, *, engine: Engine | None,
                       family: ArchFamily | None) -> Eagle3DraftConfig:
-    if raw.get("format") == FORMAT:
-        fields = {k: v for k, v in raw.items() if k != "format"}
-        return Eagle3DraftConfig(**fields)
+    # eagle3's own folders, and eagle3's exports (which carry the full draft config under "eagle3").
+    block = raw if raw.get("format") == FORMAT else raw.get("eagle3")
+    if isinstance(block, dict) and block.get("format") == FORMAT:
+        known = {f.name for f in dataclasses.fields(Eagle3DraftConfig)}
+        return Eagle3DraftConfig(**{k: v for k, v in block.items() if k in known})
     # An engine's config: a Llama config (SGLang) or a speculators config wrapping one (vLLM).
     llama = raw.get("transformer_layer_config") or raw
     missing = [f for f in _ENGINE_FIELDS if f not in llama]

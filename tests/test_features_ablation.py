@@ -34,3 +34,15 @@ def test_top_only_export_behaves_like_the_head_for_an_engine_feeding_all_three(t
 
 def test_config_knob() -> None:
     assert load_config(None, ["draft.features=top"]).draft.features == "top"
+
+
+def test_reloaded_export_keeps_the_full_draft_config(tmp_path) -> None:
+    draft = make_draft(family="deepseek")
+    draft.config.features = "top"
+    draft.save_pretrained(tmp_path / "draft")
+    for engine in ("sglang", "vllm"):
+        out = export(tmp_path / "draft", tmp_path / engine, to=engine, dtype=None)
+        again = Eagle3Draft.from_pretrained(out, embed_weight=draft.embed_tokens.weight)
+        assert again.config.features == "top"
+        assert again.config.target == draft.config.target
+        assert again.config.aux_layer_ids == draft.config.aux_layer_ids
