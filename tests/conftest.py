@@ -11,7 +11,13 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One thread: tiny models gain nothing from two, and a busy second core makes two threads ~20x slower.
-torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP spin-waits make two threads
+    ~20x slower than one. Reset before every test so no test inherits another's setting."""
+    torch.set_num_threads(1)
+    yield

@@ -19,14 +19,6 @@ from eagle3.prompts import load_prompt_set, mt_bench, read_jsonl_prompts
 VOCAB = 512
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only spin on a busy 2-core machine
-    yield
-    torch.set_num_threads(before)
-
-
 # ------------------------------------------------------------------------------------------------- prompts
 def test_mt_bench_has_80_two_turn_questions():
     ps = mt_bench()

@@ -44,7 +44,6 @@ def kimi_run(tmp_path_factory) -> dict:
     from eagle3.extract import run as extract
     from eagle3.trainer import run as train
 
-    torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("kimi")
     target = kimi_wrapped(root / "kimi", vocab=163840, layers=6)
     kimi_test_tokenizer(target)

@@ -81,15 +81,6 @@ def _prompts(vocab: int, n: int = 4, seed: int = 1) -> list[list[int]]:
             for _ in range(n)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and 2 spinning threads on a busy 2-core machine run ~8x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return _target(tiny_llama(tmp_path_factory.mktemp("llama") / "t", vocab=128, layers=4))

@@ -9,16 +9,6 @@ from models import kimi_wrapped, tiny_deepseek_v3, tiny_llama, tiny_target_cfg
 from eagle3.target.hf import HFTarget, plan_batches
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core box OpenMP spin-waits make 2 threads ~20x
-    slower than 1 when other processes are busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("targets")

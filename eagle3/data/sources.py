@@ -345,24 +345,14 @@ def _replace_lone_surrogates(turns: list[Turn], fixes: Counter[str]) -> list[Tur
     return out
 
 
+def _sharegpt_value(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Skip("non_string_value")
+    return value
+
+
 def _sharegpt_turns(items: Any) -> list[Turn]:
-    if not isinstance(items, list):
-        raise _Skip("not_a_conversation")
-    turns = []
-    for item in items:
-        if not isinstance(item, dict):
-            raise _Skip("not_a_conversation")
-        role = ROLE_MAP.get(str(item.get("from", "")).strip().lower())
-        if role is None:
-            raise _Skip("unknown_role")
-        value = item.get("value")
-        if not isinstance(value, str):
-            raise _Skip("non_string_value")
-        # `regenerate` keeps a thinking model's reasoning here (keep_reasoning); carry it to the template.
-        reasoning = item.get("reasoning") or item.get("reasoning_content")
-        reasoning = reasoning if isinstance(reasoning, str) and role == "assistant" else None
-        turns.append(Turn(role=role, content=value, reasoning=reasoning))  # type: ignore[arg-type]
-    return turns
+    return _turns(items, role_key="from", content_key="value", content_of=_sharegpt_value)
 
 
 def _content_text(content: Any) -> str:
@@ -384,16 +374,22 @@ def _content_text(content: Any) -> str:
 
 
 def _messages_turns(items: Any) -> list[Turn]:
+    return _turns(items, role_key="role", content_key="content", content_of=_content_text)
+
+
+def _turns(items: Any, role_key: str, content_key: str, content_of: Any) -> list[Turn]:
+    """Turns of either shape; `reasoning_content` / `reasoning` (a thinking model's text, also what `regenerate`
+    keeps with keep_reasoning) travels with its turn to the template."""
     if not isinstance(items, list):
         raise _Skip("not_a_conversation")
     turns = []
     for item in items:
         if not isinstance(item, dict):
             raise _Skip("not_a_conversation")
-        role = ROLE_MAP.get(str(item.get("role", "")).strip().lower())
+        role = ROLE_MAP.get(str(item.get(role_key, "")).strip().lower())
         if role is None:
             raise _Skip("unknown_role")
-        content = _content_text(item.get("content"))
+        content = content_of(item.get(content_key))
         reasoning = item.get("reasoning_content", item.get("reasoning"))
         if reasoning is not None and not isinstance(reasoning, str):
             raise _Skip("non_string_value")
