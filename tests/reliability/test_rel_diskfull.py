@@ -164,15 +164,6 @@ def test_checkpoint_disk_full_keeps_the_last_checkpoint_and_resumes(full_checkpo
     assert temp_leftovers(f["run"]) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "eagle3/trainer.py save_checkpoint does not translate a full disk. accelerate's save_state -> torch.save raises "
-    "'RuntimeError: basic_ios::clear: iostream error' then '[enforce fail at inline_container.cc] unexpected pos' "
-    "(no errno, no file name; safetensors: 'I/O error: No space left on device', no file name either), so the CLI "
-    "prints a torch traceback. Only save_checkpoint knows the folder. Fix: wrap its body in `except BaseException "
-    "as e:` -> remove the .tmp- folder; if disk_full_error(e) or shutil.disk_usage(ckpt_dir).free < the size of the "
-    "previous step_N folder: raise eagle3.logs.UserError(f'disk full while writing checkpoint {final}: about <that "
-    "size> MB needed, <free> MB free; {last complete checkpoint} is intact; free space and re-run the same command') "
-    "from e."))
 def test_checkpoint_disk_full_is_one_line_naming_the_checkpoint_and_the_space_needed(full_checkpoint_run):
     r = full_checkpoint_run["first"]
     assert r.returncode == 1 and no_traceback(r.stderr)
