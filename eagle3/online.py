@@ -13,6 +13,7 @@ Items are the same dicts `HiddenStateDataset` yields, so the trainer cannot tell
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -21,15 +22,28 @@ from typing import Any
 import torch
 
 _END = object()
+log = logging.getLogger("eagle3")
 
 
 def capture_items(backend: Any, dataset: Any, indices: list[int]) -> list[dict[str, Any]]:
-    """The item dicts for `indices` of a prepared split, computed by `backend` now."""
+    """The item dicts for `indices` of a prepared split, computed by `backend` now.
+
+    A sample whose states are not all finite (NaN/inf from the target) must never be trained on, but dropping it
+    would change the batch the trainer planned (and exact resume). It stays in place as a blank: zero states and
+    an all-zero loss mask, so no position of it counts in the loss or the metrics; it is logged by id."""
     rows = dataset[list(indices)]
     caps = backend.capture(rows["input_ids"])
-    return [{"sample_id": sid, "input_ids": torch.tensor(ids, dtype=torch.int64),
-             "loss_mask": torch.tensor(mask, dtype=torch.int8), "aux": c.aux, "final": c.final}
-            for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True)]
+    items = []
+    for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True):
+        aux, final = c.aux, c.final
+        loss_mask = torch.tensor(mask, dtype=torch.int8)
+        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+            log.warning("online: sample %r: the target returned NaN/inf hidden states; blanked (zero states, no "
+                        "loss positions), never trained on", sid)
+            aux, final, loss_mask = torch.zeros_like(aux), torch.zeros_like(final), torch.zeros_like(loss_mask)
+        items.append({"sample_id": sid, "input_ids": torch.tensor(ids, dtype=torch.int64), "loss_mask": loss_mask,
+                      "aux": aux, "final": final})
+    return items
 
 
 class OnlineBatches:
