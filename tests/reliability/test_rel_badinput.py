@@ -172,19 +172,16 @@ def test_draft_vocab_larger_than_the_target_vocab_is_the_full_vocab(world, tmp_p
 
 
 # ------------------------------------------------------------------------------------------ NaN / inf states
-def test_nan_states_are_skipped_counted_and_never_trained_on(world, tmp_path, capsys, eagle3_log):
-    """A target that returns NaN for some samples (here: one token's embedding row is NaN): extraction skips
-    exactly those samples, says so, counts them in the manifest and `cache info`; training sees only finite
-    states and its losses stay finite."""
-    from eagle3.cache import HiddenStateDataset, print_info, summary
-    from eagle3.data.prepared import load_prepared
-    from eagle3.extract import run as extract
-    from eagle3.trainer import run as train
-
-    target = tmp_path / "nan-target"
-    shutil.copytree(world["target"], target)
+@pytest.fixture(scope="module")
+def nan_target(world, tmp_path_factory):
+    """The world's target with one token's embedding row set to NaN: every sample holding that token gets NaN
+    states (from that position on), the others stay finite. Returns (folder, ids of the affected samples)."""
     from safetensors.torch import load_file, save_file
 
+    from eagle3.data.prepared import load_prepared
+
+    target = tmp_path_factory.mktemp("nan") / "target"
+    shutil.copytree(world["target"], target)
     prepared = load_prepared(world["prepared"])
     has = Counter(t for split in (prepared.train, prepared.eval) for ids in split["input_ids"] for t in set(ids))
     token = min((t for t, n in has.items() if n >= 2), key=lambda t: (has[t], t))  # rare but present
@@ -193,7 +190,17 @@ def test_nan_states_are_skipped_counted_and_never_trained_on(world, tmp_path, ca
     w = load_file(str(target / "model.safetensors"))
     w["model.embed_tokens.weight"][token] = float("nan")
     save_file(w, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target, bad
 
+
+def test_nan_states_are_skipped_counted_and_never_trained_on(world, nan_target, tmp_path, capsys, eagle3_log):
+    """Offline: extraction skips exactly the samples with NaN/inf states, says so, counts them in the manifest
+    and `cache info`; training sees only finite states and its losses stay finite."""
+    from eagle3.cache import HiddenStateDataset, print_info, summary
+    from eagle3.extract import run as extract
+    from eagle3.trainer import run as train
+
+    target, bad = nan_target
     cfgd = _copy(world["cfgd"], output_dir=str(tmp_path / "run"))
     cfgd["target"] = {**cfgd["target"], "path": str(target)}
     cfgd["extract"] = {**cfgd["extract"], "cache_dir": str(tmp_path / "cache")}
@@ -220,6 +227,52 @@ def test_nan_states_are_skipped_counted_and_never_trained_on(world, tmp_path, ca
     m = train(cfg)
     assert torch.isfinite(torch.tensor(m["loss"]))
     assert all(torch.isfinite(torch.tensor(float(v))) for v in m["eval"].values()), m["eval"]
+
+
+def test_online_nan_samples_are_blanked_never_trained_on(world, tmp_path, monkeypatch, eagle3_log):
+    """Online mode: a sample whose states come back NaN/inf stays in its planned batch as a blank (zero states, no
+    loss positions), is logged by id, and the step's loss, gradient and metrics stay finite.
+
+    The NaN is injected after the real target's forward (a NaN embedding row would also poison the draft, which
+    shares the target's embeddings), as an fp16 overflow deep in the target would produce it."""
+    import eagle3.target.hf as hf
+    from eagle3.data.prepared import load_prepared
+    from eagle3.target.base import Captured
+    from eagle3.trainer import run as train
+
+    prepared = load_prepared(world["prepared"])
+    poisoned = {tuple(prepared.train[i]["input_ids"]): prepared.train[i]["id"] for i in (0, 7, 13)}
+    poisoned[tuple(prepared.eval[1]["input_ids"])] = prepared.eval[1]["id"]
+    real = hf.make_backend
+
+    class NaNFor:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getattr__(self, name):
+            return getattr(self.backend, name)
+
+        def capture(self, batch):
+            out = []
+            for ids, c in zip(batch, self.backend.capture(batch)):
+                if tuple(ids) in poisoned:
+                    aux = c.aux.clone()
+                    aux[len(ids) // 2] = float("inf")
+                    c = Captured(aux=aux, final=c.final.clone().fill_(float("nan")))
+                out.append(c)
+            return out
+
+    monkeypatch.setattr(hf, "make_backend", lambda cfg: NaNFor(real(cfg)))
+    cfgd = _copy(world["cfgd"], output_dir=str(tmp_path / "run"))
+    cfgd["extract"] = {**cfgd["extract"], "mode": "online", "cache_dir": str(tmp_path / "no-cache")}
+    cfgd["train"] = {**cfgd["train"], "batch_tokens": 8000, "max_steps": 2, "eval_every": 2}  # one batch: all
+    m = train(load_config(write_cfg(tmp_path / "cfg.yaml", cfgd)))
+    assert torch.isfinite(torch.tensor(m["loss"])) and m["loss"] > 0
+    assert torch.isfinite(torch.tensor(m["grad_norm"])) and m["grad_norm"] > 0
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in m["eval"].values()), m["eval"]
+    for sid in poisoned.values():
+        assert f"online: sample {sid!r}: the target returned NaN/inf hidden states; blanked" in eagle3_log.text()
+    assert not (tmp_path / "no-cache").exists()
 
 
 # ------------------------------------------------------------------------------- caches from another job
