@@ -93,8 +93,17 @@ def init_tracking(accelerator, cfg: Config) -> None:
         attempts = ["offline"]
     for attempt in attempts:
         if attempt == "offline":
-            # wandb ignores WANDB_MODE changes once its session started: say it in the init kwargs.
+            # wandb ignores WANDB_MODE changes once its session started: say it in the init kwargs, and drop a key
+            # that broke the online attempt (offline needs none, but wandb keeps a bad one in its session).
             kwargs["wandb"]["mode"] = "offline"
+            os.environ["WANDB_MODE"] = "offline"
+            os.environ.pop("WANDB_API_KEY", None)
+            try:
+                import wandb
+
+                wandb.teardown()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
         try:
             accelerator.init_trackers(cfg.tracking.project, config=cfg.model_dump(mode="json"), init_kwargs=kwargs)
             if attempt == "offline":

@@ -77,12 +77,13 @@ def test_training_completes_and_says_tracking_failed(runs, case):
     assert "WARNING wandb" in r["log"], r["log"][-3000:]
 
 
+
+
 BOGUS_KEY_OFFLINE = pytest.mark.xfail(strict=True, reason=(
-    "eagle3/trainer.py init_tracking: after the online attempt fails on a malformed WANDB_API_KEY ('API key must have "
-    "40+ characters'), wandb keeps that key in its process-wide session, so the offline attempt (mode='offline' in "
-    "init kwargs) fails the same way and training runs with no tracking at all. Verified fix: before the offline "
-    "attempt, os.environ.pop('WANDB_API_KEY', None); os.environ['WANDB_MODE'] = 'offline'; wandb.teardown() "
-    "(offline needs no key); then accelerator.init_trackers(..., init_kwargs with mode='offline') succeeds."))
+    "eagle3/trainer.py init_tracking now drops the malformed WANDB_API_KEY and tears wandb down before the offline "
+    "attempt, so the offline run logs (a .wandb file is written); but wandb leaves a second, empty offline-run "
+    "folder behind after the failed online attempt, so `wandb sync` would see two runs. Not yet understood which "
+    "init creates which folder."))
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=BOGUS_KEY_OFFLINE) if "bogus" in c else c for c in CASES])
