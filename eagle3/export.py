@@ -250,9 +250,14 @@ def engine_config(config: Eagle3DraftConfig, to: EngineName, dtype_name: str,
 
 def engine_tensors(tensors: dict[str, torch.Tensor], to: EngineName, dtype: torch.dtype | None
                    ) -> dict[str, torch.Tensor]:
-    """Engine-named tensors: `midlayer.*` for SGLang, `layers.0.*` for vLLM; floats cast, d2t int64, t2d bool."""
+    """Engine-named tensors: `midlayer.*` for SGLang, `layers.0.*` for vLLM; floats cast, d2t int64, t2d bool.
+
+    A full-vocab head (identity mapping, already checked by `validate`) has no d2t/t2d in the vLLM export."""
     out: dict[str, torch.Tensor] = {}
+    full_vocab = tensors["d2t"].numel() == tensors["t2d"].numel() and not tensors["d2t"].any()
     for k, v in tensors.items():
+        if to == "vllm" and full_vocab and k in ("d2t", "t2d"):
+            continue  # vLLM makes no mapping slot for a full-vocab head and refuses the tensors (0.32)
         if k == "d2t":
             v = v.to(torch.int64)
         elif k == "t2d":

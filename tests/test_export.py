@@ -200,3 +200,19 @@ def test_vllm_needs_verifier_and_deepseek_refuses_first_id_1(tmp_path):
     with pytest.raises(ExportError, match="first value is 1"):
         export(ds, tmp_path / "s", to="sglang")
     assert export(ds, tmp_path / "v2", to="vllm")  # vLLM spells it as-is
+
+
+def test_full_vocab_head_has_no_mapping_in_the_vllm_export(tmp_path):
+    cfg = make_draft().config
+    cfg.draft_vocab_size = VOCAB
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg, embed_weight=torch.randn(VOCAB, H))
+    draft.set_vocab(torch.zeros(VOCAB, dtype=torch.int64), torch.ones(VOCAB, dtype=torch.bool))
+    draft.save_pretrained(tmp_path / "draft")
+    vllm = export(tmp_path / "draft", tmp_path / "vllm", to="vllm", dtype=None)
+    assert "d2t" not in _tensors(vllm) and "t2d" not in _tensors(vllm)  # vLLM 0.32 rejects them for a full vocab
+    sglang = export(tmp_path / "draft", tmp_path / "sglang", to="sglang", dtype=None)
+    assert _tensors(sglang)["d2t"].dtype == torch.int64
+    again = Eagle3Draft.from_pretrained(vllm, embed_weight=draft.embed_tokens.weight)
+    for a, b in zip(_outputs(draft), _outputs(again)):
+        assert torch.equal(a, b)
