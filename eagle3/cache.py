@@ -44,7 +44,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 _LABELS = {
     "layer_ids": "layer ids", "layer_id_convention": "layer-id convention", "dtype": "target dtype",
     "weights_id": "target weights id", "target_path": "target path", "revision": "target revision",
-    "prepared_fingerprint": "prepared-data fingerprint", "max_length": "max_length", "hidden_size": "hidden size",
+    "prepared_fingerprint": "prepared samples fingerprint", "max_length": "max_length", "hidden_size": "hidden size",
     "num_layers": "number of target layers", "architectures": "target architectures", "format": "cache format",
 }
 
@@ -122,7 +122,8 @@ def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) 
         "dtype": cfg.target.dtype,
         "layer_ids": cfg.layer_ids(num_layers),
         "layer_id_convention": LAYER_ID_CONVENTION,
-        "prepared_fingerprint": prepared_meta.get("fingerprint"),
+        # The samples, not the draft vocab: states do not depend on it (older prepared folders lack the field).
+        "prepared_fingerprint": prepared_meta.get("samples_fingerprint", prepared_meta.get("fingerprint")),
         "max_length": prepared_meta.get("max_length", cfg.data.max_length),
     }
 

@@ -185,3 +185,22 @@ def test_prepare_real_sharegpt_smollm2(tmp_path: Path):
     assert len(p.train) + len(p.eval) == s["train_samples"] + s["eval_samples"] > 150
     assert p.d2t.shape == (8192,) and p.t2d.shape == (49152,) and s["vocab_coverage"] > 0.8
     assert max(len(x) for x in p.train["input_ids"]) <= 1024
+
+
+def test_cache_fingerprint_follows_the_samples_not_the_draft_vocab(tmp_path: Path, tok_dir: Path):
+    """One hidden-state cache serves heads with different draft vocabularies; other samples need another cache."""
+    from models import tiny_llama
+
+    from eagle3.cache import expected_fingerprint
+
+    target = tiny_llama(tmp_path / "target", vocab=320)
+    llama_test_tokenizer(target, vocab_size=320)
+    metas = {}
+    for name, extra in {"v40": [], "v64": ["draft.vocab_size=64"], "len96": ["data.max_length=96"]}.items():
+        cfg = _cfg(tmp_path, target, *extra, f"output_dir={tmp_path / name}")  # one source file for all
+        prepare.run(cfg)
+        metas[name] = (cfg, load_prepared(cfg.prepared_dir).meta)
+    fps = {n: expected_fingerprint(c, m)["prepared_fingerprint"] for n, (c, m) in metas.items()}
+    assert metas["v40"][1]["fingerprint"] != metas["v64"][1]["fingerprint"]  # the prepared folders differ...
+    assert fps["v40"] == fps["v64"]  # ...but their samples, hence the caches they need, do not
+    assert fps["len96"] != fps["v40"]

@@ -374,6 +374,9 @@ def run(cfg: Config) -> dict[str, Any]:
     meta = {
         "version": PREPARE_VERSION,
         "fingerprint": fp,
+        # The samples alone (draft vocab excluded): what hidden-state caches depend on, so one cache serves
+        # heads with different draft vocabularies.
+        "samples_fingerprint": fingerprint({k: v for k, v in fp_in.items() if k != "draft_vocab_size"}),
         "fingerprint_inputs": fp_in,
         "target_path": cfg.target.path,
         "tokenizer": fp_in["tokenizer"] | {"name_or_path": str(getattr(tokenizer, "name_or_path", ""))},
