@@ -5,9 +5,8 @@
 # ONE extraction cache (runs/smollm2-135m/cache), each into runs/smollm2-135m/abl/<variant>:
 #   top        draft.features=top: only the high aux state reaches fc (EAGLE-1/2 style), in training and eval
 #   ttt1       train.ttt_steps=1: no training-time test (the head never sees its own outputs)
-#   vocabN     draft.vocab_size=N: a real `eagle3 prepare` with that vocab (seconds), then a cache *view*
-#              (cache_view.py: checks the samples are identical, symlinks the shards, re-stamps the prepared
-#              fingerprint) because the cache fingerprint includes the prepared one, which includes the vocab size
+#   vocabN     draft.vocab_size=N: a real `eagle3 prepare` with that vocab (seconds) into its own folder; the
+#              cache is the same one (its fingerprint follows the prepared samples, not the draft vocab)
 # Each variant trains (train stage of run.sh) and runs the chain eval (steps 3 / topk 1 / 4 draft tokens).
 # Extra key=value overrides for every variant: EXTRA="train.max_steps=10 ...".
 set -euo pipefail
@@ -29,13 +28,10 @@ for v in "${VARIANTS[@]}"; do
         ttt*)  ov=("train.ttt_steps=${v#ttt}") ;;
         vocab*)
             n=${v#vocab}
-            prep="$BASE/abl/prepared-v$n"
-            cache="$BASE/abl/cache-v$n"
-            shared=("output_dir=$out" "data.output_dir=$prep" "extract.cache_dir=$cache" "${EXTRA_OV[@]}")
+            shared=("output_dir=$out" "data.output_dir=$BASE/abl/prepared-v$n" "extract.cache_dir=$BASE/cache"
+                    "${EXTRA_OV[@]}")
             ov=("draft.vocab_size=$n")
             CONFIG="$CONFIG" STAGES=prepare bash recipes/smollm2-135m/run.sh "${shared[@]}" "${ov[@]}"
-            python recipes/smollm2-135m/cache_view.py --cache "$BASE/cache" --prepared "$BASE/prepared" \
-                --variant "$prep" --out "$cache"
             ;;
         *) echo "unknown variant $v (top, ttt<k>, vocab<N>)" >&2; exit 2 ;;
     esac
