@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import importlib.resources
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from eagle3.fsutil import atomic_dir
 
 SMOLLM2 = "bundled:smollm2-135m-instruct"
 SHAREGPT = "bundled:sharegpt"
@@ -56,9 +56,7 @@ def materialise_smollm2(dest: Path | None = None) -> Path:
     if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
         return dest
     gguf = smollm2_gguf_path()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
-    try:
+    with atomic_dir(dest) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The GGUF quantizer marker makes save_pretrained refuse; the weights are already dequantised.
@@ -69,11 +67,6 @@ def materialise_smollm2(dest: Path | None = None) -> Path:
         model.is_quantized = False
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

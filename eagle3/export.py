@@ -31,9 +31,6 @@ inconsistency (missing or contradictory vocab sizes, mapping, shapes, ids) is an
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3.fsutil import atomic_dir
 from eagle3.layers import LAYER_ID_CONVENTION, arch_family, to_engine_ids
 from eagle3.model import CONFIG_NAME, FORMAT, WEIGHTS_NAME, Eagle3DraftConfig
 
@@ -316,15 +314,7 @@ def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", d
         raise ExportError(f"{out}: the output folder is the checkpoint itself; choose another folder")
     if not _is_replaceable(out):
         raise ExportError(f"{out}: exists and is not an eagle3 export; refusing to overwrite it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg_json, indent=2) + "\n")
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
