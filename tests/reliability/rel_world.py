@@ -89,6 +89,28 @@ def base_config(world: dict[str, Path], out: Path) -> dict[str, Any]:
     }
 
 
+def extracted_world(root: Path, run: str, shared_cache: bool = True,
+                    edit: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Path], dict[str, Any]]:
+    """The tiny world prepared and extracted once, in process: (world, config dict). The prepared folder (and the
+    cache, with shared_cache) sit at `root` so every run a test starts from the config dict reuses them; `edit`
+    changes the config dict before it is written and used."""
+    from eagle3.config import load_config
+    from eagle3.data.prepare import run as prepare
+    from eagle3.extract import run as extract
+
+    w = build_world(root)
+    cfgd = base_config(w, root / run)
+    cfgd["data"]["output_dir"] = str(root / "prepared")
+    if shared_cache:
+        cfgd["extract"]["cache_dir"] = str(root / "cache")
+    if edit is not None:
+        edit(cfgd)
+    cfg = load_config(write_cfg(root / f"{run}.yaml", cfgd))
+    prepare(cfg)
+    extract(cfg)
+    return w, cfgd
+
+
 def write_cfg(path: Path, cfg: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -14,7 +14,15 @@ from collections import Counter
 
 import pytest
 import torch
-from rel_world import CLI, TRAIN, base_config, build_world, no_traceback, run_cmd, write_cfg, write_jsonl
+from rel_world import (
+    CLI,
+    TRAIN,
+    extracted_world,
+    no_traceback,
+    run_cmd,
+    write_cfg,
+    write_jsonl,
+)
 
 from eagle3.cache import CacheError
 from eagle3.config import load_config
@@ -26,18 +34,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The tiny world, prepared and extracted once (in process)."""
-    from eagle3.data.prepare import run as prepare
-    from eagle3.extract import run as extract
-
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("bad")
-    w = build_world(root)
-    cfgd = base_config(w, root / "run")
-    cfgd["data"]["output_dir"] = str(root / "prepared")
-    cfgd["extract"]["cache_dir"] = str(root / "cache")
-    cfg = load_config(write_cfg(root / "cfg.yaml", cfgd))
-    prepare(cfg)
-    extract(cfg)
+    w, cfgd = extracted_world(root, "run")
     return {**w, "cfgd": cfgd, "prepared": root / "prepared", "cache": root / "cache"}
 
 

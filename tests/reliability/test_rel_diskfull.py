@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from rel_world import CLI, TRAIN, base_config, build_world, no_traceback, run_cmd, temp_leftovers, tree_bytes, write_cfg
+from rel_world import (
+    CLI,
+    TRAIN,
+    extracted_world,
+    no_traceback,
+    run_cmd,
+    temp_leftovers,
+    tree_bytes,
+    write_cfg,
+)
 
 from eagle3.config import load_config
 
@@ -56,17 +65,9 @@ def small_disk(tmp_path):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The tiny world, prepared, with a reference cache extracted on a normal disk."""
-    from eagle3.data.prepare import run as prepare
-    from eagle3.extract import run as extract
-
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("diskfull")
-    w = build_world(root)
-    cfgd = base_config(w, root / "ref")
-    cfgd["data"]["output_dir"] = str(root / "prepared")
-    cfg = load_config(write_cfg(root / "ref.yaml", cfgd))
-    prepare(cfg)
-    extract(cfg)
+    w, cfgd = extracted_world(root, "ref", shared_cache=False)
     return {**w, "cfgd": cfgd, "ref_cache": root / "ref" / "cache"}
 
 

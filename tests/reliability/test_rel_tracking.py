@@ -15,9 +15,7 @@ import subprocess
 
 import pytest
 import torch
-from rel_world import REPO, TRAIN, base_config, build_world, env, write_cfg
-
-from eagle3.config import load_config
+from rel_world import REPO, TRAIN, env, extracted_world, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -30,20 +28,13 @@ CASES = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Both cases launched at once (they mostly wait on wandb), each with its own output folder."""
-    from eagle3.data.prepare import run as prepare
-    from eagle3.extract import run as extract
+    def for_tracking(cfgd: dict) -> None:
+        cfgd["train"].update(max_steps=3, eval_every=3)
+        cfgd["tracking"] = {"backend": "wandb", "project": "eagle3-reliability"}
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("tracking")
-    w = build_world(root)
-    cfgd = base_config(w, root / "x")
-    cfgd["data"]["output_dir"] = str(root / "prepared")
-    cfgd["extract"]["cache_dir"] = str(root / "cache")
-    cfgd["train"].update(max_steps=3, eval_every=3)
-    cfgd["tracking"] = {"backend": "wandb", "project": "eagle3-reliability"}
-    cfg = load_config(write_cfg(root / "x.yaml", cfgd))
-    prepare(cfg)
-    extract(cfg)
+    _, cfgd = extracted_world(root, "x", edit=for_tracking)
     from fake_openai_server import FakeOpenAIServer
 
     server = FakeOpenAIServer().__enter__()  # answers HTTP, but 404 to everything wandb asks
