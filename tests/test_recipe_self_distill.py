@@ -1,0 +1,54 @@
+"""The self-distillation recipe (recipes/smollm2-135m/self_distill.sh) end to end at a tiny budget, with the
+in-process HF backend (no vLLM needed): SmolLM2 re-answers 8 ShareGPT conversations, then prepare -> extract ->
+train -> export -> eval run on those answers.
+
+    pytest -q -m slow tests/test_recipe_self_distill.py      # about 2 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "recipes" / "smollm2-135m" / "self_distill.sh"
+
+
+def test_self_distill_script_opens_with_its_command():
+    assert "bash recipes/smollm2-135m/self_distill.sh" in SCRIPT.read_text().splitlines()[1]
+
+
+@pytest.mark.slow
+def test_self_distill_tiny_budget_end_to_end(tmp_path: Path):
+    out = tmp_path / "sd"
+    overrides = [
+        f"output_dir={out}", "target.dtype=float32", "data.max_samples=8", "data.max_length=192", "data.eval_size=2",
+        "draft.vocab_size=1024", "regenerate.max_tokens=24", "train.max_steps=3", "train.batch_tokens=512",
+        "train.eval_every=3", "train.save_every=3", "train.eval_max_samples=2", "eval.max_prompts=1",
+        "eval.max_new_tokens=12",
+    ]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("VLLM_PYTHON", None)
+    env["STAGES"] = "prepare extract train export eval"
+    proc = subprocess.run(["bash", str(SCRIPT), *overrides], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    # The regenerated answers are SmolLM2's, not ShareGPT's, and prepare read them (not the bundled ShareGPT).
+    regen = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert len(regen) == 8 and all(any(t["from"] == "gpt" for t in r["conversations"]) for r in regen)
+    meta = json.loads((out / "prepared" / "meta.json").read_text())
+    assert [s["path"] for s in meta["fingerprint_inputs"]["sources"]] == [str(out / "regenerated.jsonl")]
+    assert "regenerated" in (out / "logs" / "regenerate.log").read_text()
+
+    assert (out / "checkpoints" / "best" / "model.safetensors").is_file()
+    for engine in ("sglang", "vllm"):
+        assert (out / "export" / engine / "config.json").is_file()
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert report["sets"]["mt-bench"]["tau"] >= 1.0
+    assert "τ on mt-bench" in proc.stdout
