@@ -8,7 +8,8 @@
 #   vocabN     draft.vocab_size=N: a real `eagle3 prepare` with that vocab (seconds) into its own folder; the
 #              cache is the same one (its fingerprint follows the prepared samples, not the draft vocab)
 # Each variant trains (train stage of run.sh) and runs the chain eval (steps 3 / topk 1 / 4 draft tokens).
-# Extra key=value overrides for every variant: EXTRA="train.max_steps=10 ...".
+# Extra key=value overrides for every variant: EXTRA="train.max_steps=10 ...", or EXTRA="output_dir=<run> data.max_samples=N"
+# for the ablations of another base run (its cache and prepared data; the variants go to <run>/abl/<variant>).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -22,14 +23,15 @@ VARIANTS=("$@")
 
 for v in "${VARIANTS[@]}"; do
     out="$BASE/abl/$v"
-    shared=("output_dir=$out" "data.output_dir=$BASE/prepared" "extract.cache_dir=$BASE/cache" "${EXTRA_OV[@]}")
+    # EXTRA first: it may move the base run (output_dir=...), but each variant's own folders must win.
+    shared=("${EXTRA_OV[@]}" "output_dir=$out" "data.output_dir=$BASE/prepared" "extract.cache_dir=$BASE/cache")
     case "$v" in
         top)   ov=(draft.features=top) ;;
         ttt*)  ov=("train.ttt_steps=${v#ttt}") ;;
         vocab*)
             n=${v#vocab}
-            shared=("output_dir=$out" "data.output_dir=$BASE/abl/prepared-v$n" "extract.cache_dir=$BASE/cache"
-                    "${EXTRA_OV[@]}")
+            shared=("${EXTRA_OV[@]}" "output_dir=$out" "data.output_dir=$BASE/abl/prepared-v$n"
+                    "extract.cache_dir=$BASE/cache")
             ov=("draft.vocab_size=$n")
             CONFIG="$CONFIG" STAGES=prepare bash recipes/smollm2-135m/run.sh "${shared[@]}" "${ov[@]}"
             ;;
