@@ -10,16 +10,17 @@
 #                 far slower on a CPU: BENCHMARKS.md, Regeneration).
 #   STAGES        passed to run.sh (default: every stage after prepare's input changes: prepare ... eval_tree)
 #   key=value     overrides for every stage, after the ones below (yours win)
-# The training budget is the ShareGPT run's: train.max_steps=294 (3 epochs of its 97K tokens at 1024 tokens/step),
-# so the two heads differ only in whose answers they learned. Regeneration resumes where a killed run stopped.
+# The budget is the self-distillation study's (BENCHMARKS.md): the first 240 conversations and 294 train steps, the
+# same as `bash recipes/smollm2-135m/run.sh data.max_samples=240` (3 epochs of ShareGPT's 97K tokens), so the two
+# heads differ only in whose answers they learned. Regeneration resumes where a killed run stopped.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 CONFIG="${CONFIG:-configs/smollm2-135m.yaml}"
 OUT=$(python -c 'import sys; from eagle3.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).output_dir)' \
-      "$CONFIG" output_dir=runs/smollm2-135m-sd "$@")
+      "$CONFIG" output_dir=runs/smollm2-135m-sd data.max_samples=240 "$@")
 REGEN="$OUT/regenerated.jsonl"
-OV=("output_dir=$OUT" "data.sources=[{path: $REGEN}]" train.max_steps=294 "$@")
+OV=("output_dir=$OUT" data.max_samples=240 "data.sources=[{path: $REGEN}]" train.max_steps=294 "$@")
 mkdir -p "$OUT/logs"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
@@ -47,7 +48,7 @@ else
 fi
 
 # Answers are capped at 512 tokens: data.max_length is 512, so prepare would cut anything longer.
-eagle3 regenerate --config "$CONFIG" "output_dir=$OUT" "${BACKEND[@]}" regenerate.max_tokens=512 "$@" \
+eagle3 regenerate --config "$CONFIG" "output_dir=$OUT" data.max_samples=240 "${BACKEND[@]}" regenerate.max_tokens=512 "$@" \
     2>&1 | tee "$OUT/logs/regenerate.log"
 if [ -n "${VLLM_PYTHON:-}" ]; then kill $SERVER; wait $SERVER 2>/dev/null || true; trap - EXIT; fi
 
