@@ -8,15 +8,12 @@ train -> export -> eval run on those answers.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from recipe_runner import RECIPE, run_recipe
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "recipes" / "smollm2-135m" / "self_distill.sh"
+SCRIPT = RECIPE / "self_distill.sh"
 
 
 def test_self_distill_script_opens_with_its_command():
@@ -32,12 +29,9 @@ def test_self_distill_tiny_budget_end_to_end(tmp_path: Path):
         "train.eval_every=3", "train.save_every=3", "train.eval_max_samples=2", "eval.max_prompts=1",
         "eval.max_new_tokens=12",
     ]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("VLLM_PYTHON", None)
-    env["STAGES"] = "prepare extract train export eval"
-    proc = subprocess.run(["bash", str(SCRIPT), *overrides], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # VLLM_PYTHON empty: the in-process HF backend.
+    proc = run_recipe("self_distill.sh", overrides, tmp_path, timeout=900, VLLM_PYTHON="",
+                      STAGES="prepare extract train export eval")
 
     # The regenerated answers are SmolLM2's, not ShareGPT's, and prepare read them (not the bundled ShareGPT).
     regen = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]

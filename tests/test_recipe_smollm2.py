@@ -11,18 +11,15 @@ once under $EAGLE3_HOME (~/.cache/eagle3).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from recipe_runner import RECIPE, run_recipe
 from safetensors import safe_open
 
 from eagle3.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPE = REPO / "recipes" / "smollm2-135m"
 
 
 def test_recipe_configs_open_with_their_command_and_validate():
@@ -49,10 +46,7 @@ def test_quickstart_tiny_budget_end_to_end(tmp_path: Path):
         "train.batch_tokens=1024", "train.eval_every=2", "train.save_every=2", "train.log_every=1",
         "train.eval_max_samples=4", "eval.max_prompts=1", "eval.max_new_tokens=16",
     ]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run(["bash", str(RECIPE / "quickstart.sh"), *overrides], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_recipe("quickstart.sh", overrides, tmp_path)
 
     # Every stage's artifact is on disk.
     prepared = out / "prepared"
