@@ -17,10 +17,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 CONFIG="${CONFIG:-configs/smollm2-135m.yaml}"
+SAMPLES=data.max_samples=240   # the study's conversations, for every stage (yours win when you pass another)
 OUT=$(python -c 'import sys; from eagle3.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).output_dir)' \
-      "$CONFIG" output_dir=runs/smollm2-135m-sd data.max_samples=240 "$@")
+      "$CONFIG" output_dir=runs/smollm2-135m-sd "$SAMPLES" "$@")
 REGEN="$OUT/regenerated.jsonl"
-OV=("output_dir=$OUT" data.max_samples=240 "data.sources=[{path: $REGEN}]" train.max_steps=294 "$@")
+OV=("output_dir=$OUT" "$SAMPLES" "data.sources=[{path: $REGEN}]" train.max_steps=294 "$@")
 mkdir -p "$OUT/logs"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
@@ -48,7 +49,7 @@ else
 fi
 
 # Answers are capped at 512 tokens: data.max_length is 512, so prepare would cut anything longer.
-eagle3 regenerate --config "$CONFIG" "output_dir=$OUT" data.max_samples=240 "${BACKEND[@]}" regenerate.max_tokens=512 "$@" \
+eagle3 regenerate --config "$CONFIG" "output_dir=$OUT" "$SAMPLES" "${BACKEND[@]}" regenerate.max_tokens=512 "$@" \
     2>&1 | tee "$OUT/logs/regenerate.log"
 if [ -n "${VLLM_PYTHON:-}" ]; then kill $SERVER; wait $SERVER 2>/dev/null || true; trap - EXIT; fi
 
