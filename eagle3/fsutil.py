@@ -1,4 +1,11 @@
-"""Publishing a folder atomically: the one way eagle3 writes a folder that later stages trust."""
+"""Publishing a folder atomically: the one way eagle3 writes a folder that later stages trust.
+
+A reader of `dest` sees either the old complete folder, no folder, or the new complete folder, never a half-written
+or half-deleted one: the new folder is built in a hidden sibling, the old one is renamed aside (one rename; deleting
+it in place could be killed half way and leave a partial folder that looks complete), the new one renamed in, and
+only then is the old one deleted. A kill between the two renames leaves no `dest` and the old folder in a hidden
+`.<name>.old-*` sibling; `remove_stale` clears such leftovers.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +17,56 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def stale_siblings(dest: Path) -> list[Path]:
+    """Hidden leftovers of killed publishes of `dest`: `.<name>.tmp-*` (unfinished) and `.<name>.old-*` (replaced)."""
+    if not dest.parent.is_dir():
+        return []
+    return sorted([*dest.parent.glob(f".{dest.name}.tmp-*"), *dest.parent.glob(f".{dest.name}.old-*")])
+
+
+def remove_stale(dest: Path) -> None:
+    """Delete leftovers of killed publishes; only for writers that never run twice at once on the same `dest`."""
+    for stale in stale_siblings(dest):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Swap the finished folder `tmp` in as `dest`: old `dest` renamed aside, `tmp` renamed in, old deleted.
+
+    If the second rename fails, the old folder is put back, so an error leaves `dest` as it was."""
+    aside: Path | None = None
+    if dest.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        os.replace(dest, aside / dest.name)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside / dest.name, dest)
+            shutil.rmtree(aside, ignore_errors=True)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 @contextmanager
-def atomic_dir(dest: Path) -> Iterator[Path]:
-    """Yield an empty temporary sibling of `dest`; when the block ends without error it replaces `dest` in one
-    rename, so a crash or a full disk never leaves a half-written folder that looks complete."""
+def atomic_dir(dest: Path, *, clear_stale: bool = False) -> Iterator[Path]:
+    """Yield an empty hidden sibling of `dest`; when the block ends without error it replaces `dest` (`replace_dir`),
+    so a crash or a full disk never leaves a half-written folder that looks complete. `clear_stale=True` first
+    deletes leftovers of killed runs: only for writers that are never run twice at once on the same `dest`."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if clear_stale:
+        remove_stale(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700 folders; published ones get plain modes
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders; published ones get plain modes
+        replace_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

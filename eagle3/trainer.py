@@ -33,6 +33,7 @@ import torch
 from eagle3.batching import collate, iter_batches, plan_epoch
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
+from eagle3.fsutil import replace_dir
 from eagle3.logs import Progress, setup_logging
 from eagle3.loss import StepStats, Teacher, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -226,32 +227,24 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def _atomic_dir(final: Path) -> Path:
-    tmp = final.with_name(f".tmp-{final.name}")
+def _tmp_dir(final: Path) -> Path:
+    """An empty hidden sibling of `final` to build it in: one fixed name, because every rank writes its part of the
+    accelerate state into it (a random mkdtemp name would differ per rank)."""
+    tmp = final.with_name(f".{final.name}.tmp-ckpt")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
-
-
-def _commit_dir(tmp: Path, final: Path) -> None:
-    """Swap the finished tmp folder in; the old folder (if any) is moved aside first, then deleted."""
-    old = final.with_name(f".old-{final.name}")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
     """step_N/: accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json + vocab + draft/."""
     ckpt_dir = cfg.checkpoint_dir
     final = ckpt_dir / f"step_{state.step}"
-    tmp = final.with_name(f".tmp-{final.name}")
+    tmp = final.with_name(f".{final.name}.tmp-ckpt")
     previous = list_checkpoints(ckpt_dir)
     try:
         if accelerator.is_main_process:
-            _atomic_dir(final)
+            _tmp_dir(final)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
         sd = accelerator.get_state_dict(model)
@@ -259,7 +252,7 @@ def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: tor
             accelerator.unwrap_model(model).save_pretrained(tmp / "draft", state_dict=sd)
             save_vocab(tmp / "vocab.safetensors", d2t, t2d)
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
-            _commit_dir(tmp, final)
+            replace_dir(tmp, final)
             for _, old in list_checkpoints(ckpt_dir)[: -cfg.train.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
             log.info("checkpoint: %s", final)
@@ -310,9 +303,9 @@ def save_best(accelerator, model, cfg: Config) -> Path:
     best = cfg.checkpoint_dir / "best"
     sd = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        tmp = _atomic_dir(best)
+        tmp = _tmp_dir(best)
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=sd)
-        _commit_dir(tmp, best)
+        replace_dir(tmp, best)
     accelerator.wait_for_everyone()
     return best
 
@@ -407,9 +400,10 @@ def run(cfg: Config) -> dict[str, Any]:
         accelerator.load_state(str(path))
         state = TrainState(**json.loads((path / STATE_FILE).read_text()))
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, state.step, state.epoch, state.batch_index)
-    elif main and cfg.checkpoint_dir.is_dir():
-        for stale in cfg.checkpoint_dir.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    if main and cfg.checkpoint_dir.is_dir():  # leftovers of a save that was killed (older runs named them .tmp-*)
+        for pattern in (".*.tmp-*", ".*.old-*", ".tmp-*", ".old-*"):
+            for stale in cfg.checkpoint_dir.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
 
     init_tracking(accelerator, cfg)
     if main:

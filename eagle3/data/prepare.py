@@ -21,8 +21,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,6 +35,7 @@ from eagle3.data.sources import SourceStats, read_conversations, resolve_source_
 from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, render, resolve_template
 from eagle3.data.types import Conversation, Turn
 from eagle3.data.vocab import DraftVocab, build_draft_vocab
+from eagle3.fsutil import atomic_dir
 from eagle3.logs import Progress, log
 
 PREPARE_VERSION = 1
@@ -259,17 +258,6 @@ def _open_permissions(root: Path) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished tmp folder into place; an old prepared folder is moved aside first, then removed."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "x")
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _print_summary(out: Path, s: dict[str, Any]) -> None:
     lines = [
         f"prepared data written to {out}",
@@ -392,11 +380,8 @@ def run(cfg: Config) -> dict[str, Any]:
         "summary": summary,
     }
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed run (prepare is not run twice at once)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    # Prepare never runs twice at once on one folder, so leftovers of a killed run are cleared first.
+    with atomic_dir(out, clear_stale=True) as tmp:
         from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
         bars = is_progress_bar_enabled()
@@ -412,8 +397,5 @@ def run(cfg: Config) -> dict[str, Any]:
         save_vocab(tmp / "vocab.safetensors", vocab.d2t, vocab.t2d)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))  # last: marks completeness
         _open_permissions(tmp)
-        _publish(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     _print_summary(out, summary)
     return summary
