@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_recipe_configs_open_with_their_command_and_validate():
-    """Both recipe YAMLs validate and open with the exact command that runs them (cheap, not slow)."""
+    """Both recipe YAMLs validate, and they and the scripts open with the exact command that runs them."""
     for name, script in (("smollm2-135m.yaml", "run.sh"), ("smollm2-135m-quickstart.yaml", "quickstart.sh")):
         path = REPO / "configs" / name
         first = path.read_text().splitlines()[0]
@@ -31,8 +31,12 @@ def test_recipe_configs_open_with_their_command_and_validate():
         cfg = load_config(path)
         assert cfg.target.path == "bundled:smollm2-135m-instruct"
         assert cfg.eval.prompt_sets == ["mt-bench"]
-    for script in ("quickstart.sh", "run.sh"):
-        assert (RECIPE / script).read_text().splitlines()[1].startswith(f"# bash recipes/smollm2-135m/{script}")
+    # Every script in the recipe opens (line 2, after the shebang) with the exact command that runs it.
+    openings = {script: f"# bash recipes/smollm2-135m/{script}" for script in ("quickstart.sh", "run.sh", "ablations.sh")}
+    openings["self_distill.sh"] = "# VLLM_PYTHON=/work/vllm-venv/bin/python bash recipes/smollm2-135m/self_distill.sh"
+    assert sorted(p.name for p in RECIPE.glob("*.sh")) == sorted(openings)
+    for script, opening in openings.items():
+        assert (RECIPE / script).read_text().splitlines()[1].startswith(opening), script
 
 
 @pytest.mark.slow
