@@ -30,6 +30,18 @@ def remove_stale(dest: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def remove_stale_in(folder: Path) -> None:
+    """`remove_stale` for every folder published inside `folder` (the trainer's checkpoints)."""
+    for stale in [*folder.glob(".*.tmp-*"), *folder.glob(".*.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def tmp_sibling(dest: Path, tag: str) -> Path:
+    """A fixed-name hidden sibling to build `dest` in, named as leftovers are recognised (`.<name>.tmp-<tag>`): for
+    writers whose processes must all agree on the name (mkdtemp's random one would differ per process)."""
+    return dest.with_name(f".{dest.name}.tmp-{tag}")
+
+
 def replace_dir(tmp: Path, dest: Path) -> None:
     """Swap the finished folder `tmp` in as `dest`: old `dest` renamed aside, `tmp` renamed in, old deleted.
 
@@ -60,13 +72,14 @@ def atomic_dir(dest: Path, *, clear_stale: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders; published ones get plain modes
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700 folders; published ones get plain modes
         replace_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process umask (reading it means setting it: set it straight back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

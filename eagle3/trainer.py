@@ -33,7 +33,7 @@ import torch
 from eagle3.batching import collate, iter_batches, plan_epoch
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
-from eagle3.fsutil import replace_dir
+from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import Progress, setup_logging
 from eagle3.loss import StepStats, Teacher, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -228,9 +228,9 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
 
 
 def _tmp_dir(final: Path) -> Path:
-    """An empty hidden sibling of `final` to build it in: one fixed name, because every rank writes its part of the
-    accelerate state into it (a random mkdtemp name would differ per rank)."""
-    tmp = final.with_name(f".{final.name}.tmp-ckpt")
+    """An empty hidden sibling of `final` to build it in; every rank writes its part of the accelerate state into
+    it, so the name is fixed (`tmp_sibling`)."""
+    tmp = tmp_sibling(final, "ckpt")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
@@ -240,7 +240,7 @@ def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: tor
     """step_N/: accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json + vocab + draft/."""
     ckpt_dir = cfg.checkpoint_dir
     final = ckpt_dir / f"step_{state.step}"
-    tmp = final.with_name(f".{final.name}.tmp-ckpt")
+    tmp = tmp_sibling(final, "ckpt")
     previous = list_checkpoints(ckpt_dir)
     try:
         if accelerator.is_main_process:
@@ -400,10 +400,10 @@ def run(cfg: Config) -> dict[str, Any]:
         accelerator.load_state(str(path))
         state = TrainState(**json.loads((path / STATE_FILE).read_text()))
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, state.step, state.epoch, state.batch_index)
-    if main and cfg.checkpoint_dir.is_dir():  # leftovers of a save that was killed (older runs named them .tmp-*)
-        for pattern in (".*.tmp-*", ".*.old-*", ".tmp-*", ".old-*"):
-            for stale in cfg.checkpoint_dir.glob(pattern):
-                shutil.rmtree(stale, ignore_errors=True)
+    if main and cfg.checkpoint_dir.is_dir():  # leftovers of a save that was killed
+        remove_stale_in(cfg.checkpoint_dir)
+        for stale in [*cfg.checkpoint_dir.glob(".tmp-*"), *cfg.checkpoint_dir.glob(".old-*")]:  # older runs' names
+            shutil.rmtree(stale, ignore_errors=True)
 
     init_tracking(accelerator, cfg)
     if main:

@@ -36,7 +36,7 @@ def test_publish_then_replace_leaves_only_the_new_folder(tmp_path: Path) -> None
         assert _content(dest) == {"a.txt": "old", "sub/b.txt": "old"}  # readers see the old one until the end
     assert _content(dest) == {"a.txt": "new", "sub/b.txt": "new"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert oct(dest.stat().st_mode & 0o777) == oct(0o777 & ~fsutil._umask())
+    assert oct(dest.stat().st_mode & 0o777) == oct(0o777 & ~fsutil.current_umask())
 
 
 def test_error_in_the_block_keeps_the_old_folder(tmp_path: Path) -> None:

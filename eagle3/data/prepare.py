@@ -35,7 +35,7 @@ from eagle3.data.sources import SourceStats, read_conversations, resolve_source_
 from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, render, resolve_template
 from eagle3.data.types import Conversation, Turn
 from eagle3.data.vocab import DraftVocab, build_draft_vocab
-from eagle3.fsutil import atomic_dir
+from eagle3.fsutil import atomic_dir, current_umask
 from eagle3.logs import Progress, log
 
 PREPARE_VERSION = 1
@@ -252,8 +252,7 @@ def _check_replaceable(out: Path) -> None:
 
 def _open_permissions(root: Path) -> None:
     """mkdtemp makes 0700 folders: give the result the modes a plain mkdir/open would (umask applies)."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     for p in [root, *root.rglob("*")]:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 

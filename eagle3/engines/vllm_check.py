@@ -128,7 +128,7 @@ def hf_greedy(cfg: Any, prompts: list[list[int]], max_new_tokens: int, stop: lis
     model, _ = load_target(cfg)
     device = next(model.parameters()).device
     outs: list[list[int]] = []
-    # As long as the built-in's plain baseline (10 min for all of MT-bench on a 2-core CPU): it needs its own ETA.
+    # About as long as the built-in's plain baseline (8 min for all of MT-bench on 2 CPU cores): it needs an ETA.
     with torch.no_grad(), Progress(len(prompts), "hf greedy reference", unit="prompt") as progress:
         for ids in prompts:
             x = torch.tensor([ids], device=device)
