@@ -36,7 +36,7 @@ def untrained_head(cfg, out: Path) -> Path:
 
     from eagle3.bundled import resolve_target_path
     from eagle3.model import Eagle3Draft, Eagle3DraftConfig
-    from eagle3.target.weights import load_target_head
+    from eagle3.targets.weights import load_target_head
 
     path = resolve_target_path(cfg.target.path)
     hf = AutoConfig.from_pretrained(path)

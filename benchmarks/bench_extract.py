@@ -30,7 +30,7 @@ from eagle3.cache import (
     write_json_atomic,
 )
 from eagle3.config import Config
-from eagle3.target.hf import _DTYPES, HFTarget, load_causal_lm, plan_batches
+from eagle3.targets.hf import _DTYPES, HFTarget, load_causal_lm, plan_batches
 
 
 def load_samples(prepared: str | None, n: int, max_tokens: int) -> list[dict]:

@@ -64,7 +64,7 @@ def unigram_baseline(config: str, overrides: list[str]) -> dict[str, float]:
     from eagle3.config import load_config
     from eagle3.data.prepared import load_vocab
     from eagle3.loss import Teacher, valid_positions
-    from eagle3.target.weights import load_target_head
+    from eagle3.targets.weights import load_target_head
 
     cfg = load_config(config, overrides)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")

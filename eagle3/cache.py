@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from eagle3.layers import LAYER_ID_CONVENTION
+from eagle3.layer_ids import LAYER_ID_CONVENTION
 from eagle3.logs import UserError
 
 FORMAT_VERSION = 1

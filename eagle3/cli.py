@@ -35,7 +35,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from eagle3.data.prepare import run
+    from eagle3.prepare import run
 
     run(_cfg(args))
     return 0

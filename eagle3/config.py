@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
-from eagle3.layers import default_layer_ids, validate_layer_ids
+from eagle3.layer_ids import default_layer_ids, validate_layer_ids
 from eagle3.logs import UserError
 
 
@@ -64,7 +64,7 @@ class TargetConfig(Section):
     trust_remote_code: bool = False
     """Allow the model's own code (the Kimi tokenizer needs it)."""
     aux_layer_ids: list[int] | None = None
-    """Low/mid/high layer ids in eagle3's convention (see eagle3.layers: id k = input of decoder layer k =
+    """Low/mid/high layer ids in eagle3's convention (see eagle3.layer_ids: id k = input of decoder layer k =
     HF `hidden_states[k]` = vLLM's id k); None means `[2, L//2, L-3]`."""
     num_layers: int | None = Field(None, ge=1)
     """Depth of the target; read from its config.json when None (used to validate and default the layer ids)."""

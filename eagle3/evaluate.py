@@ -57,7 +57,7 @@ def load_target(cfg: Config) -> tuple[torch.nn.Module, Any]:
     """The HF target (Kimi-style wrappers included) and its tokenizer."""
     from eagle3.bundled import resolve_target_path
     from eagle3.data.templates import load_tokenizer
-    from eagle3.target.hf import load_causal_lm
+    from eagle3.targets.hf import load_causal_lm
 
     path = resolve_target_path(cfg.target.path)
     model = load_causal_lm(path, _DTYPES[cfg.target.dtype], cfg.target.device, cfg.target.trust_remote_code,
@@ -67,7 +67,7 @@ def load_target(cfg: Config) -> tuple[torch.nn.Module, Any]:
 
 def load_draft(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
     """The head, on the target's device and dtype, with the target's embeddings; ids checked against the target."""
-    from eagle3.layers import validate_layer_ids
+    from eagle3.layer_ids import validate_layer_ids
     from eagle3.model import Eagle3Draft
 
     p = next(target.parameters())

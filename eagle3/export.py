@@ -18,7 +18,7 @@ Both engines name the architecture `LlamaForCausalLMEagle3` but read different f
   (like SGLang's and EAGLE's) keeps the raw feature as the residual, so `norm_before_residual: false` and
   `norm_before_fc: false` are written explicitly.
 
-Layer ids are written in THAT engine's spelling for THAT target family (eagle3.layers.to_engine_ids: vLLM as-is;
+Layer ids are written in THAT engine's spelling for THAT target family (eagle3.layer_ids.to_engine_ids: vLLM as-is;
 SGLang Llama-family k-1; SGLang DeepSeek/Kimi as-is). The `eagle3` block keeps the head's full eagle3 config
 (ids in eagle3's convention, the convention's name, the target) and `eagle3_aux_layer_ids` repeats the ids for
 `Eagle3Draft.from_pretrained`, so a reload or re-export is unambiguous.
@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.fsutil import atomic_dir
-from eagle3.layers import LAYER_ID_CONVENTION, arch_family, to_engine_ids
+from eagle3.layer_ids import LAYER_ID_CONVENTION, arch_family, to_engine_ids
 from eagle3.model import CONFIG_NAME, FORMAT, WEIGHTS_NAME, Eagle3DraftConfig
 
 EngineName = Literal["sglang", "vllm"]

@@ -240,7 +240,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
         preflight_disk(cache_dir, _remaining_tokens(cache_dir, world, lengths, S), fp["hidden_size"], fp["dtype"])
 
     if backend is None:
-        from eagle3.target.hf import make_backend
+        from eagle3.targets.hf import make_backend
 
         backend = make_backend(cfg)
     _check_backend(backend, fp)
@@ -248,7 +248,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
         first = jobs[0]
         _preflight_sample(backend, list(data[first.split][first.rows[0]]["input_ids"]), fp["hidden_size"])
 
-    from eagle3.target.hf import plan_batches
+    from eagle3.targets.hf import plan_batches
 
     dtype = backend.dtype
     t0 = time.monotonic()

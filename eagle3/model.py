@@ -31,7 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eagle3.layers import LAYER_ID_CONVENTION, ArchFamily, Engine, arch_family, from_engine_ids
+from eagle3.layer_ids import LAYER_ID_CONVENTION, ArchFamily, Engine, arch_family, from_engine_ids
 
 log = logging.getLogger("eagle3")
 
@@ -91,7 +91,7 @@ class Eagle3DraftConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 8192
     aux_layer_ids: list[int] | None = None
-    """Low/mid/high ids in eagle3's convention (`layer_id_convention`), see eagle3.layers."""
+    """Low/mid/high ids in eagle3's convention (`layer_id_convention`), see eagle3.layer_ids."""
     layer_id_convention: str = LAYER_ID_CONVENTION
     target: dict[str, Any] = field(default_factory=dict)
     """{path, architectures, model_type, num_layers} of the target the head was trained for."""

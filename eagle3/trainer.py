@@ -37,7 +37,7 @@ from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import Progress, setup_logging
 from eagle3.loss import StepStats, Teacher, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
-from eagle3.target.weights import load_target_head
+from eagle3.targets.weights import load_target_head
 
 log = logging.getLogger("eagle3")
 
@@ -162,7 +162,7 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     Items are dicts {input_ids, loss_mask, aux, final, sample_id}; both kinds have `.lengths`."""
     if cfg.extract.mode == "online":
         from eagle3.data.prepared import load_prepared
-        from eagle3.target.hf import make_backend
+        from eagle3.targets.hf import make_backend
 
         prepared = load_prepared(cfg.prepared_dir)
         backend = make_backend(cfg)
@@ -195,7 +195,7 @@ def build_draft(cfg: Config, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: 
         except ValueError as e:
             if "which engine" not in str(e):
                 raise
-            from eagle3.layers import arch_family
+            from eagle3.layer_ids import arch_family
 
             text = hf_config.get("text_config") or hf_config
             family = arch_family(hf_config.get("architectures"), text.get("model_type"))

@@ -67,7 +67,7 @@ def _stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float, float
 def reference(model: torch.nn.Module, ids: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """HF's `hidden_states` (entry k = input of layer k, last entry post-norm) for one unpadded sequence, and the
     pre-norm final state (only used to diagnose a failing final state)."""
-    from eagle3.target.hf import decoder_parts
+    from eagle3.targets.hf import decoder_parts
 
     base, _, norm = decoder_parts(model)
     pre: dict[str, torch.Tensor] = {}
@@ -169,13 +169,13 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
     """Verify `source` ('backend' or a cache folder) on `num_samples` prepared samples; 0 on PASS, 1 on FAIL."""
     from eagle3.bundled import resolve_target_path
     from eagle3.data.prepared import load_prepared
-    from eagle3.target.hf import HFTarget, load_causal_lm
+    from eagle3.targets.hf import HFTarget, load_causal_lm
 
     prepared = load_prepared(cfg.prepared_dir)
     model = None
     if source == "backend":
         if backend is None:
-            from eagle3.target.hf import make_backend
+            from eagle3.targets.hf import make_backend
 
             backend = make_backend(cfg)
         n = min(num_samples, len(prepared.train))

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eagle3.config import load_config  # noqa: E402
-from eagle3.layers import default_layer_ids  # noqa: E402
+from eagle3.layer_ids import default_layer_ids  # noqa: E402
 from eagle3.logs import setup_logging  # noqa: E402
 
 THRESHOLD = 0.99
@@ -73,12 +73,12 @@ def main() -> int:
     cfg = load_config(cfg_path)
 
     seqs = prompts(a.model)
-    from eagle3.target.sglang import SGLangTarget
+    from eagle3.targets.sglang import SGLangTarget
 
     with SGLangTarget(cfg) as sg:
         got = sg.capture(seqs, names=[f"prompt{i}" for i in range(len(seqs))])
 
-    from eagle3.target.hf import HFTarget
+    from eagle3.targets.hf import HFTarget
 
     hf_cfg = load_config(cfg_path, ["target.backend=hf", "target.dtype=float32"])
     hf = HFTarget(hf_cfg)

@@ -3,7 +3,7 @@
 #
 # One-GPU check of the SGLang extraction backend against the HF backend, on a small Llama-family model that is
 # available offline (default: the bundled SmolLM2-135M-Instruct, materialised as safetensors by eagle3).
-# It launches SGLang through eagle3's capture patch (eagle3/target/sglang_server.py), captures a few prompts
+# It launches SGLang through eagle3's capture patch (eagle3/targets/sglang_server.py), captures a few prompts
 # (one ~1.5K tokens long, one repeated), compares every token's aux (low/mid/high) and final states with an HF
 # forward (per-layer cosine >= 0.99, equal token counts), then runs
 # `eagle3 verify-extraction --source backend` when that command exists. Prints PASS or FAIL; exits non-zero on FAIL.

@@ -33,7 +33,7 @@ def tiny_llama(path: str | Path, vocab: int = 256, hidden: int = 64, layers: int
                kv_heads: int = 2, intermediate: int = 128, seed: int = 0, tie: bool = False) -> Path:
     """A random Llama (SmolLM2's architecture, GQA) saved with save_pretrained; returns the folder.
 
-    8 layers by default: eagle3.layers.default_layer_ids(6) gives [2, 3, 3] (not strictly increasing)."""
+    8 layers by default: eagle3.layer_ids.default_layer_ids(6) gives [2, 3, 3] (not strictly increasing)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,

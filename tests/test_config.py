@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import Config, ConfigError, dump_config, load_config
-from eagle3.layers import default_layer_ids, from_engine_ids, to_engine_ids
+from eagle3.layer_ids import default_layer_ids, from_engine_ids, to_engine_ids
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,7 +142,7 @@ def test_mixed_precision_no_is_the_word_in_yaml_and_overrides(tmp_path: Path) ->
 
 @pytest.mark.parametrize("n", range(3, 70))
 def test_default_ids_are_valid_for_every_depth(n: int) -> None:
-    from eagle3.layers import validate_layer_ids
+    from eagle3.layer_ids import validate_layer_ids
 
     validate_layer_ids(default_layer_ids(n), n)
 

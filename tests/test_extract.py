@@ -17,7 +17,7 @@ from eagle3.cache import CacheError, HiddenStateDataset, expected_fingerprint, s
 from eagle3.config import dump_config
 from eagle3.data.prepared import load_prepared
 from eagle3.extract import preflight_disk, run
-from eagle3.target.hf import HFTarget
+from eagle3.targets.hf import HFTarget
 
 REPO = Path(__file__).resolve().parent.parent
 

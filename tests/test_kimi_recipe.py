@@ -40,7 +40,7 @@ def recipe_cfg(root: Path, target: Path, data: Path) -> Config:
 
 @pytest.fixture(scope="module")
 def kimi_run(tmp_path_factory) -> dict:
-    from eagle3.data import prepare
+    from eagle3 import prepare
     from eagle3.extract import run as extract
     from eagle3.trainer import run as train
 

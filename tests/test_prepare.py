@@ -10,8 +10,8 @@ import pytest
 import torch
 from tokenizer_builders import kimi_test_tokenizer, llama_test_tokenizer
 
+from eagle3 import prepare
 from eagle3.config import load_config
-from eagle3.data import prepare
 from eagle3.data.prepared import is_prepared, load_prepared
 from eagle3.data.vocab import build_draft_vocab
 

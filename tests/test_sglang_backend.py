@@ -22,10 +22,10 @@ import torch
 from models import make_prepared, tiny_llama, tiny_target_cfg
 
 from eagle3.config import Config, load_config
-from eagle3.layers import LAYER_ID_CONVENTION, to_engine_ids
-from eagle3.target import sglang_server
-from eagle3.target.sglang import SGLangTarget, check_launch_args, main, read_target_info, server_command, server_env
-from eagle3.target.sglang_dump import (
+from eagle3.layer_ids import LAYER_ID_CONVENTION, to_engine_ids
+from eagle3.targets import sglang_server
+from eagle3.targets.sglang import SGLangTarget, check_launch_args, main, read_target_info, server_command, server_env
+from eagle3.targets.sglang_dump import (
     ENV_DUMP_DIR,
     ENV_FAMILY,
     ENV_LAYER_IDS,
@@ -337,7 +337,7 @@ def test_server_module_patches_spawned_workers(tmp_path):
     dump = tmp_path / "dump"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
            **server_env(dump, IDS, "llama")}
-    r = subprocess.run([sys.executable, "-m", "eagle3.target.sglang_server", "--model-path", "x"], env=env,
+    r = subprocess.run([sys.executable, "-m", "eagle3.targets.sglang_server", "--model-path", "x"], env=env,
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     assert "worker: ('original forward ran', [2, 4, 6]) argv: ['--model-path', 'x']" in r.stdout
@@ -352,7 +352,7 @@ def test_server_command_and_env(llama, tmp_path):
     cfg = _cfg(llama, tmp_path, tp_size=8, launch_args=["--mem-fraction-static", "0.85"])
     cfg.target.trust_remote_code = True
     cmd = server_command(cfg, "/models/Kimi-K2.5", 30001)
-    assert cmd[:3] == [sys.executable, "-m", "eagle3.target.sglang_server"]
+    assert cmd[:3] == [sys.executable, "-m", "eagle3.targets.sglang_server"]
     joined = " ".join(cmd)
     for part in ("--model-path /models/Kimi-K2.5", "--tp-size 8", "--port 30001", "--disable-radix-cache",
                  "--chunked-prefill-size -1", "--trust-remote-code", "--dtype float32", "--skip-server-warmup"):
@@ -374,7 +374,7 @@ def test_command_cli_prints_env_and_command(llama, tmp_path, capsys, monkeypatch
     assert main(["command", "--config", str(cfg_file), "target.sglang.tp_size=2"]) == 0
     out = capsys.readouterr().out
     assert f"{ENV_LAYER_IDS}='[2, 4, 6]'" in out and f"{ENV_FAMILY}=llama" in out
-    assert "-m eagle3.target.sglang_server" in out and "--tp-size 2" in out and "--port 30000" in out
+    assert "-m eagle3.targets.sglang_server" in out and "--tp-size 2" in out and "--port 30000" in out
 
 
 def test_target_info_reads_kimi_text_config(tmp_path):
@@ -389,7 +389,7 @@ def test_target_info_reads_kimi_text_config(tmp_path):
 
 # ---------------------------------------------------------------------------------------- client end to end
 def test_capture_through_fake_server_equals_hf_backend(llama, tmp_path):
-    from eagle3.target.hf import HFTarget
+    from eagle3.targets.hf import HFTarget
 
     dump = tmp_path / "dump"
     ensure_dump_dir(dump)
@@ -435,7 +435,7 @@ def test_preflight_refuses_a_server_with_the_radix_cache_on(llama, tmp_path):
 
 def test_preflight_catches_a_server_that_writes_nothing(llama, tmp_path):
     with FakeSGLang(llama, tmp_path / "dump", IDS, mode="nodump") as fake:
-        with pytest.raises(DumpError, match="preflight probe.*eagle3.target.sglang_server"):
+        with pytest.raises(DumpError, match="preflight probe.*eagle3.targets.sglang_server"):
             SGLangTarget(_cfg(llama, tmp_path, fake.url))
 
 
@@ -460,7 +460,7 @@ def test_extract_run_writes_the_same_cache_as_the_hf_backend_and_resumes(llama, 
     backend; a re-run finds every shard done and never touches the backend."""
     from eagle3.cache import HiddenStateDataset
     from eagle3.extract import run
-    from eagle3.target.hf import HFTarget
+    from eagle3.targets.hf import HFTarget
 
     prepared = make_prepared(tmp_path / "prepared", n=6, n_eval=2)
     cfg = tiny_target_cfg(llama, prepared, tmp_path / "run", batch_tokens=64, max_batch_size=4, shard_samples=4)
@@ -487,7 +487,7 @@ def test_extract_run_writes_the_same_cache_as_the_hf_backend_and_resumes(llama, 
 def test_launched_server_lifecycle(llama, tmp_path, monkeypatch):
     """The launch path (Popen in its own session, EAGLE3_SGLANG_* env, /health wait, log file, stop on close)
     with a fake server process in place of SGLang."""
-    import eagle3.target.sglang as sg
+    import eagle3.targets.sglang as sg
 
     script = tmp_path / "fake_server.py"
     script.write_text(_FAKE_SERVER_MAIN.format(tests=str(TESTS), model=str(llama)))
@@ -506,7 +506,7 @@ def test_launched_server_lifecycle(llama, tmp_path, monkeypatch):
 
 
 def test_a_server_that_dies_at_startup_is_reported_with_its_log(llama, tmp_path, monkeypatch):
-    import eagle3.target.sglang as sg
+    import eagle3.targets.sglang as sg
 
     monkeypatch.setattr(sg, "server_command", lambda *a, **k: [sys.executable, "-c",
                                                                "import sys; print('CUDA out of memory'); sys.exit(3)"])

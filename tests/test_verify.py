@@ -7,8 +7,8 @@ import torch
 from models import make_prepared, tiny_deepseek_v3, tiny_llama, tiny_target_cfg
 
 from eagle3.extract import run as extract
-from eagle3.target.base import Captured
-from eagle3.target.hf import HFTarget
+from eagle3.targets.base import Captured
+from eagle3.targets.hf import HFTarget
 from eagle3.verify import run as verify
 
 

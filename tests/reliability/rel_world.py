@@ -95,8 +95,8 @@ def extracted_world(root: Path, run: str, shared_cache: bool = True,
     cache, with shared_cache) sit at `root` so every run a test starts from the config dict reuses them; `edit`
     changes the config dict before it is written and used."""
     from eagle3.config import load_config
-    from eagle3.data.prepare import run as prepare
     from eagle3.extract import run as extract
+    from eagle3.prepare import run as prepare
 
     w = build_world(root)
     cfgd = base_config(w, root / run)

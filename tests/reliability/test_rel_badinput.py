@@ -141,7 +141,7 @@ def test_a_source_with_nothing_usable_is_one_line_naming_it(world, tmp_path):
 
 @pytest.mark.parametrize("kind", ["missing", "binary", "folder-without-dataset"])
 def test_unreadable_sources_name_the_path(world, tmp_path, kind):
-    from eagle3.data.prepare import run as prepare
+    from eagle3.prepare import run as prepare
 
     src = tmp_path / "src"
     if kind == "binary":
@@ -158,8 +158,8 @@ def test_unreadable_sources_name_the_path(world, tmp_path, kind):
 
 def test_draft_vocab_larger_than_the_target_vocab_is_the_full_vocab(world, tmp_path, eagle3_log):
     """Stated repair (eagle3.data.vocab): draft.vocab_size >= target vocab means the full target vocab."""
-    from eagle3.data.prepare import run as prepare
     from eagle3.data.prepared import load_prepared
+    from eagle3.prepare import run as prepare
 
     cfgd = _copy(world["cfgd"], output_dir=str(tmp_path / "run"))
     cfgd["data"] = {**cfgd["data"], "output_dir": None}
@@ -234,9 +234,9 @@ def test_online_nan_samples_are_blanked_never_trained_on(world, tmp_path, monkey
 
     The NaN is injected after the real target's forward (a NaN embedding row would also poison the draft, which
     shares the target's embeddings), as an fp16 overflow deep in the target would produce it."""
-    import eagle3.target.hf as hf
+    import eagle3.targets.hf as hf
     from eagle3.data.prepared import load_prepared
-    from eagle3.target.base import Captured
+    from eagle3.targets.base import Captured
     from eagle3.trainer import run as train
 
     prepared = load_prepared(world["prepared"])

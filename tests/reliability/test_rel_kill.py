@@ -56,7 +56,7 @@ def _prepared_rows(d: Path) -> dict:
 # ------------------------------------------------------------------------------------------------- prepare
 @pytest.mark.parametrize("seed", [0])
 def test_prepare_killed_anywhere_then_rerun_gives_the_same_records(world, tmp_path, seed):
-    from eagle3.data.prepare import run as prepare
+    from eagle3.prepare import run as prepare
 
     big = write_jsonl(tmp_path / "big.jsonl", conversations(1500, seed=1))  # enough to make render take a while
     cfgd = base_config(world, tmp_path / "ref")
@@ -141,7 +141,7 @@ def test_regenerate_hf_killed_then_rerun_gives_the_same_conversations(world, tmp
 @pytest.fixture(scope="module")
 def prepared_world(world, tmp_path_factory):
     """The world plus a prepared folder (shared by the extract and train kill tests)."""
-    from eagle3.data.prepare import run as prepare
+    from eagle3.prepare import run as prepare
 
     root = tmp_path_factory.mktemp("kill-prepared")
     cfgd = base_config(world, root / "ref")

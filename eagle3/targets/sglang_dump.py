@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.layers import LAYER_ID_CONVENTION
-from eagle3.target.base import Captured
+from eagle3.layer_ids import LAYER_ID_CONVENTION
+from eagle3.targets.base import Captured
 
 DUMP_FORMAT = "eagle3-sglang-dump/1"
 ENV_DUMP_DIR = "EAGLE3_SGLANG_DUMP_DIR"
@@ -41,7 +41,7 @@ ENV_DUMP_DIR = "EAGLE3_SGLANG_DUMP_DIR"
 ENV_LAYER_IDS = "EAGLE3_SGLANG_LAYER_IDS"
 """JSON list of the aux layer ids in eagle3's convention (input of decoder layer k)."""
 ENV_FAMILY = "EAGLE3_SGLANG_FAMILY"
-"""`llama` or `deepseek`: how SGLang spells layer ids for this target (eagle3.layers.to_engine_ids)."""
+"""`llama` or `deepseek`: how SGLang spells layer ids for this target (eagle3.layer_ids.to_engine_ids)."""
 MARKER = ".eagle3-sglang-dump"
 """Present in every dump folder eagle3 created; cleanup refuses folders without it that hold other files."""
 

@@ -18,7 +18,7 @@ import torch
 
 from eagle3.bundled import resolve_target_path
 from eagle3.cache import read_target_config, weights_id
-from eagle3.target.base import Captured
+from eagle3.targets.base import Captured
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -160,6 +160,6 @@ def make_backend(cfg: Any):
     """The configured target backend (HF in-process, or SGLang when its backend module is present)."""
     if cfg.target.backend == "hf":
         return HFTarget(cfg)
-    from eagle3.target.sglang import SGLangTarget  # provided by the SGLang backend stage
+    from eagle3.targets.sglang import SGLangTarget  # provided by the SGLang backend stage
 
     return SGLangTarget(cfg)

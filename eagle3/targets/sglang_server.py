@@ -1,10 +1,10 @@
 """SGLang server with eagle3's hidden-state capture: `sglang.launch_server` plus two small patches.
 
     EAGLE3_SGLANG_DUMP_DIR=/dev/shm/eagle3-sglang EAGLE3_SGLANG_LAYER_IDS='[2, 30, 58]' EAGLE3_SGLANG_FAMILY=deepseek \\
-        python -m eagle3.target.sglang_server --model-path /models/Kimi-K2.5 --tp-size 8 --trust-remote-code \\
+        python -m eagle3.targets.sglang_server --model-path /models/Kimi-K2.5 --tp-size 8 --trust-remote-code \\
         --disable-radix-cache --chunked-prefill-size -1 --disable-cuda-graph --skip-server-warmup --port 30000
 
-Nobody types that: `python -m eagle3.target.sglang serve --config ...` (or `SGLangTarget`, which launches it)
+Nobody types that: `python -m eagle3.targets.sglang serve --config ...` (or `SGLangTarget`, which launches it)
 builds the command and the environment from the config. Every argument after the module name is SGLang's own.
 
 What the patches do (tested against nothing here: no GPU in the task that wrote this; see
@@ -19,7 +19,7 @@ scripts/gpu_check_sglang.sh, which compares the result with an HF forward on a G
 2. `LogitsProcessor.forward` -> before SGLang prunes the batch to the last token of each prompt, it holds every
    prompt token's final hidden state (after the final norm: the models apply `norm` before calling it) and the
    list of aux states. For an extend (prefill) batch, tensor-parallel rank 0 copies them to the CPU once and
-   writes one dump per prompt (eagle3.target.sglang_dump). That is how the *final* state comes out too, which
+   writes one dump per prompt (eagle3.targets.sglang_dump). That is how the *final* state comes out too, which
    SGLang's `--enable-return-aux-hidden-states` cannot return next to the aux states. Decode, verify and
    draft batches pass through untouched.
 
@@ -41,7 +41,7 @@ import sys
 import traceback
 from typing import Any
 
-from eagle3.target.sglang_dump import ENV_DUMP_DIR, ENV_FAMILY, ENV_LAYER_IDS, ensure_dump_dir, write_dump
+from eagle3.targets.sglang_dump import ENV_DUMP_DIR, ENV_FAMILY, ENV_LAYER_IDS, ensure_dump_dir, write_dump
 
 _installed = False
 _warned: set[str] = set()
@@ -79,7 +79,7 @@ def capture_lists(model: Any) -> list[tuple[str, list[int]]]:
 
 def enable_capture(model: Any, layer_ids: list[int], family: str) -> None:
     """Ask the model to capture the inputs of `layer_ids` (eagle3 convention) and check what it set."""
-    from eagle3.layers import to_engine_ids
+    from eagle3.layer_ids import to_engine_ids
 
     if not hasattr(model, "set_eagle3_layers_to_capture"):
         raise RuntimeError(
@@ -96,7 +96,7 @@ def enable_capture(model: Any, layer_ids: list[int], family: str) -> None:
         raise RuntimeError(
             f"SGLang spelled eagle3 ids {layer_ids} (input of decoder layer k) as {engine_ids} for a {family}-family "
             f"model and got layers_to_capture {bad}; expected {sorted(layer_ids)}. The layer-id translation in "
-            f"eagle3.layers.to_engine_ids does not match this SGLang version: refusing to capture wrong layers"
+            f"eagle3.layer_ids.to_engine_ids does not match this SGLang version: refusing to capture wrong layers"
         )
     _say(f"capturing inputs of decoder layers {layer_ids} (SGLang spelling {engine_ids}, {family} family)")
 

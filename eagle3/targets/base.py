@@ -17,7 +17,7 @@ class Captured:
     """The states of one sequence, one row per token; padded positions never appear here."""
 
     aux: torch.Tensor
-    """[T, 3H]: low/mid/high residual streams concatenated, in eagle3's layer-id convention (eagle3.layers)."""
+    """[T, 3H]: low/mid/high residual streams concatenated, in eagle3's layer-id convention (eagle3.layer_ids)."""
     final: torch.Tensor
     """[T, H]: the last layer's output *after* the final norm (what the target lm_head reads)."""
 

@@ -1,13 +1,13 @@
 """SGLang as the target backend: hidden states of a tensor-parallel target (Kimi-K2.5 on 8 GPUs) for extraction.
 
-    python -m eagle3.target.sglang serve --config configs/kimi-k2.5.yaml      # a server in this terminal
-    python -m eagle3.target.sglang command --config configs/kimi-k2.5.yaml    # print its command line only
+    python -m eagle3.targets.sglang serve --config configs/kimi-k2.5.yaml      # a server in this terminal
+    python -m eagle3.targets.sglang command --config configs/kimi-k2.5.yaml    # print its command line only
     eagle3 extract --config configs/kimi-k2.5.yaml target.sglang.url=http://127.0.0.1:30000
 
-How the states travel (decided here, see eagle3.target.sglang_dump and eagle3.target.sglang_server):
-- The server is `sglang.launch_server` started through `python -m eagle3.target.sglang_server`, which patches
+How the states travel (decided here, see eagle3.targets.sglang_dump and eagle3.targets.sglang_server):
+- The server is `sglang.launch_server` started through `python -m eagle3.targets.sglang_server`, which patches
   SGLang in every TP worker: the model captures the residual streams entering the three aux layers (SGLang's
-  own EAGLE-3 capture, ids translated with `eagle3.layers.to_engine_ids` and read back to be sure), and the
+  own EAGLE-3 capture, ids translated with `eagle3.layer_ids.to_engine_ids` and read back to be sure), and the
   logits processor, which sees every prompt token's *post-norm final* state before it keeps only the last
   token, writes aux + final for each prompt as one safetensors file into a RAM-backed folder
   (`target.sglang.dump_dir`, /dev/shm). So all four states come out, as tensors, not as JSON floats: a Kimi
@@ -59,9 +59,9 @@ from typing import Any
 import torch
 
 from eagle3.config import Config, load_config
-from eagle3.layers import ArchFamily, arch_family, validate_layer_ids
-from eagle3.target.base import Captured
-from eagle3.target.sglang_dump import (
+from eagle3.layer_ids import ArchFamily, arch_family, validate_layer_ids
+from eagle3.targets.base import Captured
+from eagle3.targets.sglang_dump import (
     ENV_DUMP_DIR,
     ENV_FAMILY,
     ENV_LAYER_IDS,
@@ -76,7 +76,7 @@ from eagle3.target.sglang_dump import (
 
 log = logging.getLogger("eagle3")
 
-SERVER_MODULE = "eagle3.target.sglang_server"
+SERVER_MODULE = "eagle3.targets.sglang_server"
 DEFAULT_PORT = 30000
 STARTUP_TIMEOUT_S = 3600.0
 """Loading Kimi-K2.5 (554 GB) onto 8 GPUs takes 10-30 minutes; a Llama-135M server starts in about a minute."""
@@ -145,7 +145,7 @@ def check_launch_args(args: list[str]) -> None:
 
 
 def server_command(cfg: Config, model_path: str, port: int, host: str = "127.0.0.1") -> list[str]:
-    """`python -m eagle3.target.sglang_server <sglang.launch_server flags>` for this config."""
+    """`python -m eagle3.targets.sglang_server <sglang.launch_server flags>` for this config."""
     s = cfg.target.sglang
     check_launch_args(s.launch_args)
     cmd = [
@@ -389,7 +389,7 @@ class SGLangTarget:
                     f"sample {label}: no hidden-state dump for its {n} tokens appeared in {self.dump_dir}. Either the "
                     f"server is not eagle3's ({SERVER_MODULE}, with {ENV_DUMP_DIR}={self.dump_dir}) on this machine, "
                     f"or the prompt was prefilled in pieces (start SGLang with --chunked-prefill-size -1 and "
-                    f"--disable-radix-cache; `python -m eagle3.target.sglang serve` does){_log_tail(self.log_file, 15)}"
+                    f"--disable-radix-cache; `python -m eagle3.targets.sglang serve` does){_log_tail(self.log_file, 15)}"
                 )
             time.sleep(0.01)
         return path
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3.logs import setup_logging
 
     setup_logging()
-    p = argparse.ArgumentParser(prog="python -m eagle3.target.sglang",
+    p = argparse.ArgumentParser(prog="python -m eagle3.targets.sglang",
                                 description="Start (or print) eagle3's capturing SGLang server for a config.")
     p.add_argument("action", choices=["serve", "command"])
     p.add_argument("--config", "-c", required=True)
