@@ -1,0 +1,123 @@
+"""FSDP2 with the launcher settings of recipes/accelerate/fsdp-8gpu.yaml, on 2 CPU processes (gloo): a few steps,
+a crash right after a checkpoint, and an exact resume.
+
+accelerate never selects FSDP for CPU processes (it turns the launch into plain DDP, `MULTI_CPU`), so the runner
+below sets the one field that decides it, `distributed_type = FSDP`, with the FSDP plugin accelerate's launcher
+configured from the YAML (FSDP_* environment). Everything else is the real code: accelerate's `fully_shard`
+wrapping per the YAML's wrap policy, FSDP2's all-gathers and reduce-scatters over gloo, sharded
+`save_state`/`load_state`, and the full state dict of the draft gathered for `best/` and the SGLang export. With
+the old policy (wrap `Eagle3DecoderLayer`, whose `forward` never runs) the first step fails with "aten.mul.Tensor
+got mixed torch.Tensor and DTensor", as on 8 GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from eagle3.config import dump_config
+
+sys.path.append(str(Path(__file__).parent))  # tests/ helpers (appended: never shadow installed packages)
+import test_trainer  # noqa: E402
+from test_ddp import free_port  # noqa: E402
+from test_trainer import make_cfg, read_log  # noqa: E402
+
+tiny_cache = test_trainer.tiny_cache  # the shared module-scoped fixture
+
+REPO = Path(__file__).resolve().parent.parent
+FSDP_YAML = REPO / "recipes" / "accelerate" / "fsdp-8gpu.yaml"
+
+RUNNER = textwrap.dedent("""
+    import os, sys, torch
+    torch.set_num_threads(1)
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from eagle3 import trainer
+    from eagle3.config import load_config
+    from eagle3.logs import setup_logging
+
+    real_make = trainer.make_accelerator
+    def make_fsdp_accelerator(cfg):
+        acc = real_make(cfg)
+        acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+        acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment
+        return acc
+    trainer.make_accelerator = make_fsdp_accelerator
+
+    crash_at = int(os.environ.get("CRASH_AFTER_CHECKPOINT", "0"))
+    real_save = trainer.save_checkpoint
+    def save(accelerator, model, cfg, state, *a):
+        path = real_save(accelerator, model, cfg, state, *a)
+        if state.step == crash_at:
+            raise SystemExit(f"simulated crash after the step-{crash_at} checkpoint")
+        return path
+    trainer.save_checkpoint = save
+    setup_logging()
+    trainer.run(load_config(sys.argv[1]))
+""")
+
+
+def _launch(tmp_path: Path, config: Path, crash_at: int = 0):
+    import subprocess
+
+    settings = yaml.safe_load(FSDP_YAML.read_text())
+    assert settings["distributed_type"] == "FSDP" and settings["fsdp_config"]["fsdp_version"] == 2
+    settings["num_processes"] = 2  # the only change: two CPU processes instead of 8 GPUs
+    launcher = tmp_path / "fsdp-2proc.yaml"
+    launcher.write_text(yaml.safe_dump(settings))
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "CRASH_AFTER_CHECKPOINT": str(crash_at)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher),
+           "--main_process_port", str(free_port()), str(script), str(config)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_fsdp2_with_the_8gpu_launcher_settings_trains_and_resumes_exactly(tiny_cache, tmp_path):  # noqa: F811
+    kw = dict(max_steps=5, save_every=3, eval_every=3)
+    runs = {}
+    for name in ("straight", "crashed"):
+        cfg = make_cfg(tiny_cache, tmp_path / name, **kw)
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(dump_config(cfg))
+        runs[name] = (cfg, config)
+
+    cfg, config = runs["straight"]
+    r = _launch(tmp_path, config)
+    assert r.returncode == 0, r.stderr[-6000:]
+    assert "2 process(es)" in r.stderr and "DTensor" not in r.stderr
+
+    cfg_c, config_c = runs["crashed"]
+    r = _launch(tmp_path, config_c, crash_at=3)
+    assert r.returncode != 0 and "simulated crash after the step-3 checkpoint" in r.stderr, r.stderr[-3000:]
+    assert sorted(read_log(Path(cfg_c.output_dir))) == [1, 2, 3]
+    assert (cfg_c.checkpoint_dir / "step_3" / "pytorch_model_fsdp_0").is_dir()  # sharded model state
+    r = _launch(tmp_path, config_c)  # the same command again: resumes from step_3
+    assert r.returncode == 0, r.stderr[-6000:]
+    assert "resumed from" in r.stderr
+
+    a, b = read_log(Path(cfg.output_dir)), read_log(Path(cfg_c.output_dir))
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    assert a[5]["loss"] < a[1]["loss"]  # it learns
+    for step in range(1, 6):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+    from eagle3.model import Eagle3Draft
+
+    wa = Eagle3Draft.from_pretrained(cfg.checkpoint_dir / "step_5" / "draft").state_dict()
+    wb = Eagle3Draft.from_pretrained(cfg_c.checkpoint_dir / "step_5" / "draft").state_dict()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-5)
+    state = json.loads((cfg_c.checkpoint_dir / "step_5" / "trainer_state.json").read_text())
+    assert state["step"] == 5
+    # the full (gathered) draft of rank 0 went to best/ and the SGLang export
+    assert (cfg.export_dir / "sglang" / "model.safetensors").is_file()
+    assert Eagle3Draft.from_pretrained(cfg.checkpoint_dir / "best").config.draft_vocab_size == 64
