@@ -11,6 +11,7 @@ steps (a rank that ran out would hang the others in the gradient all-reduce).
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -90,31 +91,44 @@ def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 class Prefetch:
-    """Run an iterator in a background thread, `depth` items ahead (collation copies release the GIL), so the
-    training step does not wait on data. Exceptions in the producer are re-raised in the consumer."""
+    """Run an iterator in a background thread, `depth` items ahead (collation copies and target forwards
+    release the GIL), so the training step does not wait on data. Exceptions in the producer are re-raised in
+    the consumer.
+
+    `close()` stops the producer and *joins* it; `with Prefetch(...)` closes on any exit. A producer thread still
+    inside a torch op when the interpreter shuts down is stopped there, in the middle of C++ code, and the process
+    aborts after its work is done ("terminate called without an active exception", SIGABRT). So no stage may
+    return with a producer running; an atexit hook closes any prefetcher a crash left open, before Python stops
+    its threads.
+    """
 
     _END = object()
 
-    def __init__(self, it: Iterable[Any], depth: int = 2):
+    def __init__(self, it: Iterable[Any], depth: int = 2, name: str = "eagle3-prefetch"):
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(iter(it),), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(iter(it),), name=name, daemon=True)
+        _OPEN.add(self)
         self._thread.start()
+
+    def _put(self, x: Any) -> bool:
+        """Queue `x` unless asked to stop first (never blocks past a `close()`)."""
+        while not self._stop.is_set():
+            try:
+                self._q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def _run(self, it: Iterator[Any]) -> None:
         try:
             for x in it:
-                while not self._stop.is_set():
-                    try:
-                        self._q.put(x, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(x):
                     return
-            self._q.put(self._END)
+            self._put(self._END)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self._q.put(e)
+            self._put(e)
 
     def __iter__(self) -> Iterator[Any]:
         while True:
@@ -126,7 +140,31 @@ class Prefetch:
             yield x
 
     def close(self) -> None:
+        """Stop the producer, drop what it queued, and wait for its thread (it finishes the item in hand)."""
         self._stop.set()
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        _OPEN.discard(self)
+
+    def __enter__(self) -> Prefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_OPEN: set[Prefetch] = set()
+
+
+@atexit.register
+def _close_open_prefetchers() -> None:
+    for pf in list(_OPEN):
+        pf.close()
 
 
 def iter_batches(dataset: Any, batches: list[list[int]], prefetch: int = 2) -> Iterator[dict[str, torch.Tensor]]:
@@ -135,8 +173,5 @@ def iter_batches(dataset: Any, batches: list[list[int]], prefetch: int = 2) -> I
     if prefetch <= 0:
         yield from gen
         return
-    pf = Prefetch(gen, prefetch)
-    try:
+    with Prefetch(gen, prefetch) as pf:
         yield from pf
-    finally:
-        pf.close()

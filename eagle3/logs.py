@@ -8,7 +8,8 @@ when output goes to a file, plain log lines with rate and ETA every few seconds 
 the user (a `UserError`, a ValueError/FileNotFoundError/FileExistsError raised by eagle3's own code, a full
 disk anywhere) is printed as `error: ...` lines without a traceback, and the process exits with status 1. A
 traceback from deep inside a library tells a user nothing they can act on; set EAGLE3_TRACEBACK=1 to see it.
-Anything else (a real bug) keeps its full traceback.
+Ctrl-C prints one line too (Python then exits by SIGINT, status 130 in a shell). Anything else (a real bug)
+keeps its full traceback.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def user_message(exc: BaseException) -> str | None:
 
 
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: object) -> None:
+    if issubclass(kind, KeyboardInterrupt) and not os.environ.get("EAGLE3_TRACEBACK"):
+        sys.stderr.write("interrupted: what was completed before is kept; re-run the same command to resume\n")
+        sys.stderr.flush()
+        return
     msg = None if os.environ.get("EAGLE3_TRACEBACK") else user_message(exc)
     if msg is None:
         sys.__excepthook__(kind, exc, tb)  # type: ignore[arg-type]

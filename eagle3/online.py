@@ -14,14 +14,13 @@ Items are the same dicts `HiddenStateDataset` yields, so the trainer cannot tell
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-_END = object()
+from eagle3.batching import Prefetch
+
 log = logging.getLogger("eagle3")
 
 
@@ -47,57 +46,21 @@ def capture_items(backend: Any, dataset: Any, indices: list[int]) -> list[dict[s
 
 
 class OnlineBatches:
-    """Iterate over `index_batches` (chosen by the trainer), yielding each batch's item dicts."""
+    """Iterate over `index_batches` (chosen by the trainer), yielding each batch's item dicts, `prefetch` batches
+    ahead in a background thread (eagle3.batching.Prefetch: closed and joined when the iteration ends)."""
 
     def __init__(self, backend: Any, dataset: Any, index_batches: Iterable[list[int]], prefetch: int = 2):
         self.backend, self.dataset = backend, dataset
         self.index_batches = index_batches
         self.prefetch = prefetch
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        gen = (capture_items(self.backend, self.dataset, idx) for idx in self.index_batches)
         if self.prefetch <= 0:
-            for idx in self.index_batches:
-                yield capture_items(self.backend, self.dataset, idx)
+            yield from gen
             return
-        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        self._stop.clear()
-
-        def put(x: object) -> bool:
-            while not self._stop.is_set():
-                try:
-                    q.put(x, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def produce() -> None:
+        with Prefetch(gen, self.prefetch, name="eagle3-online-target") as pf:
             try:
-                for idx in self.index_batches:
-                    if not put(capture_items(self.backend, self.dataset, idx)):
-                        return
-                put(_END)
-            except BaseException as e:  # handed to the consumer, which re-raises it in the training loop
-                put(e)
-
-        self._thread = threading.Thread(target=produce, name="eagle3-online-target", daemon=True)
-        self._thread.start()
-        try:
-            while True:
-                x = q.get()
-                if x is _END:
-                    return
-                if isinstance(x, BaseException):
-                    raise RuntimeError("the online target failed while computing hidden states") from x
-                yield x
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Stop the producer (e.g. the trainer stopped early at max_steps)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-            self._thread = None
+                yield from pf
+            except Exception as e:
+                raise RuntimeError("the online target failed while computing hidden states") from e

@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -349,9 +349,10 @@ def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) ->
     steps = cfg.train.ttt_steps
     total = StepStats(*(torch.zeros(steps, device=accelerator.device) for _ in range(3)))
     model.eval()
-    for batch in batch_iter(dataset, plan.batches):
-        _, st = forward_loss(model, teacher, to_device(batch, accelerator.device), cfg)
-        total = StepStats(total.loss_sum + st.loss_sum, total.correct + st.correct, total.valid + st.valid)
+    with closing(batch_iter(dataset, plan.batches)) as batches:
+        for batch in batches:
+            _, st = forward_loss(model, teacher, to_device(batch, accelerator.device), cfg)
+            total = StepStats(total.loss_sum + st.loss_sum, total.correct + st.correct, total.valid + st.valid)
     model.train()
     return summarise(_reduce(accelerator, total))
 
@@ -424,68 +425,68 @@ def run(cfg: Config) -> dict[str, Any]:
         if state.batch_index + tc.grad_accum > usable:
             state.epoch, state.batch_index = state.epoch + 1, 0
             continue
-        batches = batch_iter(train_ds, plan.batches[state.batch_index:usable])
-        while state.step < total_steps and state.batch_index + tc.grad_accum <= usable:
-            t0 = time.perf_counter()
-            wait = 0.0
-            tokens = 0
-            stats = StepStats(*(torch.zeros(tc.ttt_steps, device=accelerator.device) for _ in range(3)))
-            loss_total = 0.0
-            for micro in range(tc.grad_accum):
-                tw = time.perf_counter()
-                batch = to_device(next(batches), accelerator.device)
-                wait += time.perf_counter() - tw
-                tokens += int(batch["lengths"].sum())
-                sync = micro == tc.grad_accum - 1
-                # Gradients are all-reduced only on the last micro-batch of an accumulation group.
-                with accelerator.no_sync(model) if not sync else nullcontext():
-                    loss, st = forward_loss(model, teacher, batch, cfg)
-                    accelerator.backward(loss / tc.grad_accum)
-                loss_total += float(loss.detach()) / tc.grad_accum
-                stats = StepStats(stats.loss_sum + st.loss_sum, stats.correct + st.correct, stats.valid + st.valid)
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            state.batch_index += tc.grad_accum
-            dt = time.perf_counter() - t0
+        # closing() stops and joins the prefetch thread however the loop ends (max_steps may end an epoch early)
+        with closing(batch_iter(train_ds, plan.batches[state.batch_index:usable])) as batches:
+            while state.step < total_steps and state.batch_index + tc.grad_accum <= usable:
+                t0 = time.perf_counter()
+                wait = 0.0
+                tokens = 0
+                stats = StepStats(*(torch.zeros(tc.ttt_steps, device=accelerator.device) for _ in range(3)))
+                loss_total = 0.0
+                for micro in range(tc.grad_accum):
+                    tw = time.perf_counter()
+                    batch = to_device(next(batches), accelerator.device)
+                    wait += time.perf_counter() - tw
+                    tokens += int(batch["lengths"].sum())
+                    sync = micro == tc.grad_accum - 1
+                    # Gradients are all-reduced only on the last micro-batch of an accumulation group.
+                    with accelerator.no_sync(model) if not sync else nullcontext():
+                        loss, st = forward_loss(model, teacher, batch, cfg)
+                        accelerator.backward(loss / tc.grad_accum)
+                    loss_total += float(loss.detach()) / tc.grad_accum
+                    stats = StepStats(stats.loss_sum + st.loss_sum, stats.correct + st.correct, stats.valid + st.valid)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                state.batch_index += tc.grad_accum
+                dt = time.perf_counter() - t0
 
-            loss_mean = float(accelerator.reduce(torch.tensor(loss_total, device=accelerator.device), "mean"))
-            tok_all = int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), "sum"))
-            metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt, "step_s": dt,
-                       "data_wait_share": wait / dt, "padding_share": plan.padding_share, "epoch": state.epoch}
-            if main:
-                with loss_log.open("a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-            progress.update(1, loss=f"{loss_mean:.4f}", acc0=f"{metrics['acc_0']:.3f}",
-                            tok_s=f"{metrics['tokens_per_s']:.0f}")
-            if state.step % tc.log_every == 0 or state.step == total_steps:
-                accelerator.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=state.step)
+                loss_mean = float(accelerator.reduce(torch.tensor(loss_total, device=accelerator.device), "mean"))
+                tok_all = int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), "sum"))
+                metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
+                           "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt, "step_s": dt,
+                           "data_wait_share": wait / dt, "padding_share": plan.padding_share, "epoch": state.epoch}
                 if main:
-                    accs = " ".join(f"{metrics[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps))
-                    log.info("step %d/%d loss %.4f acc_j [%s] sim_accept_len %.3f lr %.2e grad_norm %.3f "
-                             "%.0f tok/s data wait %.1f%% padding %.1f%%", state.step, total_steps, loss_mean, accs,
-                             metrics["sim_accept_len"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
-                             100 * metrics["data_wait_share"], 100 * plan.padding_share)
-
-            last = state.step == total_steps
-            if eval_ds is not None and len(eval_ds) and (state.step % tc.eval_every == 0 or last):
-                ev = evaluate(accelerator, model, teacher, eval_ds, cfg)
-                accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
-                if main:
-                    log.info("eval @ step %d: sim_accept_len %.3f, %s", state.step, ev["sim_accept_len"],
-                             " ".join(f"acc_{j}={ev[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps)))
                     with loss_log.open("a") as f:
-                        f.write(json.dumps({"step": state.step, "eval": ev}) + "\n")
-                if ev["sim_accept_len"] > state.best_accept_len:
-                    state.best_accept_len, state.best_step = ev["sim_accept_len"], state.step
-                    save_best(accelerator, model, cfg)
-                metrics["eval"] = ev
-            if state.step % tc.save_every == 0 or last:
-                save_checkpoint(accelerator, model, cfg, state, d2t, t2d)
-        batches.close()  # stop the prefetch thread (max_steps may end an epoch early)
+                        f.write(json.dumps(metrics) + "\n")
+                progress.update(1, loss=f"{loss_mean:.4f}", acc0=f"{metrics['acc_0']:.3f}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+                if state.step % tc.log_every == 0 or state.step == total_steps:
+                    accelerator.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=state.step)
+                    if main:
+                        accs = " ".join(f"{metrics[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps))
+                        log.info("step %d/%d loss %.4f acc_j [%s] sim_accept_len %.3f lr %.2e grad_norm %.3f "
+                                 "%.0f tok/s data wait %.1f%% padding %.1f%%", state.step, total_steps, loss_mean, accs,
+                                 metrics["sim_accept_len"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
+                                 100 * metrics["data_wait_share"], 100 * plan.padding_share)
+
+                last = state.step == total_steps
+                if eval_ds is not None and len(eval_ds) and (state.step % tc.eval_every == 0 or last):
+                    ev = evaluate(accelerator, model, teacher, eval_ds, cfg)
+                    accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
+                    if main:
+                        log.info("eval @ step %d: sim_accept_len %.3f, %s", state.step, ev["sim_accept_len"],
+                                 " ".join(f"acc_{j}={ev[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps)))
+                        with loss_log.open("a") as f:
+                            f.write(json.dumps({"step": state.step, "eval": ev}) + "\n")
+                    if ev["sim_accept_len"] > state.best_accept_len:
+                        state.best_accept_len, state.best_step = ev["sim_accept_len"], state.step
+                        save_best(accelerator, model, cfg)
+                    metrics["eval"] = ev
+                if state.step % tc.save_every == 0 or last:
+                    save_checkpoint(accelerator, model, cfg, state, d2t, t2d)
     progress.close()
 
     best = cfg.checkpoint_dir / "best"
