@@ -6,6 +6,7 @@
     eagle3 train --config configs/smollm2-135m.yaml        # or: accelerate launch train.py --config ...
     eagle3 eval --config configs/smollm2-135m.yaml
     eagle3 export --to sglang runs/smollm2/checkpoints/best runs/smollm2/export/sglang
+    eagle3 sglang serve --config configs/kimi-k2.5.yaml     # the capturing SGLang server for extraction
 
 Each stage's work lives in its module; this file only parses arguments and hands over a validated Config.
 """
@@ -92,6 +93,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return run(_cfg(args), source=args.source, num_samples=args.num_samples)
 
 
+def cmd_sglang(args: argparse.Namespace) -> int:
+    from eagle3.targets.sglang import serve
+
+    return serve(_cfg(args), args.port, args.host, dry_run=args.action == "command")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft heads for SGLang and vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--to", choices=["sglang", "vllm"], required=True)
     ex.add_argument("checkpoint", help="a training checkpoint folder (or an eagle3 export)")
     ex.add_argument("out", help="output folder")
+
+    sg = sub.add_parser("sglang", help="the SGLang server that extraction captures hidden states from")
+    sg_sub = sg.add_subparsers(dest="action", required=True)
+    for action, what in (("serve", "start eagle3's capturing SGLang server for a config (in this terminal)"),
+                         ("command", "print that server's environment and command line only")):
+        a = sg_sub.add_parser(action, help=what, description=what)
+        _with_config(a)
+        a.add_argument("--port", type=int, default=None, help="default: the port of target.sglang.url, else 30000")
+        a.add_argument("--host", default="127.0.0.1")
+        a.set_defaults(fn=cmd_sglang)
 
     cache_p = sub.add_parser("cache", help="inspect a hidden-state cache")
     cache_sub = cache_p.add_subparsers(dest="action", required=True)

@@ -236,6 +236,9 @@ class EvalConfig(Section):
     """Generated tokens per prompt."""
     engine: Literal["builtin", "vllm", "sglang"] = "builtin"
     """`builtin` (eagle3's own speculative decoding), `vllm` or `sglang` (the same prompts in the engine, τ side by side)."""
+    builtin: bool = True
+    """Run the built-in evaluator (the HF target in this process) and replay its prompts in the engine. false:
+    SGLang alone decodes every turn (`engine: sglang`), for a target too big to load here (Kimi-K2.5)."""
     checkpoint: str | None = None
     """Draft to evaluate; default: the trainer's best export."""
     seed: int = 0
@@ -313,6 +316,9 @@ class Config(Section):
                 f"eval.num_draft_tokens={e.num_draft_tokens} exceeds 1 + eval.topk * eval.num_steps "
                 f"= {1 + e.topk * e.num_steps}: the tree cannot hold that many tokens"
             )
+        if not e.builtin and e.engine != "sglang":
+            raise ValueError(f"eval.builtin=false measures in the engine alone, which eval.engine=sglang does; "
+                             f"eval.engine={e.engine!r} replays the built-in evaluator's prompts and needs it")
         if self.regenerate.backend == "openai" and not self.regenerate.endpoints:
             raise ValueError("regenerate.endpoints: the openai backend needs at least one server URL")
         return self

@@ -250,9 +250,38 @@ def write_report(report: dict[str, Any], eval_dir: Path) -> None:
     print(f"report: {eval_dir / 'report.json'} and {eval_dir / 'report.png'}", flush=True)
 
 
+def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    """`eval.builtin: false`: SGLang decodes every turn with the head; no target is loaded in this process."""
+    from eagle3.data.templates import load_tokenizer
+    from eagle3.engines.sglang_check import run_sglang_dialogues
+
+    folder = resolve_checkpoint(cfg)
+    log.info("eval in SGLang only: target %s (TP=%d), draft %s", cfg.target.path, cfg.target.sglang.tp_size, folder)
+    render = PromptRenderer(load_tokenizer(cfg), cfg)
+    sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
+    result, rendered = run_sglang_dialogues(cfg, sets, render, folder)
+    report: dict[str, Any] = {
+        "engine": "sglang",
+        "builtin": False,
+        "target": {"path": cfg.target.path, "dtype": cfg.target.dtype, "tp_size": cfg.target.sglang.tp_size},
+        "draft": str(folder),
+        "settings": {**asdict(settings_from(cfg)), "seed": cfg.eval.seed, "max_prompts": cfg.eval.max_prompts},
+        "definitions": {"tau": "SGLang's (completion_tokens - 1) / spec_verify_ct: accepted + bonus tokens per "
+                               "verify step, the prefill's token excluded (sglang_accept_length includes it)"},
+        "sets": result.pop("sets"),
+        "engines": {"sglang": result},
+    }
+    return report, rendered
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """`eagle3 eval`: built-in speculative decoding, then (optionally) the same prompts inside an engine."""
     setup_logging()
+    if not cfg.eval.builtin:
+        report, rendered = run_engine_only(cfg)
+        write_report(report, cfg.eval_dir)
+        (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
+        return report
     report, rendered, folder = run_builtin(cfg)
     engine = cfg.eval.engine
     if engine != "builtin":
@@ -265,12 +294,22 @@ def run(cfg: Config) -> dict[str, Any]:
         else:
             from eagle3.engines.sglang_check import run_sglang
 
-            result = run_sglang(cfg, all_prompts)
+            result = run_sglang(cfg, all_prompts, folder)
+            # SGLang counts emitted tokens: the built-in's last step of a turn, cut at max_new_tokens or eos, must
+            # count only what it emitted too
+            builtin_tau = _emitted_tau(report)
         result["builtin_tau"] = builtin_tau
         report["engines"] = {engine: result}
     write_report(report, cfg.eval_dir)
     (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
     return report
+
+
+def _emitted_tau(report: dict[str, Any]) -> float:
+    """Tokens emitted after each turn's first (the prefill's) per verify step, pooled over every set."""
+    steps = sum(r["verify_steps"] for r in report["sets"].values())
+    emitted = sum(t["new_tokens"] - 1 for r in report["sets"].values() for t in r["per_turn"] if t["verify_steps"])
+    return emitted / steps if steps else float("nan")
 
 
 def _pooled_tau(report: dict[str, Any]) -> float:

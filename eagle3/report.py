@@ -119,6 +119,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             line += f" WARNING: {r['greedy_mismatches']} turns differ from plain greedy decoding"
         lines.append(line)
     for engine, r in (report.get("engines") or {}).items():
-        lines.append(f"{engine}: τ={r.get('tau', float('nan')):.3f} (built-in τ on the same prompts: "
-                     f"{r.get('builtin_tau', float('nan')):.3f})")
+        line = f"{engine}: τ={r.get('tau', float('nan')):.3f}"
+        if r.get("sglang_accept_length") is not None:
+            line += f" (SGLang's own accept length, prefill token included: {r['sglang_accept_length']:.3f})"
+        if r.get("builtin_tau") is not None:
+            line += f" (built-in τ on the same prompts: {r['builtin_tau']:.3f})"
+        lines.append(line)
     return lines

@@ -182,7 +182,10 @@ def test_sglang_meta_parse():
     metas = [{"completion_tokens": 30, "spec_verify_ct": 10, "spec_accept_length": 3.0},
              {"completion_tokens": 10, "spec_verify_ct": 10}]
     r = parse_sglang_meta(metas)
-    assert r["tau"] == pytest.approx(40 / 20) and r["mean_request_accept_length"] == pytest.approx(2.0)
+    # SGLang's own figure counts the prefill's token as if a verify step had made it; τ (as the built-in and vLLM
+    # count it) does not
+    assert r["sglang_accept_length"] == pytest.approx(40 / 20) and r["mean_request_accept_length"] == pytest.approx(2.0)
+    assert r["tau"] == pytest.approx((29 + 9) / 20)
     with pytest.raises(ValueError, match="spec_verify_ct"):
         parse_sglang_meta([{"completion_tokens": 3}])
 

@@ -1,6 +1,7 @@
-"""SGLang backend on CPU, without sglang: the dump protocol, the server-side patch (against a fake `sglang`
-package, spawn included), the client against a fake /generate server on 127.0.0.1 that computes real states
-with a tiny HF model, token-count checks, cleanup, id translation, the command line, and the real cache writer.
+"""SGLang backend on CPU, without sglang: the dump protocol, the capture plugin's half of the contract (both
+aux-state layouts of SGLang 0.5.23, ids from the forward batch), the client against a fake /generate server on
+127.0.0.1 that computes real states with a tiny HF model, token-count checks, cleanup, id translation, the
+command line, and the real cache writer. The same paths against the real SGLang: tests/test_sglang_real.py.
 
     pytest -q tests/test_sglang_backend.py
 """
@@ -12,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,8 +23,8 @@ from models import make_prepared, tiny_llama, tiny_target_cfg
 
 from eagle3.config import Config, load_config
 from eagle3.layer_ids import LAYER_ID_CONVENTION, to_engine_ids
-from eagle3.targets import sglang_server
-from eagle3.targets.sglang import SGLangTarget, check_launch_args, main, read_target_info, server_command, server_env
+from eagle3.targets import sglang_capture
+from eagle3.targets.sglang import SGLangTarget, capture_flags, check_launch_args, read_target_info, server_env
 from eagle3.targets.sglang_dump import (
     ENV_DUMP_DIR,
     ENV_FAMILY,
@@ -233,14 +233,14 @@ class _FakeModel(torch.nn.Module):
 
 def test_enable_capture_translates_and_verifies_ids():
     m = _FakeModel("deepseek")
-    sglang_server.enable_capture(m, [2, 30, 58], "deepseek")
+    sglang_capture.enable_capture(m, [2, 30, 58], "deepseek")
     assert m.model.layers_to_capture == [2, 30, 58]
     m = _FakeModel("llama", n=30)
-    sglang_server.enable_capture(m, [2, 15, 27], "llama")
+    sglang_capture.enable_capture(m, [2, 15, 27], "llama")
     assert m.model.layers_to_capture == [2, 15, 27]
     # A version that shifted DeepSeek ids too would capture outputs of 2, 30, 58: refused, not silently used.
     with pytest.raises(RuntimeError, match=r"layers_to_capture .*\[3, 31, 59\].*expected \[2, 30, 58\]"):
-        sglang_server.enable_capture(_FakeModel("deepseek", always_shift=True), [2, 30, 58], "deepseek")
+        sglang_capture.enable_capture(_FakeModel("deepseek", always_shift=True), [2, 30, 58], "deepseek")
 
 
 class _Mode:
@@ -260,101 +260,52 @@ def test_capture_batch_writes_one_dump_per_prompt_and_skips_decode(tmp_path):
     aux = [torch.randn(8, H) for _ in range(3)]
     hidden = torch.randn(8, H)
     meta = SimpleNamespace(forward_mode=_Mode(extend=False), extend_seq_lens_cpu=lens)
-    assert sglang_server.capture_batch(ids, hidden, meta, aux, str(tmp_path), IDS) == 0
+    assert sglang_capture.capture_batch(ids, hidden, meta, aux, str(tmp_path), IDS) == 0
     meta.forward_mode = _Mode(extend=True)
-    assert sglang_server.capture_batch(ids, hidden, meta, aux, str(tmp_path), IDS) == 2
+    assert sglang_capture.capture_batch(ids, hidden, meta, aux, str(tmp_path), IDS) == 2
     c = read_dump(dump_path(tmp_path, sequence_key([13, 14, 15, 16, 17])), [13, 14, 15, 16, 17], layer_ids=IDS,
                   hidden_size=H, sample="b")
     torch.testing.assert_close(c.aux, torch.cat(aux, -1)[3:])
     torch.testing.assert_close(c.final, hidden[3:])
 
 
-_FAKE_SGLANG = {
-    "sglang/__init__.py": "",
-    "sglang/srt/__init__.py": "",
-    "sglang/srt/layers/__init__.py": "",
-    "sglang/srt/model_executor/__init__.py": "",
-    "sglang/srt/layers/logits_processor.py": """
-        class LogitsProcessor:
-            def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
-                return "original forward ran"
-    """,
-    "sglang/srt/model_executor/model_runner.py": """
-        import torch
-
-        class _Inner(torch.nn.Module):
-            layers_to_capture = []
-
-        class _Llama(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = _Inner()
-            def set_eagle3_layers_to_capture(self, ids=None):
-                self.model.layers_to_capture = [v + 1 for v in ids]
-
-        class ModelRunner:
-            def load_model(self):
-                self.model = _Llama()
-    """,
-    "sglang/worker.py": """
-        import types, torch
-        from sglang.srt.layers.logits_processor import LogitsProcessor
-        from sglang.srt.model_executor.model_runner import ModelRunner
-
-        class Mode:
-            def is_extend(self):
-                return True
-
-        def run(q):
-            mr = ModelRunner()
-            mr.load_model()
-            ids = torch.tensor([11, 12, 13, 14])
-            meta = types.SimpleNamespace(forward_mode=Mode(), extend_seq_lens_cpu=[4])
-            aux = [torch.full((4, 2), float(i)) for i in range(3)]
-            out = LogitsProcessor().forward(ids, torch.ones(4, 2), None, meta, aux_hidden_states=aux)
-            q.put((out, sorted(mr.model.model.layers_to_capture)))
-    """,
-    "sglang/launch_server.py": """
-        import multiprocessing as mp, sys
-        from sglang import worker
-
-        if __name__ == "__main__":
-            mp.set_start_method("spawn", force=True)  # as SGLang does
-            q = mp.Queue()
-            p = mp.Process(target=worker.run, args=(q,))
-            p.start()
-            print("worker:", q.get(timeout=120), "argv:", sys.argv[1:], flush=True)
-            p.join()
-    """,
-}
+def test_capture_batch_takes_packed_aux_states_and_the_batch_ids(tmp_path):
+    """SGLang 0.5.23's DeepSeek/Kimi models pack the aux states into one [T, 3H] tensor, and the Kimi-K2.5
+    wrapper calls its language model with input_ids=None (the ids are on the forward batch)."""
+    H = 4
+    packed = torch.randn(8, 3 * H)
+    hidden = torch.randn(8, H)
+    meta = SimpleNamespace(forward_mode=_Mode(extend=True), extend_seq_lens_cpu=[3, 5], input_ids=torch.arange(20, 28))
+    assert sglang_capture.capture_batch(None, hidden, meta, packed, str(tmp_path), IDS) == 2
+    c = read_dump(dump_path(tmp_path, sequence_key([20, 21, 22])), [20, 21, 22], layer_ids=IDS, hidden_size=H,
+                  sample="kimi")
+    assert torch.equal(c.aux, packed[:3]) and torch.equal(c.final, hidden[:3])
+    # states that do not cover the batch's tokens (sharded, padded) or have another width are never written
+    assert sglang_capture.capture_batch(None, hidden[:6], meta, packed[:6], str(tmp_path / "x"), IDS) == 0
+    assert sglang_capture.capture_batch(None, hidden, meta, packed[:, :8], str(tmp_path / "x"), IDS) == 0
+    assert sglang_capture.capture_batch(None, hidden, meta, None, str(tmp_path / "x"), IDS) == 0
+    assert not (tmp_path / "x").exists()
 
 
-def test_server_module_patches_spawned_workers(tmp_path):
-    """The patch must reach SGLang's TP workers, which start with `spawn`: a fake sglang package spawns one."""
-    for rel, text in _FAKE_SGLANG.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(textwrap.dedent(text))
-    dump = tmp_path / "dump"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
-           **server_env(dump, IDS, "llama")}
-    r = subprocess.run([sys.executable, "-m", "eagle3.targets.sglang_server", "--model-path", "x"], env=env,
-                       capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
-    assert "worker: ('original forward ran', [2, 4, 6]) argv: ['--model-path', 'x']" in r.stdout
-    c = read_dump(dump_path(dump, sequence_key([11, 12, 13, 14])), [11, 12, 13, 14], layer_ids=IDS, hidden_size=2,
-                  sample="spawned")
-    assert torch.equal(c.aux[0], torch.tensor([0.0, 0.0, 1.0, 1.0, 2.0, 2.0]))
-    assert "capturing inputs of decoder layers [2, 4, 6] (SGLang spelling [1, 3, 5], llama family)" in r.stderr
+def test_the_plugin_is_declared_and_inert_without_its_environment(monkeypatch):
+    """SGLang finds eagle3's plugin through the `sglang.srt.plugins` entry points; without EAGLE3_SGLANG_DUMP_DIR
+    it returns before importing anything of SGLang (a plain server in the same environment is untouched)."""
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="sglang.srt.plugins")}
+    assert eps.get(sglang_capture.ENTRY_POINT) == "eagle3.targets.sglang_capture:plugin"
+    monkeypatch.delenv(ENV_DUMP_DIR, raising=False)
+    monkeypatch.setitem(sys.modules, "sglang", None)  # any `import sglang...` would raise
+    assert sglang_capture.plugin() is None
 
 
 # ------------------------------------------------------------------------------------- command line, config
 def test_server_command_and_env(llama, tmp_path):
     cfg = _cfg(llama, tmp_path, tp_size=8, launch_args=["--mem-fraction-static", "0.85"])
     cfg.target.trust_remote_code = True
-    cmd = server_command(cfg, "/models/Kimi-K2.5", 30001)
-    assert cmd[:3] == [sys.executable, "-m", "eagle3.targets.sglang_server"]
+    cmd = capture_flags(cfg, "/models/Kimi-K2.5")
     joined = " ".join(cmd)
-    for part in ("--model-path /models/Kimi-K2.5", "--tp-size 8", "--port 30001", "--disable-radix-cache",
+    for part in ("--model-path /models/Kimi-K2.5", "--tp-size 8", "--disable-radix-cache",
                  "--chunked-prefill-size -1", "--trust-remote-code", "--dtype float32", "--skip-server-warmup"):
         assert part in joined
     assert cmd[-2:] == ["--mem-fraction-static", "0.85"]
@@ -368,13 +319,15 @@ def test_server_command_and_env(llama, tmp_path):
 
 
 def test_command_cli_prints_env_and_command(llama, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("eagle3.logs.setup_logging", lambda: None)  # keep the logger off pytest's captured stream
+    from eagle3.cli import main
+
+    monkeypatch.setattr("eagle3.cli.setup_logging", lambda: None)  # keep the logger off pytest's captured stream
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text(f"target:\n  path: {llama}\n  backend: sglang\n  aux_layer_ids: {IDS}\n")
-    assert main(["command", "--config", str(cfg_file), "target.sglang.tp_size=2"]) == 0
+    assert main(["sglang", "command", "--config", str(cfg_file), "target.sglang.tp_size=2"]) == 0
     out = capsys.readouterr().out
     assert f"{ENV_LAYER_IDS}='[2, 4, 6]'" in out and f"{ENV_FAMILY}=llama" in out
-    assert "-m eagle3.targets.sglang_server" in out and "--tp-size 2" in out and "--port 30000" in out
+    assert "-m sglang.launch_server" in out and "--tp-size 2" in out and "--port 30000" in out
 
 
 def test_target_info_reads_kimi_text_config(tmp_path):
@@ -435,7 +388,7 @@ def test_preflight_refuses_a_server_with_the_radix_cache_on(llama, tmp_path):
 
 def test_preflight_catches_a_server_that_writes_nothing(llama, tmp_path):
     with FakeSGLang(llama, tmp_path / "dump", IDS, mode="nodump") as fake:
-        with pytest.raises(DumpError, match="preflight probe.*eagle3.targets.sglang_server"):
+        with pytest.raises(DumpError, match="preflight probe.*does not run eagle3's capture plugin"):
             SGLangTarget(_cfg(llama, tmp_path, fake.url))
 
 
@@ -483,21 +436,25 @@ def test_extract_run_writes_the_same_cache_as_the_hf_backend_and_resumes(llama, 
     assert run(cfg, backend=SimpleNamespace())["samples"] == 0  # resume: all shards there, backend unused
 
 
+def _fake_sglang_package(root: Path, main: str) -> Path:
+    """A folder with a stand-in `sglang.launch_server` module (what `python -m sglang.launch_server` runs)."""
+    (root / "sglang").mkdir(parents=True)
+    (root / "sglang" / "__init__.py").write_text("")
+    (root / "sglang" / "launch_server.py").write_text(main)
+    return root
+
+
 @pytest.mark.slow
 def test_launched_server_lifecycle(llama, tmp_path, monkeypatch):
-    """The launch path (Popen in its own session, EAGLE3_SGLANG_* env, /health wait, log file, stop on close)
-    with a fake server process in place of SGLang."""
-    import eagle3.targets.sglang as sg
-
-    script = tmp_path / "fake_server.py"
-    script.write_text(_FAKE_SERVER_MAIN.format(tests=str(TESTS), model=str(llama)))
-    real = sg.server_command
-    monkeypatch.setattr(sg, "server_command", lambda cfg, model_path, port, host="127.0.0.1":
-                        [sys.executable, str(script)] + real(cfg, model_path, port, host)[3:])
+    """The launch path (`python -m sglang.launch_server` in its own session, EAGLE3_SGLANG_* env, /health wait,
+    log file, stop on close) with a fake server in place of SGLang's."""
+    fake = _fake_sglang_package(tmp_path / "fake", _FAKE_SERVER_MAIN.format(tests=str(TESTS), model=str(llama)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), str(REPO)]))
     cfg = _cfg(llama, tmp_path)
     t = SGLangTarget(cfg, startup_timeout_s=120)  # launches, waits for /health, runs the preflight probe
-    proc = t._proc
-    assert proc is not None and t.log_file is not None and t.log_file.parent == tmp_path / "run" / "logs"
+    proc = t.server.proc
+    assert t.log_file is not None and t.log_file.parent == tmp_path / "run" / "logs"
+    assert t.server.cmd[1:3] == ["-m", "sglang.launch_server"]
     (c,) = t.capture([[5, 6, 7, 8]])
     assert c.aux.shape == (4, 192)
     t.close()
@@ -506,10 +463,17 @@ def test_launched_server_lifecycle(llama, tmp_path, monkeypatch):
 
 
 def test_a_server_that_dies_at_startup_is_reported_with_its_log(llama, tmp_path, monkeypatch):
-    import eagle3.targets.sglang as sg
-
-    monkeypatch.setattr(sg, "server_command", lambda *a, **k: [sys.executable, "-c",
-                                                               "import sys; print('CUDA out of memory'); sys.exit(3)"])
+    fake = _fake_sglang_package(tmp_path / "fake", "import sys\nprint('CUDA out of memory')\nsys.exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), str(REPO)]))
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 3 before it was healthy.*CUDA out of memory"):
         SGLangTarget(_cfg(llama, tmp_path), startup_timeout_s=60)
     assert not (tmp_path / "dump").exists()
+
+
+def test_a_python_without_the_plugin_is_refused_before_launch(llama, tmp_path, monkeypatch):
+    """SGLang in a Python where eagle3 is not installed would serve without capturing: refused up front."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    monkeypatch.setenv("EAGLE3_SGLANG_PYTHON", str(bare / "bin" / "python"))
+    with pytest.raises(RuntimeError, match="does not have eagle3's capture plugin"):
+        SGLangTarget(_cfg(llama, tmp_path), startup_timeout_s=60)

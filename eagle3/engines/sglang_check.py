@@ -1,42 +1,58 @@
-"""Measure the head's acceptance inside a running SGLang server, on the prompts the built-in evaluator used.
+"""Measure the head's acceptance inside SGLang (EAGLE-3 speculative decoding), on the prompts the built-in
+evaluator used.
 
-    # the server, started by you with the SGLang export of the head:
-    python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 \
-        --speculative-draft-model-path runs/x/export/sglang --speculative-num-steps 3 \
-        --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
-    eagle3 eval --config X --engine sglang target.sglang.url=http://127.0.0.1:30000
+    eagle3 eval --config configs/kimi-k2.5.yaml --engine sglang                  # eagle3 starts the server
+    eagle3 eval --config X --engine sglang target.sglang.url=http://127.0.0.1:30000   # ... or uses yours
 
-Each prompt goes to `/generate` as token ids; SGLang's `meta_info` carries `completion_tokens` and
-`spec_verify_ct` (verify steps), and `spec_accept_length = completion_tokens / spec_verify_ct` (bonus included).
-τ over the set is pooled the same way: sum of completion tokens / sum of verify steps.
+With no `target.sglang.url`, the head is exported for SGLang (unless it already is an SGLang export) and an
+SGLang server is started with it: `--speculative-algorithm EAGLE3 --speculative-draft-model-path <export>
+--speculative-num-steps {eval.num_steps} --speculative-eagle-topk {eval.topk}
+--speculative-num-draft-tokens {eval.num_draft_tokens}`, the target at `target.sglang.tp_size`, plus
+`target.sglang.launch_args`; it is stopped when the prompts are done. A server you started must serve the same
+draft with the same settings.
+
+Each prompt goes to `/generate` as token ids. SGLang's `meta_info` carries `completion_tokens` and
+`spec_verify_ct` (verify steps); its own `spec_accept_length` is completion_tokens / spec_verify_ct, which counts
+the token of the prefill as if a verify step had made it. `tau` here excludes it ((completion_tokens - 1) /
+spec_verify_ct, pooled over all prompts), which is exactly what the built-in evaluator and vLLM call τ
+(accepted + bonus per verify step); SGLang's own figure is reported beside it.
 """
 
 from __future__ import annotations
 
 import json
-import urllib.request
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("eagle3")
 
 
 def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-request `meta_info` dicts -> pooled τ (Σ completion_tokens / Σ spec_verify_ct) and the mean of the
-    per-request `spec_accept_length`."""
+    """Per-request `meta_info` dicts -> pooled τ (prefill token excluded, as the built-in counts it), SGLang's
+    own pooled accept length (Σ completion_tokens / Σ spec_verify_ct) and the mean per-request figure."""
     completion = verify = 0
     per_request: list[float] = []
     for i, m in enumerate(metas):
         if "spec_verify_ct" not in m or "completion_tokens" not in m:
             raise ValueError(f"request {i}: meta_info has no spec_verify_ct/completion_tokens: was the server "
                              "started with --speculative-algorithm EAGLE3?")
-        completion += int(m["completion_tokens"])
-        verify += int(m["spec_verify_ct"])
+        c, v = int(m["completion_tokens"]), int(m["spec_verify_ct"])
+        completion += c
+        verify += v
         if m.get("spec_accept_length") is not None:
             per_request.append(float(m["spec_accept_length"]))
-        elif int(m["spec_verify_ct"]) > 0:
-            per_request.append(int(m["completion_tokens"]) / int(m["spec_verify_ct"]))
+        elif v > 0:
+            per_request.append(c / v)
     if verify <= 0:
         raise ValueError("SGLang reported no verify steps: speculative decoding is not active on that server")
+    decoded = sum(max(int(m["completion_tokens"]) - 1, 0) for m in metas if int(m["spec_verify_ct"]) > 0)
     return {
-        "tau": completion / verify,
+        "tau": decoded / verify,
+        "sglang_accept_length": completion / verify,
         "mean_request_accept_length": sum(per_request) / len(per_request) if per_request else float("nan"),
         "completion_tokens": completion,
         "verify_steps": verify,
@@ -44,25 +60,116 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def generate(url: str, input_ids: list[int], temperature: float, max_new_tokens: int, timeout_s: float
-             ) -> dict[str, Any]:
-    body = json.dumps({"input_ids": input_ids, "sampling_params": {"temperature": temperature,
-                                                                   "max_new_tokens": max_new_tokens}}).encode()
-    req = urllib.request.Request(url.rstrip("/") + "/generate", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - a user-given server URL
-        return json.loads(resp.read())
+def eagle3_flags(cfg: Any, target_path: str, draft: Path) -> list[str]:
+    """`sglang.launch_server` flags that serve the target with the head as its EAGLE-3 draft."""
+    from eagle3.targets.sglang import check_launch_args
+
+    s, e = cfg.target.sglang, cfg.eval
+    check_launch_args(s.launch_args)
+    flags = ["--model-path", target_path, "--tp-size", str(s.tp_size), "--dtype", cfg.target.dtype,
+             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
+             "--speculative-num-steps", str(e.num_steps), "--speculative-eagle-topk", str(e.topk),
+             "--speculative-num-draft-tokens", str(e.num_draft_tokens), "--skip-server-warmup"]
+    if cfg.target.trust_remote_code:
+        flags.append("--trust-remote-code")
+    if cfg.target.revision:
+        flags += ["--revision", cfg.target.revision]
+    return flags + list(s.launch_args)
 
 
-def run_sglang(cfg: Any, prompts: list[list[int]]) -> dict[str, Any]:
-    url = cfg.target.sglang.url
-    if not url:
-        raise ValueError("--engine sglang needs target.sglang.url (a server started with the SGLang export and "
-                         "--speculative-algorithm EAGLE3)")
-    metas = []
-    for ids in prompts:
-        out = generate(url, ids, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.target.sglang.timeout_s)
-        metas.append(out.get("meta_info", {}))
-    result = parse_sglang_meta(metas)
-    result["url"] = url
+def sglang_draft(cfg: Any, folder: Path) -> Path:
+    """The head as SGLang loads it: `folder` itself when it is an SGLang export, else a fresh export of it."""
+    from eagle3.export import export
+
+    conf = folder / "config.json"
+    if conf.is_file() and (json.loads(conf.read_text()).get("eagle3_export") or {}).get("engine") == "sglang":
+        return folder
+    return export(folder, cfg.export_dir / "sglang", to="sglang", dtype=cfg.target.dtype,
+                  num_speculative_tokens=cfg.eval.num_steps)
+
+
+def generate(url: str, ids: list[int], cfg: Any, stop: list[int]) -> dict[str, Any]:
+    """One greedy (or seeded sampled) `/generate` for token ids, stopping where the built-in evaluator stops."""
+    from eagle3.targets.sglang_server import http_json
+
+    params: dict[str, Any] = {"temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
+                              "stop_token_ids": stop}
+    if cfg.eval.temperature > 0:
+        params["sampling_seed"] = cfg.eval.seed
+    return http_json("POST", url.rstrip("/") + "/generate", {"input_ids": ids, "sampling_params": params},
+                     timeout=cfg.target.sglang.timeout_s)
+
+
+@contextmanager
+def serving(cfg: Any, draft_folder: Path | None) -> Iterator[tuple[str, Path | None]]:
+    """(url, served draft): the server at `target.sglang.url`, or one started here with the head and stopped after."""
+    from eagle3.bundled import resolve_target_path
+    from eagle3.targets.sglang_dump import ENV_DUMP_DIR
+    from eagle3.targets.sglang_server import SGLangServer
+
+    if cfg.target.sglang.url:
+        yield cfg.target.sglang.url, None
+        return
+    if draft_folder is None:
+        raise ValueError("--engine sglang without target.sglang.url needs the head to serve (eval.checkpoint)")
+    draft = sglang_draft(cfg, draft_folder)
+    os.environ.pop(ENV_DUMP_DIR, None)  # a capture plugin switched on would dump every prefill of the eval
+    log_file = Path(cfg.output_dir) / "logs" / f"sglang-eagle3-{os.getpid()}.log"
+    with SGLangServer(eagle3_flags(cfg, resolve_target_path(cfg.target.path), draft), {}, log_file,
+                      cfg.target.sglang.startup_timeout_s, what="SGLang with the EAGLE-3 head") as server:
+        yield server.url, draft
+
+
+def run_sglang(cfg: Any, prompts: list[list[int]], draft_folder: Path | None = None) -> dict[str, Any]:
+    """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order."""
+    from eagle3.engines.vllm_check import stop_token_ids
+    from eagle3.logs import Progress
+
+    stop = stop_token_ids(cfg)
+    outs = []
+    with serving(cfg, draft_folder) as (url, draft), Progress(len(prompts), "sglang", unit="prompt") as progress:
+        for ids in prompts:
+            outs.append(generate(url, ids, cfg, stop))
+            progress.update(1)
+    result = parse_sglang_meta([o.get("meta_info", {}) for o in outs])
+    result.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop,
+                  outputs=[o.get("output_ids") for o in outs])
     return result
+
+
+def run_sglang_dialogues(cfg: Any, sets: list[Any], render: Any, draft_folder: Path) -> tuple[dict[str, Any],
+                                                                                               dict[str, list]]:
+    """Engine only (`eval.builtin: false`): every turn of every prompt decoded by SGLang, a later turn rendered
+    after SGLang's own answers (the built-in evaluator is not run: the target is too big for this process).
+    Returns (τ per prompt set and pooled, rendered prompts per set)."""
+    from eagle3.data.types import Turn
+    from eagle3.engines.vllm_check import stop_token_ids
+    from eagle3.logs import Progress
+
+    stop = stop_token_ids(cfg)
+    results: dict[str, Any] = {}
+    rendered: dict[str, list] = {}
+    metas: list[dict[str, Any]] = []
+    total = sum(ps.num_turns for ps in sets)
+    with serving(cfg, draft_folder) as (url, draft), Progress(total, "sglang", unit="turn") as progress:
+        for ps in sets:
+            set_metas, rendered[ps.name] = [], []
+            for prompt in ps.prompts:
+                hist: list[Turn] = []
+                for text in ([None] if prompt.token_ids is not None else list(prompt.turns)):
+                    if text is None:
+                        ids = list(prompt.token_ids)
+                    else:
+                        hist.append(Turn("user", text))
+                        ids = render(hist)
+                    out = generate(url, ids, cfg, stop)
+                    set_metas.append(out.get("meta_info", {}))
+                    rendered[ps.name].append(ids)
+                    if text is not None:
+                        hist.append(Turn("assistant", render.answer(out.get("output_ids") or [], set(stop))))
+                    progress.update(1, tau=f"{parse_sglang_meta(set_metas)['tau']:.2f}")
+            results[ps.name] = {**parse_sglang_meta(set_metas), "turns": len(set_metas), "prompts": len(ps.prompts)}
+            metas += set_metas
+    pooled = parse_sglang_meta(metas)
+    pooled.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop, sets=results)
+    return pooled, rendered

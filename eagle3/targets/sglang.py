@@ -1,17 +1,18 @@
 """SGLang as the target backend: hidden states of a tensor-parallel target (Kimi-K2.5 on 8 GPUs) for extraction.
 
-    python -m eagle3.targets.sglang serve --config configs/kimi-k2.5.yaml      # a server in this terminal
-    python -m eagle3.targets.sglang command --config configs/kimi-k2.5.yaml    # print its command line only
+    eagle3 sglang serve --config configs/kimi-k2.5.yaml      # the capture server in this terminal
+    eagle3 sglang command --config configs/kimi-k2.5.yaml    # print its command line only
     eagle3 extract --config configs/kimi-k2.5.yaml target.sglang.url=http://127.0.0.1:30000
 
-How the states travel (decided here, see eagle3.targets.sglang_dump and eagle3.targets.sglang_server):
-- The server is `sglang.launch_server` started through `python -m eagle3.targets.sglang_server`, which patches
-  SGLang in every TP worker: the model captures the residual streams entering the three aux layers (SGLang's
-  own EAGLE-3 capture, ids translated with `eagle3.layer_ids.to_engine_ids` and read back to be sure), and the
-  logits processor, which sees every prompt token's *post-norm final* state before it keeps only the last
-  token, writes aux + final for each prompt as one safetensors file into a RAM-backed folder
-  (`target.sglang.dump_dir`, /dev/shm). So all four states come out, as tensors, not as JSON floats: a Kimi
-  token is 57 KB of bf16, ~10x that as JSON text. (SGLang's `--enable-return-hidden-states` returns only
+How the states travel (decided here, see eagle3.targets.sglang_dump and eagle3.targets.sglang_capture):
+- The server is plain `sglang.launch_server` with eagle3's SGLang plugin (eagle3.targets.sglang_capture, found
+  through the `sglang.srt.plugins` entry points of the Python that runs SGLang) switched on by the
+  EAGLE3_SGLANG_* environment. In every scheduler process the model captures the residual streams entering the
+  three aux layers (SGLang's own EAGLE-3 capture, ids translated with `eagle3.layer_ids.to_engine_ids` and read
+  back to be sure), and the logits processor, which sees every prompt token's *post-norm final* state before it
+  keeps only the last token, writes aux + final for each prompt as one safetensors file into a RAM-backed
+  folder (`target.sglang.dump_dir`, /dev/shm). So all four states come out, as tensors, not as JSON floats: a
+  Kimi token is 57 KB of bf16, ~10x that as JSON text. (SGLang's `--enable-return-hidden-states` returns only
   the final state, `--enable-return-aux-hidden-states` only the aux states, both as JSON lists.)
 - `SGLangTarget.capture` posts the token ids to `/generate` (one batched request, `max_new_tokens: 1`), then
   reads, validates and deletes each prompt's file. The client and the server must share the folder (same
@@ -19,7 +20,7 @@ How the states travel (decided here, see eagle3.targets.sglang_dump and eagle3.t
 
 Why not an in-process `ModelRunner` as SpecForge does: for TP=8 that means 8 ranks of this program each
 building SGLang internals (batch, memory pools, mlp-sync) by hand, which breaks on every SGLang bump. The
-server keeps SGLang's public launch path and patches two stable methods.
+server keeps SGLang's public launch path and hooks two methods through SGLang's own plugin mechanism.
 
 Tokens must not be dropped or split, and every sample is checked:
 - radix cache: a prefix hit prefills only the rest of the prompt -> the command always has
@@ -30,35 +31,27 @@ Tokens must not be dropped or split, and every sample is checked:
   ids equal this run's, values finite; `meta_info.prompt_tokens` must equal the prompt length.
 
 Layer ids: eagle3 id k = input of decoder layer k. SGLang spells that k-1 for Llama-family models and k for
-DeepSeek/Kimi (unless the first id is 1); the server translates and verifies (sglang_server.enable_capture).
+DeepSeek/Kimi (unless the first id is 1); the plugin translates and verifies (sglang_capture.enable_capture).
 
-The dump folder is cleaned on start (the server's warm-up request and killed runs leave files) and on exit
-(atexit, and SIGTERM turned into a normal exit); only eagle3's own file names are ever deleted.
+The dump folder is cleaned on start (killed runs leave files) and on exit (atexit, and SIGTERM turned into a
+normal exit); only eagle3's own file names are ever deleted.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import logging
 import os
 import shlex
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3.config import Config, load_config
+from eagle3.config import Config
 from eagle3.layer_ids import ArchFamily, arch_family, validate_layer_ids
 from eagle3.targets.base import Captured
 from eagle3.targets.sglang_dump import (
@@ -73,10 +66,18 @@ from eagle3.targets.sglang_dump import (
     remove_dump_dir,
     sequence_key,
 )
+from eagle3.targets.sglang_server import (
+    SGLangServer,
+    check_plugin,
+    exit_on_sigterm,
+    http_json,
+    log_tail,
+    sglang_python,
+    wait_healthy,
+)
 
 log = logging.getLogger("eagle3")
 
-SERVER_MODULE = "eagle3.targets.sglang_server"
 DEFAULT_PORT = 30000
 STARTUP_TIMEOUT_S = 3600.0
 """Loading Kimi-K2.5 (554 GB) onto 8 GPUs takes 10-30 minutes; a Llama-135M server starts in about a minute."""
@@ -144,15 +145,12 @@ def check_launch_args(args: list[str]) -> None:
             raise ValueError(f"target.sglang.launch_args: {flag}: extraction serves the target without a draft")
 
 
-def server_command(cfg: Config, model_path: str, port: int, host: str = "127.0.0.1") -> list[str]:
-    """`python -m eagle3.targets.sglang_server <sglang.launch_server flags>` for this config."""
+def capture_flags(cfg: Config, model_path: str) -> list[str]:
+    """The `sglang.launch_server` flags of the capture server for this config (host and port apart)."""
     s = cfg.target.sglang
     check_launch_args(s.launch_args)
-    cmd = [
-        sys.executable, "-m", SERVER_MODULE,
+    flags = [
         "--model-path", model_path,
-        "--host", host,
-        "--port", str(port),
         "--tp-size", str(s.tp_size),
         "--dtype", cfg.target.dtype,
         "--disable-radix-cache",          # a prefix hit would prefill (and dump) only the tail of a prompt
@@ -161,93 +159,19 @@ def server_command(cfg: Config, model_path: str, port: int, host: str = "127.0.0
         "--skip-server-warmup",           # its request would only leave a stray dump
     ]
     if cfg.target.trust_remote_code:
-        cmd.append("--trust-remote-code")
+        flags.append("--trust-remote-code")
     if cfg.target.revision:
-        cmd += ["--revision", cfg.target.revision]
-    return cmd + list(s.launch_args)
+        flags += ["--revision", cfg.target.revision]
+    return flags + list(s.launch_args)
 
 
 def server_env(dump_dir: str | Path, layer_ids: list[int], family: ArchFamily) -> dict[str, str]:
-    """The EAGLE3_SGLANG_* variables the server's capture patch reads (inherited by its TP workers)."""
+    """The EAGLE3_SGLANG_* variables that switch the capture plugin on (inherited by SGLang's TP workers)."""
     return {
         ENV_DUMP_DIR: str(Path(dump_dir).absolute()),
         ENV_LAYER_IDS: json.dumps(list(layer_ids)),
         ENV_FAMILY: family,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - URL from the user's config
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:2000]
-        raise RuntimeError(f"{method} {url}: HTTP {e.code}: {detail}") from None
-    return json.loads(raw) if raw.strip() else None
-
-
-def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                 log_file: Path | None = None) -> None:
-    """Poll `/health` until it answers 200; fail early when the launched process dies (with its log tail)."""
-    t0 = time.monotonic()
-    last_note = t0
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the SGLang server exited with code {proc.returncode} before it was healthy"
-                               f"{_log_tail(log_file)}")
-        try:
-            _http("GET", f"{url}/health", timeout=5.0)
-            log.info("SGLang server at %s is healthy (%.0f s)", url, time.monotonic() - t0)
-            return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError):
-            pass
-        now = time.monotonic()
-        if now - t0 > timeout_s:
-            raise TimeoutError(f"the SGLang server at {url} was not healthy after {timeout_s:.0f} s{_log_tail(log_file)}")
-        if now - last_note >= 30:
-            last_note = now
-            log.info("waiting for the SGLang server at %s (%.0f s so far%s)", url, now - t0,
-                     f", log: {log_file}" if log_file else "")
-        time.sleep(1.0)
-
-
-def _log_tail(log_file: Path | None, lines: int = 40) -> str:
-    if log_file is None or not log_file.is_file():
-        return ""
-    tail = log_file.read_text(errors="replace").splitlines()[-lines:]
-    return f"\n--- last {len(tail)} lines of {log_file} ---\n" + "\n".join(tail)
-
-
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group (SGLang's TP workers included), then SIGKILL after `grace_s`."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit so atexit handlers (server stop, dump cleanup) run; keep others' handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 # ----------------------------------------------------------------------------------------------- the client
@@ -271,7 +195,8 @@ class SGLangTarget:
         self.dtype: torch.dtype = getattr(torch, cfg.target.dtype)
         self.timeout_s = s.timeout_s
         self.dump_dir = Path(s.dump_dir).absolute()
-        self._proc: subprocess.Popen | None = None
+        self.server: SGLangServer | None = None
+        self._own_dump_dir = False
         self._closed = False
         self.log_file: Path | None = None
 
@@ -280,45 +205,40 @@ class SGLangTarget:
         if n:
             log.info("removed %d stale dump file(s) from %s", n, self.dump_dir)
         atexit.register(self.close)
-        _exit_on_sigterm()
+        exit_on_sigterm()
 
         if s.url:
             self.url = s.url.rstrip("/")
             log.info("using the SGLang server at %s (dump folder %s)", self.url, self.dump_dir)
             wait_healthy(self.url, min(startup_timeout_s, 120.0))
         else:
-            self._launch(startup_timeout_s)
+            try:
+                self._launch(startup_timeout_s)
+            except BaseException:
+                self.close()
+                raise
         clean_dump_dir(self.dump_dir)
         if cfg.extract.preflight if preflight is None else preflight:
             self.preflight()
 
     # -- lifecycle
     def _launch(self, startup_timeout_s: float) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = server_command(self.cfg, self.info.model_path, port)
-        env = {**os.environ, **server_env(self.dump_dir, self.layer_ids, self.family)}
-        self.log_file = Path(self.cfg.output_dir) / "logs" / f"sglang-server-{port}.log"
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log.info("launching SGLang (TP=%d), log %s:\n  %s", self.cfg.target.sglang.tp_size, self.log_file,
-                 shlex.join(cmd))
-        with open(self.log_file, "ab") as out:
-            self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_healthy(self.url, startup_timeout_s, self._proc, self.log_file)
-        except BaseException:
-            self.close()
-            raise
+        self._own_dump_dir = True  # our own server: the folder is ours alone, removed on close
+        check_plugin(sglang_python())
+        self.log_file = Path(self.cfg.output_dir) / "logs" / f"sglang-capture-{os.getpid()}.log"
+        self.server = SGLangServer(capture_flags(self.cfg, self.info.model_path),
+                                   server_env(self.dump_dir, self.layer_ids, self.family), self.log_file,
+                                   startup_timeout_s, what=f"the SGLang capture server (TP={self.cfg.target.sglang.tp_size})")
+        self.url = self.server.url
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._proc is not None:
-            log.info("stopping the SGLang server (pid %d)", self._proc.pid)
-            stop_process_group(self._proc)
-        if self._proc is not None:
-            remove_dump_dir(self.dump_dir)  # our own server: the folder is ours alone
+        if self.server is not None:
+            self.server.close()
+        if self._own_dump_dir:
+            remove_dump_dir(self.dump_dir)
         else:
             clean_dump_dir(self.dump_dir)
 
@@ -353,7 +273,7 @@ class SGLangTarget:
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
         out: dict[str, Captured] = {}
         try:
-            resp = _http("POST", f"{self.url}/generate", body, timeout=self.timeout_s)
+            resp = http_json("POST", f"{self.url}/generate", body, timeout=self.timeout_s)
             if isinstance(resp, dict):
                 resp = [resp]
             if not isinstance(resp, list) or len(resp) != len(order):
@@ -387,9 +307,10 @@ class SGLangTarget:
             if time.monotonic() - t0 > self.dump_grace_s:
                 raise DumpError(
                     f"sample {label}: no hidden-state dump for its {n} tokens appeared in {self.dump_dir}. Either the "
-                    f"server is not eagle3's ({SERVER_MODULE}, with {ENV_DUMP_DIR}={self.dump_dir}) on this machine, "
-                    f"or the prompt was prefilled in pieces (start SGLang with --chunked-prefill-size -1 and "
-                    f"--disable-radix-cache; `python -m eagle3.targets.sglang serve` does){_log_tail(self.log_file, 15)}"
+                    f"server does not run eagle3's capture plugin with {ENV_DUMP_DIR}={self.dump_dir} on this machine "
+                    f"(eagle3 installed in SGLang's Python, the server started by `eagle3 sglang serve`), or the prompt "
+                    f"was prefilled in pieces (start SGLang with --chunked-prefill-size -1 and --disable-radix-cache; "
+                    f"`eagle3 sglang serve` does){log_tail(self.log_file, 15)}"
                 )
             time.sleep(0.01)
         return path
@@ -398,7 +319,7 @@ class SGLangTarget:
     def server_info(self) -> dict[str, Any] | None:
         for route in ("/server_info", "/get_server_info"):
             try:
-                info = _http("GET", f"{self.url}{route}", timeout=10.0)
+                info = http_json("GET", f"{self.url}{route}", timeout=10.0)
             except (RuntimeError, OSError):
                 continue
             if isinstance(info, dict):
@@ -438,43 +359,27 @@ class SGLangTarget:
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
-def _serve(cfg: Config, port: int, host: str, dry_run: bool) -> int:
-    info = read_target_info(cfg)
-    layer_ids = cfg.layer_ids(info.num_layers)
-    s = cfg.target.sglang
-    cmd = server_command(cfg, info.model_path, port, host)
-    env = server_env(s.dump_dir, layer_ids, info.family)
-    line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
-    print(line, flush=True)
-    if dry_run:
-        return 0
-    ensure_dump_dir(s.dump_dir)
-    clean_dump_dir(s.dump_dir)
-    os.execve(sys.executable, cmd, {**os.environ, **env})
-    return 0  # not reached
+def serve(cfg: Config, port: int | None, host: str, dry_run: bool) -> int:
+    """`eagle3 sglang serve|command`: print the capture server's command line, then (serve) become that server.
 
-
-def main(argv: list[str] | None = None) -> int:
-    from eagle3.logs import setup_logging
-
-    setup_logging()
-    p = argparse.ArgumentParser(prog="python -m eagle3.targets.sglang",
-                                description="Start (or print) eagle3's capturing SGLang server for a config.")
-    p.add_argument("action", choices=["serve", "command"])
-    p.add_argument("--config", "-c", required=True)
-    p.add_argument("--port", type=int, default=None, help="default: the port of target.sglang.url, else 30000")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_intermixed_args(argv)
-    cfg = load_config(a.config, a.overrides)
-    port = a.port
+    The port defaults to the one of `target.sglang.url`, else 30000."""
     if port is None:
         from urllib.parse import urlparse
 
         url = cfg.target.sglang.url
         port = (urlparse(url).port if url else None) or DEFAULT_PORT
-    return _serve(cfg, port, a.host, dry_run=a.action == "command")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    info = read_target_info(cfg)
+    layer_ids = cfg.layer_ids(info.num_layers)
+    s = cfg.target.sglang
+    python = sglang_python()
+    cmd = [python, "-m", "sglang.launch_server", *capture_flags(cfg, info.model_path), "--host", host,
+           "--port", str(port)]
+    env = server_env(s.dump_dir, layer_ids, info.family)
+    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
+    if dry_run:
+        return 0
+    check_plugin(python)
+    ensure_dump_dir(s.dump_dir)
+    clean_dump_dir(s.dump_dir)
+    os.execve(python, cmd, {**os.environ, **env})
+    return 0  # not reached

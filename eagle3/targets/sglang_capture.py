@@ -1,49 +1,46 @@
-"""SGLang server with eagle3's hidden-state capture: `sglang.launch_server` plus two small patches.
+"""eagle3's hidden-state capture inside an SGLang server: an SGLang plugin, active only when asked for.
 
-    EAGLE3_SGLANG_DUMP_DIR=/dev/shm/eagle3-sglang EAGLE3_SGLANG_LAYER_IDS='[2, 30, 58]' EAGLE3_SGLANG_FAMILY=deepseek \\
-        python -m eagle3.targets.sglang_server --model-path /models/Kimi-K2.5 --tp-size 8 --trust-remote-code \\
-        --disable-radix-cache --chunked-prefill-size -1 --disable-cuda-graph --skip-server-warmup --port 30000
+SGLang 0.5.23 loads the plugins registered under the `sglang.srt.plugins` entry-point group at the start of
+every scheduler process (where the TP workers and their models live). eagle3 registers `plugin` there
+(pyproject.toml), so installing eagle3 in SGLang's Python is all a server needs. The plugin does nothing unless
+the server was started with `EAGLE3_SGLANG_DUMP_DIR` set (`eagle3 sglang serve`, or `SGLangTarget`, which
+launches it): a normal SGLang server in the same environment is untouched.
 
-Nobody types that: `python -m eagle3.targets.sglang serve --config ...` (or `SGLangTarget`, which launches it)
-builds the command and the environment from the config. Every argument after the module name is SGLang's own.
+When active, it adds two hooks through SGLang's own `HookRegistry`:
+1. after `ModelRunner.load_model`: `model.set_eagle3_layers_to_capture(to_engine_ids(ids, "sglang", family))`,
+   the call SGLang makes itself when it serves an EAGLE-3 draft, so the model's decoder loop keeps the residual
+   stream *entering* each layer of its `layers_to_capture`. The hook reads `layers_to_capture` back and refuses
+   to start unless it equals eagle3's ids (id k = input of layer k): SGLang spells ids differently for Llama-
+   and DeepSeek-family models and between versions, and a wrong layer is silent poison for the drafter.
+2. before `LogitsProcessor.forward`: the processor still holds every prompt token's final state (after the
+   final norm; the models apply it before the call) and the aux states. For a prefill batch, tensor-parallel
+   rank 0 copies them to the CPU once and writes one dump per prompt (eagle3.targets.sglang_dump). Decode,
+   verify and draft batches pass through untouched.
 
-What the patches do (tested against nothing here: no GPU in the task that wrote this; see
-scripts/gpu_check_sglang.sh, which compares the result with an HF forward on a GPU box):
-
-1. `ModelRunner.load_model` -> after loading, `model.set_eagle3_layers_to_capture(to_engine_ids(ids, "sglang",
-   family))`, the same call SGLang makes when it serves an EAGLE-3 draft, so the model's own decoder loop appends
-   `hidden_states + residual` (the residual stream *entering* layer i) for every i in its `layers_to_capture`.
-   The patch then reads `layers_to_capture` back and refuses to start unless it equals eagle3's ids (id k =
-   input of layer k): SGLang's spelling differs between Llama- and DeepSeek-family models and between versions,
-   and a wrong layer is silent poison for the drafter.
-2. `LogitsProcessor.forward` -> before SGLang prunes the batch to the last token of each prompt, it holds every
-   prompt token's final hidden state (after the final norm: the models apply `norm` before calling it) and the
-   list of aux states. For an extend (prefill) batch, tensor-parallel rank 0 copies them to the CPU once and
-   writes one dump per prompt (eagle3.targets.sglang_dump). That is how the *final* state comes out too, which
-   SGLang's `--enable-return-aux-hidden-states` cannot return next to the aux states. Decode, verify and
-   draft batches pass through untouched.
+The contract with the model code, as SGLang 0.5.23 has it (tests/test_sglang_real.py runs it for every family):
+- aux states arrive as a list of `[T, H]` tensors (Llama, Qwen) or packed into one `[T, 3H]` tensor (DeepSeek-V3,
+  Kimi-K2.5: `layers/aux_hidden_states.py`); both are accepted;
+- the Kimi-K2.5 wrapper embeds the tokens itself and calls its language model with `input_ids=None`
+  (`managers/mm_utils.py`): the ids then come from the forward batch, which always carries them.
 
 Plain TP replicates hidden states on every rank after the all-reduce, so rank 0 alone writes. DP attention
-(token-sharded states) is refused by the client's preflight.
-
-The patches must also reach SGLang's scheduler processes, which start with the `spawn` method: spawn re-imports
-the parent's `__main__` module by name (as `__mp_main__`), so the module-level `install()` below runs in every
-TP worker before it unpickles its target.
+(token-sharded states) is refused by the client's preflight; states of another length than the batch's
+tokens are never written.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
-import runpy
 import sys
 import traceback
 from typing import Any
 
 from eagle3.targets.sglang_dump import ENV_DUMP_DIR, ENV_FAMILY, ENV_LAYER_IDS, ensure_dump_dir, write_dump
 
-_installed = False
+ENTRY_POINT = "eagle3_capture"
+"""Its name in the `sglang.srt.plugins` group (what `SGLANG_PLUGINS`, SGLang's plugin allow-list, must name)."""
+
 _warned: set[str] = set()
 
 
@@ -125,86 +122,86 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_states: Any, dump_dir: str,
-                  layer_ids: list[int]) -> int:
-    """Write one dump per prompt of a prefill batch; return how many were written (0 for other batches)."""
+def pack_aux(aux_hidden_states: Any, num_layers: int, hidden_size: int) -> Any:
+    """The aux states as one `[T, num_layers * H]` tensor, from either contract (a list of `[T, H]` or the packed
+    tensor); None when there are none or their shape is not that of `num_layers` captures of width H."""
     import torch
 
+    if aux_hidden_states is None:
+        return None
+    if isinstance(aux_hidden_states, torch.Tensor):
+        packed = aux_hidden_states
+    else:
+        parts = list(aux_hidden_states)
+        if len(parts) != num_layers:
+            return None
+        packed = torch.cat(parts, dim=-1)
+    if packed.dim() != 2 or packed.shape[-1] != num_layers * hidden_size:
+        return None
+    return packed
+
+
+def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_states: Any, dump_dir: str,
+                  layer_ids: list[int]) -> int:
+    """Write one dump per prompt of a prefill batch; return how many were written (0 for other batches).
+
+    `input_ids` may be None (the Kimi-K2.5 wrapper): the forward batch `meta` then supplies them."""
     if not _is_prefill(meta) or _rank() != 0:
         return 0
-    if not aux_hidden_states:
-        _warn_once("noaux", "no aux hidden states reached the logits processor: capture is not enabled; "
-                            "nothing is written")
+    if input_ids is None:
+        input_ids = getattr(meta, "input_ids", None)
+    if input_ids is None:
+        _warn_once("noids", "neither the logits processor nor the forward batch has the token ids; nothing is written")
         return 0
-    if len(aux_hidden_states) != len(layer_ids):
-        _warn_once("naux", f"{len(aux_hidden_states)} aux states for {len(layer_ids)} layer ids; nothing is written")
+    hidden = int(hidden_states.shape[-1])
+    aux = pack_aux(aux_hidden_states, len(layer_ids), hidden)
+    if aux is None:
+        shape = (tuple(aux_hidden_states.shape) if hasattr(aux_hidden_states, "shape") else
+                 f"{len(aux_hidden_states)} tensors" if aux_hidden_states is not None else None)
+        _warn_once("noaux", f"the logits processor got aux states {shape}, not {len(layer_ids)} captures of width "
+                            f"{hidden}: capture is not enabled in this model; nothing is written")
         return 0
     lens = _segment_lengths(meta)
     if lens is None:
         _warn_once("nolens", "the batch metadata has no extend_seq_lens; nothing is written")
         return 0
-    pad = int(getattr(meta, "padded_static_len", -1) or -1)
-    aux = torch.cat(list(aux_hidden_states), dim=-1)
+    rows = {"input_ids": int(input_ids.shape[0]), "aux": int(aux.shape[0]), "final": int(hidden_states.shape[0])}
+    if any(n != sum(lens) for n in rows.values()):
+        _warn_once("rows", f"the batch has {sum(lens)} new tokens but the states have {rows} rows (sharded or padded "
+                           f"states?); nothing is written")
+        return 0
     # One device->host copy for the whole batch, then cheap CPU slicing.
     ids_c, aux_c, fin_c = input_ids.to("cpu"), aux.to("cpu"), hidden_states.to("cpu")
     start = 0
-    for i, n in enumerate(lens):
-        s = i * pad if pad > 0 else start
-        write_dump(dump_dir, ids_c[s:s + n], aux_c[s:s + n], fin_c[s:s + n], layer_ids)
+    for n in lens:
+        write_dump(dump_dir, ids_c[start:start + n], aux_c[start:start + n], fin_c[start:start + n], layer_ids)
         start += n
     return len(lens)
 
 
-def install() -> None:
-    """Patch SGLang in this process (idempotent). Needs sglang; reads the EAGLE3_SGLANG_* environment."""
-    global _installed
-    if _installed:
+def plugin() -> None:
+    """The `sglang.srt.plugins` entry point: register the two hooks when EAGLE3_SGLANG_DUMP_DIR is set."""
+    if not os.environ.get(ENV_DUMP_DIR):
         return
-    from sglang.srt.layers.logits_processor import LogitsProcessor
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     dump_dir, layer_ids, family = _settings()
     ensure_dump_dir(dump_dir)
 
-    orig_load = ModelRunner.load_model
+    def after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(runner, "is_draft_worker", False):
+            enable_capture(runner.model, layer_ids, family)
+        return result
 
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig_load(self, *args, **kwargs)
-        if getattr(self, "is_draft_worker", False):
-            return out
-        enable_capture(self.model, layer_ids, family)
-        return out
-
-    orig_forward = LogitsProcessor.forward
-    sig = inspect.signature(orig_forward)
-
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def before_logits(processor: Any, input_ids: Any, hidden_states: Any, lm_head: Any, logits_metadata: Any,
+                      aux_hidden_states: Any = None, *args: Any, **kwargs: Any) -> None:
         try:
-            bound = sig.bind(self, *args, **kwargs).arguments
-            capture_batch(bound["input_ids"], bound["hidden_states"], bound["logits_metadata"],
-                          bound.get("aux_hidden_states"), dump_dir, layer_ids)
+            capture_batch(input_ids, hidden_states, logits_metadata, aux_hidden_states, dump_dir, layer_ids)
         except Exception:  # a failed capture must not kill serving; the client reports the missing dump
             _warn_once("exc", "capture failed (the client will report the missing dump):\n" + traceback.format_exc())
-        return orig_forward(self, *args, **kwargs)
 
-    ModelRunner.load_model = load_model
-    LogitsProcessor.forward = forward
-    _installed = True
-    _say(f"installed: dumps -> {dump_dir}, layer ids {layer_ids} ({family})")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Run `python -m sglang.launch_server` in this (patched) process with SGLang's own arguments."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    install()
-    sys.argv = ["sglang.launch_server", *args]
-    # alter_sys=False keeps *this* module as sys.modules["__main__"], so spawned workers re-import it (and patch).
-    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=False)
-
-
-# Runs in the launching process and, through spawn's re-import of __main__, in every SGLang worker process.
-if __name__ in ("__main__", "__mp_main__") and os.environ.get(ENV_DUMP_DIR):
-    install()
-
-if __name__ == "__main__":
-    main()
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", after_load_model,
+                          HookType.AFTER)
+    HookRegistry.register("sglang.srt.layers.logits_processor.LogitsProcessor.forward", before_logits,
+                          HookType.BEFORE)
+    _say(f"plugin active: dumps -> {dump_dir}, layer ids {layer_ids} ({family})")

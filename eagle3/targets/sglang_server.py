@@ -1,0 +1,179 @@
+"""An SGLang server process that eagle3 starts, waits for and stops: the capture server of extraction and the
+EAGLE-3 server of `eagle3 eval --engine sglang` are both one of these.
+
+    with SGLangServer(["--model-path", m, "--tp-size", "8"], env, log_file, timeout_s=3600) as server:
+        http_json("POST", f"{server.url}/generate", body)
+
+- The command is `<python> -m sglang.launch_server <flags>` where <python> is `$EAGLE3_SGLANG_PYTHON` when set
+  (SGLang in its own virtualenv, as in the CPU tests), else this interpreter.
+- The server runs in its own session, so stopping it reaches SGLang's scheduler and TP worker processes too:
+  SIGTERM to the whole group, SIGKILL after a grace period.
+- Its output goes to a log file; when it dies before `/health` answers, the error quotes the log's tail.
+- It is stopped on `close()`, on exit (atexit) and on SIGTERM (turned into a normal exit). A SIGKILL of eagle3
+  cannot be caught, so on Linux the server also gets SIGTERM from the kernel when its parent dies
+  (PR_SET_PDEATHSIG), and SGLang's own children follow their parent: a killed extraction never leaves an 8-GPU
+  server holding the memory its re-run needs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("eagle3")
+
+ENV_PYTHON = "EAGLE3_SGLANG_PYTHON"
+"""The Python that runs SGLang (default: this one)."""
+
+
+def sglang_python() -> str:
+    return os.environ.get(ENV_PYTHON) or sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
+    """One JSON request; an HTTP error status raises RuntimeError with the server's own message."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - URL from the user's config
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:2000]
+        raise RuntimeError(f"{method} {url}: HTTP {e.code}: {detail}") from None
+    return json.loads(raw) if raw.strip() else None
+
+
+def log_tail(log_file: Path | None, lines: int = 40) -> str:
+    if log_file is None or not log_file.is_file():
+        return ""
+    tail = log_file.read_text(errors="replace").splitlines()[-lines:]
+    return f"\n--- last {len(tail)} lines of {log_file} ---\n" + "\n".join(tail)
+
+
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 log_file: Path | None = None) -> None:
+    """Poll `/health` until it answers 200; fail early when the launched process dies (with its log tail)."""
+    t0 = time.monotonic()
+    last_note = t0
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the SGLang server exited with code {proc.returncode} before it was healthy"
+                               f"{log_tail(log_file)}")
+        try:
+            http_json("GET", f"{url}/health", timeout=5.0)
+            log.info("SGLang server at %s is healthy (%.0f s)", url, time.monotonic() - t0)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError):
+            pass
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            raise TimeoutError(f"the SGLang server at {url} was not healthy after {timeout_s:.0f} s{log_tail(log_file)}")
+        if now - last_note >= 30:
+            last_note = now
+            log.info("waiting for the SGLang server at %s (%.0f s so far%s)", url, now - t0,
+                     f", log: {log_file}" if log_file else "")
+        time.sleep(1.0)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group (SGLang's TP workers included), then SIGKILL after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so atexit handlers (server stop, dump cleanup) run; keep others' handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when the parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def check_plugin(python: str) -> None:
+    """Refuse to start a capture server whose Python cannot see eagle3's SGLang plugin (it would dump nothing)."""
+    from eagle3.targets.sglang_capture import ENTRY_POINT
+
+    code = ("from importlib.metadata import entry_points; import sys; "
+            f"sys.exit(0 if any(e.name == {ENTRY_POINT!r} for e in entry_points(group='sglang.srt.plugins')) else 3)")
+    # cwd "/": from a checkout, `-c` would find the checkout's own eagle3.egg-info and pass without an install
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    if r.returncode != 0:
+        raise RuntimeError(
+            f"{python} (the Python that runs SGLang) does not have eagle3's capture plugin ({ENTRY_POINT} in the "
+            f"sglang.srt.plugins entry points), so the server would write no hidden states: install eagle3 there "
+            f"(`{python} -m pip install --no-deps -e <eagle3 checkout>`){(': ' + r.stderr.strip()) if r.stderr else ''}"
+        )
+
+
+class SGLangServer:
+    """One `sglang.launch_server` process on a free loopback port (see the module docstring)."""
+
+    def __init__(self, flags: list[str], env: dict[str, str], log_file: Path, timeout_s: float,
+                 host: str = "127.0.0.1", what: str = "SGLang"):
+        self.port = free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.log_file = log_file
+        self.cmd = [sglang_python(), "-m", "sglang.launch_server", *flags, "--host", host, "--port", str(self.port)]
+        self._closed = False
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log.info("launching %s, log %s:\n  %s", what, log_file, shlex.join(self.cmd))
+        with open(log_file, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        atexit.register(self.close)
+        exit_on_sigterm()
+        try:
+            wait_healthy(self.url, timeout_s, self.proc, log_file)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        log.info("stopping the SGLang server (pid %d)", self.proc.pid)
+        stop_process_group(self.proc)
+
+    def __enter__(self) -> SGLangServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

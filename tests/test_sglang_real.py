@@ -1,0 +1,284 @@
+"""The flagship path against the real SGLang 0.5.23, on CPU: extraction, online training and evaluation for tiny
+Llama, DeepseekV3 (MLA + MoE) and Kimi-K2.5-shaped targets, at TP=1 and TP=2.
+
+    bash scripts/setup_sglang_cpu.sh && pytest -m sglang            # .venv-sglang, or $EAGLE3_SGLANG_PYTHON
+
+SGLang runs in its own virtualenv with its own torch; eagle3's side runs here. The servers are SGLang's own
+(`python -m sglang.launch_server`, model code, scheduler, TP and EAGLE-3 worker unmodified) with eagle3's capture
+plugin; tests/sglang_cpu/ only stands in for the GPU kernels and the CPU backend glue (its README). Nothing of
+eagle3 is faked: the capture plugin, the dump protocol, the cache writer, verify-extraction, the trainer's online
+mode and `eagle3 eval --engine sglang` all run as a user runs them. One capture server per (family, TP) is
+reused by that case's tests; the evaluation tests start their own EAGLE-3 servers through eagle3.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from models import kimi_wrapped, tiny_deepseek_v3, tiny_llama
+from tokenizer_builders import kimi_test_tokenizer, llama_test_tokenizer
+
+from eagle3.config import Config, dump_config
+
+pytestmark = pytest.mark.sglang
+
+REPO = Path(__file__).resolve().parent.parent
+STANDINS = REPO / "tests" / "sglang_cpu"
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "8192"]
+IDS = {"llama": [2, 4, 6], "deepseek": [2, 3, 4], "kimi": [2, 3, 4]}
+"""eagle3 ids (input of layer k). SGLang spells them [1, 3, 5] for the 8-layer Llama, as-is for the others."""
+CASES = [("llama", 1), ("llama", 2), ("deepseek", 1), ("deepseek", 2), ("kimi", 1), ("kimi", 2)]
+# SGLang's DeepSeek code on its CPU path needs yarn rope (factor 1.0 = plain rope) and four fields that
+# transformers' DeepseekV3Config does not write (../shared/SGLANG-CPU.md, item 2).
+DEEPSEEK_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                   "num_nextn_predict_layers": 0}
+KIMI_VISION = {"patch_size": 2, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 2,
+               "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
+               "text_hidden_size": 64, "vt_hidden_size": 16, "mm_hidden_size": 16}
+"""Kimi-K2.5's MoonViT tower in miniature: SGLang builds it (random, never run: extraction is text only)."""
+
+
+# ------------------------------------------------------------------------------------------- environment
+@functools.cache
+def _sglang_python() -> str | None:
+    for py in (os.environ.get("EAGLE3_SGLANG_PYTHON"), str(REPO / ".venv-sglang" / "bin" / "python")):
+        if py and Path(py).exists():
+            ok = subprocess.run([py, "-c", "import sglang"], capture_output=True, timeout=600).returncode == 0
+            if ok:
+                return py
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_env():
+    """The SGLang interpreter and the CPU environment every server process inherits."""
+    py = _sglang_python()
+    if py is None:
+        pytest.skip("no SGLang: run `bash scripts/setup_sglang_cpu.sh` (or set EAGLE3_SGLANG_PYTHON)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLE3_SGLANG_PYTHON", py)
+        mp.setenv("SGLANG_USE_CPU_ENGINE", "1")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        # TP on one NUMA node: one core per rank, and gloo instead of the PyNccl that the CUDA torch offers.
+        mp.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
+        mp.setenv("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
+        yield py
+
+
+def _omp_bind(tp: int) -> None:
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"
+
+
+# ---------------------------------------------------------------------------------------------- targets
+def _sglang_deepseek_fields(cfg: dict) -> dict:
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    yarn = {"rope_type": "yarn", "type": "yarn", "factor": 1.0,
+            "original_max_position_embeddings": cfg["max_position_embeddings"], "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    return {**cfg, "rope_scaling": yarn, "rope_parameters": {**yarn, "rope_theta": theta}, "rope_theta": theta,
+            **DEEPSEEK_FIELDS}
+
+
+def build_target(family: str, path: Path) -> Path:
+    """A tiny random target of `family` with its tokenizer, as a folder both HF and SGLang load."""
+    if family == "llama":
+        tiny_llama(path, vocab=512, hidden=64, layers=8)
+        llama_test_tokenizer(path, vocab_size=512)
+        return path
+    if family == "deepseek":
+        tiny_deepseek_v3(path, vocab=512, layers=6)
+        llama_test_tokenizer(path, vocab_size=512)
+        conf = path / "config.json"
+        conf.write_text(json.dumps(_sglang_deepseek_fields(json.loads(conf.read_text())), indent=2))
+        return path
+    kimi_wrapped(path, vocab=163840, layers=6)
+    kimi_test_tokenizer(path)
+    conf = path / "config.json"
+    wrapper = json.loads(conf.read_text())
+    wrapper["text_config"] = _sglang_deepseek_fields(wrapper["text_config"])
+    wrapper["vision_config"] = {**wrapper["vision_config"], **KIMI_VISION}
+    # The real checkpoint brings its image processor as remote code, which SGLang loads for a multimodal model
+    # even without a tokenizer; the tiny one has none, so it declares itself text-only. SGLang still builds the
+    # KimiK25ForConditionalGeneration wrapper, which embeds the tokens and calls its LLM with input_ids=None.
+    wrapper["language_model_only"] = True
+    conf.write_text(json.dumps(wrapper, indent=2))
+    return path
+
+
+def chats(path: Path, n: int = 14) -> Path:
+    path.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {i} plus {i}? Explain it twice."},
+        {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. Again: {i} + {i} = {2 * i}."},
+        {"role": "user", "content": "Thanks, and times three?"},
+        {"role": "assistant", "content": f"{i} times three is {3 * i}."}]}) for i in range(n)) + "\n")
+    return path
+
+
+def base_cfg(family: str, tp: int, root: Path, target: Path, data: Path) -> Config:
+    cfg = Config(output_dir=str(root / "run"))
+    t = cfg.target
+    t.path, t.dtype, t.backend, t.aux_layer_ids = str(target), "float32", "sglang", IDS[family]
+    t.sglang.tp_size, t.sglang.launch_args = tp, list(CPU_FLAGS)
+    t.sglang.dump_dir = str(root / "dump")
+    t.sglang.startup_timeout_s = 900
+    cfg.data.sources[0].path = str(data)
+    cfg.data.chat_template = "kimi-k2.5" if family == "kimi" else "auto"
+    cfg.data.eval_size = 3
+    cfg.draft.vocab_size = 96
+    cfg.extract.batch_tokens, cfg.extract.max_batch_size, cfg.extract.shard_samples = 256, 4, 4
+    tr = cfg.train
+    tr.max_steps, tr.batch_tokens, tr.ttt_steps, tr.lr, tr.log_every, tr.eval_every = 3, 256, 2, 3e-3, 1, 3
+    return cfg
+
+
+def eagle3_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eagle3.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def write_cfg(cfg: Config, path: Path) -> Path:
+    path.write_text(dump_config(cfg))
+    return path
+
+
+# --------------------------------------------------------------------------------------- capture servers
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-tp{tp}" for f, tp in CASES])
+def case(request, tmp_path_factory):
+    """One (family, TP): target, prepared data, and a running capture server reused by the case's tests."""
+    from eagle3.prepare import run as prepare
+    from eagle3.targets.sglang import capture_flags, server_env
+    from eagle3.targets.sglang_server import SGLangServer
+
+    family, tp = request.param
+    root = tmp_path_factory.mktemp(f"{family}-tp{tp}")
+    target = build_target(family, root / "target")
+    cfg = base_cfg(family, tp, root, target, chats(root / "chats.jsonl"))
+    prepare(cfg)
+    _omp_bind(tp)
+    env = server_env(cfg.target.sglang.dump_dir, IDS[family], "llama" if family == "llama" else "deepseek")
+    with SGLangServer(capture_flags(cfg, str(target)), env, root / "capture-server.log",
+                      timeout_s=cfg.target.sglang.startup_timeout_s, what=f"{family} TP={tp}") as server:
+        cfg.target.sglang.url = server.url
+        yield {"family": family, "tp": tp, "root": root, "cfg": cfg, "server": server}
+
+
+def test_extract_then_verify_against_hf(case):
+    """`eagle3 extract` through the real server, then `eagle3 verify-extraction` of the cache against HF's own
+    output_hidden_states: every layer and the final state match, token counts equal. The same states labelled one
+    layer lower fail, and the report names the bug."""
+    cfg, root = case["cfg"], case["root"]
+    cfg_file = write_cfg(cfg, root / "extract.yaml")
+    r = eagle3_cli("extract", "--config", str(cfg_file))
+    assert r.returncode == 0, r.stderr[-5000:]
+    assert "preflight ok" in r.stderr and "extracted" in r.stderr
+    r = eagle3_cli("cache", "info", str(cfg.cache_dir))
+    assert r.returncode == 0 and str(IDS[case["family"]]) in r.stdout, r.stdout + r.stderr
+
+    r = eagle3_cli("verify-extraction", "--config", str(cfg_file), "--source", str(cfg.cache_dir),
+                   "--num-samples", "4")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    assert "PASS: 4 sample(s), every layer cosine >= 0.99, token counts equal" in r.stdout
+
+    shifted = root / "cache-labelled-one-lower"
+    shutil.copytree(cfg.cache_dir, shifted)
+    meta = json.loads((shifted / "meta.json").read_text())
+    meta["fingerprint"]["layer_ids"] = [k - 1 for k in meta["fingerprint"]["layer_ids"]]
+    (shifted / "meta.json").write_text(json.dumps(meta))
+    r = eagle3_cli("verify-extraction", "--config", str(cfg_file), "--source", str(shifted), "--num-samples", "2")
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "FAIL: aux layers off by one (id +1)" in r.stdout, r.stdout[-3000:]
+
+
+def test_killed_extraction_resumes_to_the_same_bytes(case):
+    """SIGKILL mid-extraction (a real kill, from inside the process), the same command again: the cache is
+    byte-identical to the uninterrupted one of the test above, and no dump file is left behind."""
+    cfg, root = case["cfg"], case["root"]
+    if not (cfg.cache_dir / "meta.json").is_file():
+        pytest.skip("needs the uninterrupted cache of test_extract_then_verify_against_hf")
+    killed = cfg.model_copy(deep=True)
+    killed.extract.cache_dir = str(root / "cache-killed")
+    killed_file = write_cfg(killed, root / "killed.yaml")
+    r = eagle3_cli("extract", "--config", str(killed_file), env={"EAGLE3_TEST_KILL_AFTER_BATCHES": "2"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    r = eagle3_cli("extract", "--config", str(killed_file))
+    assert r.returncode == 0, r.stderr[-4000:]
+    for split in ("train", "eval"):
+        a, b = cfg.cache_dir / split, Path(killed.extract.cache_dir) / split
+        names = sorted(p.name for p in a.iterdir())
+        assert names == sorted(p.name for p in b.iterdir())
+        _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+        assert not mismatch and not errors, (split, mismatch, errors)
+    dump = Path(cfg.target.sglang.dump_dir)
+    assert not list(dump.glob("*.safetensors")) and not list(dump.glob(".*.tmp-*"))
+
+
+def test_online_training_through_sglang(case):
+    """extract.mode: online: the trainer asks the server for every batch's states while the head trains."""
+    from eagle3 import trainer
+
+    cfg = case["cfg"].model_copy(deep=True)
+    cfg.output_dir = str(case["root"] / "online")
+    cfg.data.output_dir = str(case["cfg"].prepared_dir)
+    cfg.extract.mode = "online"
+    metrics = trainer.run(cfg)
+    assert metrics["step"] == 3 and torch.isfinite(torch.tensor(metrics["loss"]))
+    assert (cfg.checkpoint_dir / "step_3" / "draft" / "model.safetensors").is_file()
+    assert not list(Path(cfg.target.sglang.dump_dir).glob("*.safetensors"))
+
+
+def test_a_launched_capture_server_dies_with_a_killed_client(tmp_path, sglang_env):
+    """With no target.sglang.url the backend starts its own server; a SIGKILLed extraction takes it along
+    (PR_SET_PDEATHSIG), so its re-run finds no orphan holding the memory; the re-run launches a new one."""
+    root = tmp_path
+    target = build_target("llama", root / "target")
+    cfg = base_cfg("llama", 1, root, target, chats(root / "chats.jsonl"))
+    from eagle3.prepare import run as prepare
+
+    prepare(cfg)
+    _omp_bind(1)
+    cfg_file = write_cfg(cfg, root / "c.yaml")
+    r = eagle3_cli("extract", "--config", str(cfg_file), env={"EAGLE3_TEST_KILL_AFTER_BATCHES": "1"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert "launching the SGLang capture server" in r.stderr
+    log = next((root / "run" / "logs").glob("sglang-capture-*.log"))
+    port = re.search(r"sglang.launch_server .*--port (\d+)", r.stderr).group(1)
+    _wait_until_gone(port)
+    r = eagle3_cli("extract", "--config", str(cfg_file))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "stopping the SGLang server" in r.stderr and log.is_file()
+    assert not Path(cfg.target.sglang.dump_dir).exists()  # its own server's folder: removed on exit
+
+
+def _processes_serving(port: str) -> list[int]:
+    """Pids of processes whose command line holds `--port <port>` (the launched sglang.launch_server)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--port" in cmd and cmd[cmd.index(b"--port") + 1:][:1] == [port.encode()]:
+                pids.append(int(p.name))
+    return pids
+
+
+def _wait_until_gone(port: str, timeout_s: float = 120) -> None:
+    import time
+
+    t0 = time.monotonic()
+    while pids := _processes_serving(port):
+        assert time.monotonic() - t0 < timeout_s, f"the killed client's SGLang server {pids} is still running"
+        time.sleep(1)
