@@ -131,6 +131,12 @@ def test_sglang_accept_length_equals_the_builtin_and_wrong_ids_lose_it(family, t
     assert s["tau"] == pytest.approx(s["builtin_tau"], rel=0.02), (s, b["tau"])
     assert s["tau"] >= 3.5  # every draft position exact, as built
 
+    if family == "kimi":  # the Kimi recipe's mode: SGLang alone decodes every turn (eval.builtin=false)
+        cfg.eval.checkpoint, cfg.eval.builtin = s["draft"], False
+        alone = run(cfg)
+        assert alone["engines"]["sglang"]["tau"] == pytest.approx(s["builtin_tau"], rel=0.02)
+        assert alone["sets"]["prompts"]["turns"] == 3 and (cfg.eval_dir / "report.png").is_file()
+
     # The same export naming other layers: SGLang serves it without a word; only the acceptance shows it.
     wrong = tmp_path / "wrong-ids"
     shutil.copytree(s["draft"], wrong)
