@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sglang_real import CPU_FLAGS, IDS, REPO, _omp_bind, build_target, sglang_env  # noqa: F401
+from test_sglang_real import CPU_FLAGS, DEVICE, DTYPE, IDS, REPO, _omp_bind, build_target, sglang_env  # noqa: F401
 
 from eagle3.config import Config, load_config
 
@@ -78,7 +78,8 @@ def exact_head_cfg(family: str, root: Path) -> Config:
     embed, lm_head, _ = load_target_head(str(target))
     vocab, h = embed.shape
     cfg = Config(output_dir=str(root / "run"))
-    cfg.target.path, cfg.target.dtype, cfg.target.aux_layer_ids = str(target), "float32", ids
+    cfg.target.path, cfg.target.dtype, cfg.target.aux_layer_ids = str(target), DTYPE, ids
+    cfg.target.device = "cpu" if DEVICE == "cpu" else "cuda"
     cfg.target.sglang.launch_args = list(CPU_FLAGS)
     cfg.target.sglang.startup_timeout_s = 900
     cfg.data.chat_template = "kimi-k2.5" if family == "kimi" else "auto"
@@ -168,7 +169,8 @@ def test_real_smollm2_head_agrees_with_the_builtin(tmp_path):
     _omp_bind(1)
     cfg = load_config(REPO / "configs" / "smollm2-135m-quickstart.yaml", [
         f"output_dir={tmp_path / 'eval'}", f"eval.checkpoint={head}", "eval.engine=sglang", "eval.max_prompts=2",
-        "eval.max_new_tokens=48", "target.dtype=float32", f"target.sglang.launch_args={json.dumps(CPU_FLAGS)}",
+        "eval.max_new_tokens=48", "target.dtype=float32", f"target.device={'cpu' if DEVICE == 'cpu' else 'cuda'}",
+        f"target.sglang.launch_args={json.dumps(CPU_FLAGS)}",
         "target.sglang.startup_timeout_s=900"])
     report = run(cfg)
     s, b = report["engines"]["sglang"], report["sets"]["mt-bench"]

@@ -2,6 +2,7 @@
 Llama, DeepseekV3 (MLA + MoE) and Kimi-K2.5-shaped targets, at TP=1 and TP=2.
 
     bash scripts/setup_sglang_cpu.sh && pytest -m sglang            # .venv-sglang, or $EAGLE3_SGLANG_PYTHON
+    EAGLE3_SGLANG_DEVICE=cuda pytest -m sglang ...                   # the same on GPUs (scripts/gpu_check_sglang.sh)
 
 SGLang runs in its own virtualenv with its own torch; eagle3's side runs here. The servers are SGLang's own
 (`python -m sglang.launch_server`, model code, scheduler, TP and EAGLE-3 worker unmodified) with eagle3's capture
@@ -35,10 +36,25 @@ pytestmark = pytest.mark.sglang
 
 REPO = Path(__file__).resolve().parent.parent
 STANDINS = REPO / "tests" / "sglang_cpu"
-CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "8192"]
+DEVICE = os.environ.get("EAGLE3_SGLANG_DEVICE", "cpu")
+"""`cpu` (the stand-ins of tests/sglang_cpu, float32) or `cuda` (SGLang's real kernels, bf16; no stand-ins)."""
+CPU_FLAGS = (["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "8192"]
+             if DEVICE == "cpu" else ["--mem-fraction-static", "0.3"])
+DTYPE = "float32" if DEVICE == "cpu" else "bfloat16"
+
+
+def _gpus() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return out.count("GPU ")
+
+
+TPS = [1, 2] if DEVICE == "cpu" else [tp for tp in (1, 2, 8) if tp <= _gpus()]
 IDS = {"llama": [2, 4, 6], "deepseek": [2, 3, 4], "kimi": [2, 3, 4]}
 """eagle3 ids (input of layer k). SGLang spells them [1, 3, 5] for the 8-layer Llama, as-is for the others."""
-CASES = [("llama", 1), ("llama", 2), ("deepseek", 1), ("deepseek", 2), ("kimi", 1), ("kimi", 2)]
+CASES = [(family, tp) for family in ("llama", "deepseek", "kimi") for tp in TPS]
 # SGLang's DeepSeek code on its CPU path needs yarn rope (factor 1.0 = plain rope) and four fields that
 # transformers' DeepseekV3Config does not write (../shared/SGLANG-CPU.md, item 2).
 DEEPSEEK_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
@@ -52,7 +68,7 @@ KIMI_VISION = {"patch_size": 2, "init_pos_emb_height": 4, "init_pos_emb_width": 
 # ------------------------------------------------------------------------------------------- environment
 @functools.cache
 def _sglang_python() -> str | None:
-    for py in (os.environ.get("EAGLE3_SGLANG_PYTHON"), str(REPO / ".venv-sglang" / "bin" / "python")):
+    for py in (os.environ.get("EAGLE3_SGLANG_PYTHON"), str(REPO / ".venv-sglang" / "bin" / "python"), sys.executable):
         if py and Path(py).exists():
             ok = subprocess.run([py, "-c", "import sglang"], capture_output=True, timeout=600).returncode == 0
             if ok:
@@ -68,8 +84,11 @@ def sglang_env():
         pytest.skip("no SGLang: run `bash scripts/setup_sglang_cpu.sh` (or set EAGLE3_SGLANG_PYTHON)")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EAGLE3_SGLANG_PYTHON", py)
-        mp.setenv("SGLANG_USE_CPU_ENGINE", "1")
         mp.setenv("HF_HUB_OFFLINE", "1")
+        if DEVICE != "cpu":
+            yield py
+            return
+        mp.setenv("SGLANG_USE_CPU_ENGINE", "1")
         mp.setenv("PYTHONPATH", os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         # TP on one NUMA node: one core per rank, and gloo instead of the PyNccl that the CUDA torch offers.
         mp.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
@@ -78,7 +97,8 @@ def sglang_env():
 
 
 def _omp_bind(tp: int) -> None:
-    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"
+    if DEVICE == "cpu":
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"
 
 
 # ---------------------------------------------------------------------------------------------- targets
@@ -129,7 +149,8 @@ def chats(path: Path, n: int = 14) -> Path:
 def base_cfg(family: str, tp: int, root: Path, target: Path, data: Path) -> Config:
     cfg = Config(output_dir=str(root / "run"))
     t = cfg.target
-    t.path, t.dtype, t.backend, t.aux_layer_ids = str(target), "float32", "sglang", IDS[family]
+    t.path, t.dtype, t.backend, t.aux_layer_ids = str(target), DTYPE, "sglang", IDS[family]
+    t.device = "cpu" if DEVICE == "cpu" else "cuda"
     t.sglang.tp_size, t.sglang.launch_args = tp, list(CPU_FLAGS)
     t.sglang.dump_dir = str(root / "dump")
     t.sglang.startup_timeout_s = 900

@@ -5,8 +5,8 @@
 # Kimi-K2.5 EAGLE-3 drafter on ONE node with 8x H200 (141 GB each), >= 1.5 TB NVMe, >= 4 GB /dev/shm.
 # Time: ~30-60 min model load per SGLang start, regenerate 2-6 h (optional), extract 1-3 h, train 1-2 h (3 epochs),
 # eval 30 min. Every stage resumes when re-run. Read README.md beside this file (and docs/kimi-k2.5.md) first.
-# NOT YET RUN end to end: written without GPUs; the CPU test tests/test_kimi_recipe.py runs the same stages on a
-# tiny Kimi-shaped model, and scripts/gpu_check_sglang.sh checks the SGLang capture on one GPU.
+# NOT YET RUN on GPUs: on CPU the real SGLang runs a tiny Kimi-shaped target (tests/test_sglang_*.py) and
+# tests/test_kimi_recipe.py runs these stages; run scripts/gpu_check_sglang.sh on the node first.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -92,6 +92,8 @@ stage_export() {
 }
 
 stage_eval() {
+    # eagle3 starts SGLang (TP=8) with the exported head as its EAGLE-3 draft and stops it after; SGLang alone
+    # decodes every turn (eval.builtin: false in the config).
     log "eval: SGLang EAGLE-3, steps 3 / topk 1 / 4 draft tokens, on MT-bench (and GSM8K-style prompts if given)"
     eagle3 eval --config "$CFG" "${OV[@]}" --engine sglang "eval.checkpoint=$DRAFT"
 }
