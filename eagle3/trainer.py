@@ -59,12 +59,10 @@ class TrainState:
 
 # ---------------------------------------------------------------------------------------------------- setup
 def resolve_mixed_precision(cfg: Config) -> str:
-    """auto: bf16 on GPU, fp32 on CPU. On the 2-core AMD EPYC dev machine bf16 autocast measured ~1.2x faster
-    (BENCHMARKS.md, Training) but fp32 keeps CPU runs and tests exact; ask for train.mixed_precision=bf16 there."""
-    mp = cfg.train.mixed_precision
-    if mp == "auto":
-        return "bf16" if torch.cuda.is_available() else "no"
-    return mp
+    """train.mixed_precision with `auto` resolved for the device accelerate will train on (eagle3.precision)."""
+    from eagle3.precision import resolve_mixed_precision as resolve
+
+    return resolve(cfg.train.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def make_accelerator(cfg: Config):

@@ -11,6 +11,8 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `auto` precision follows the CPU (eagle3.precision): pin it, so every machine runs the same float32 tests.
+os.environ.setdefault("EAGLE3_NATIVE_BF16", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,102 @@
+"""Which precision a device runs natively, and what `auto` means for the target dtype and mixed precision.
+
+bf16 halves the cache and, where the hardware has it, speeds up CPU matmuls (BENCHMARKS.md "Training", "SmolLM2
+recipe"); where it does not, PyTorch emulates it and the same work runs about ten times slower than in float32.
+So `auto` is bf16 only on a CUDA device that supports it or a CPU with AVX-512 BF16 or AMX, float32 elsewhere, and
+an explicit bf16 on a CPU without them runs with a warning. One line says what was chosen and why, once per
+process: the config's dtype line when the config has loaded without error (`say_pending`, called by
+`load_config`), the mixed-precision line when training starts. `EAGLE3_NATIVE_BF16=0|1` overrides the CPU detection (the test suite pins it to 0, so every machine runs
+the same float32 tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+
+log = logging.getLogger("eagle3")
+
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+EMULATED_SLOWDOWN = ("bf16 is emulated on this CPU: expect about 10x the float32 time (measured on a 2-core AVX2 VM: "
+                     "extraction 17 vs 150 tokens/s)")
+_said: set[str] = set()
+_pending: list[tuple[int, str]] = []
+
+
+def _say_once(level: int, msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.log(level, msg)
+
+
+def say_pending() -> None:
+    """Log the choices made while validating a config (held back so a config error stays the only output)."""
+    while _pending:
+        _say_once(*_pending.pop(0))
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_native_bf16() -> tuple[bool, str]:
+    """(has native bf16, why), for this machine's CPU."""
+    forced = os.environ.get("EAGLE3_NATIVE_BF16")
+    if forced in ("0", "1"):
+        return forced == "1", f"EAGLE3_NATIVE_BF16={forced}"
+    found = [f for f in CPU_BF16_FLAGS if f in cpu_flags()]
+    if found:
+        return True, f"the CPU has {'/'.join(found)}"
+    return False, f"the CPU has no {' or '.join(CPU_BF16_FLAGS)}"
+
+
+def native_bf16(device: str) -> tuple[bool, str]:
+    """(bf16 runs natively on `device`, why). `cuda...`/`auto` ask CUDA when it is visible here; a CUDA device that
+    is not visible from this process (a config checked on a login node) is taken to be a bf16 GPU."""
+    if device.startswith("cuda") or device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            ok = torch.cuda.is_bf16_supported()
+            return ok, f"CUDA device {torch.cuda.get_device_name(0)} {'supports' if ok else 'lacks'} bf16"
+        if device != "auto":
+            return True, f"target.device={device} (not visible here; GPUs eagle3 targets run bf16)"
+    return cpu_native_bf16()
+
+
+def resolve_dtype(dtype: str, device: str, what: str = "target.dtype") -> str:
+    """`auto` -> bfloat16 where native, else float32; an explicit bfloat16 where emulated gets a warning."""
+    native, why = native_bf16(device)
+    if dtype == "auto":
+        chosen = "bfloat16" if native else "float32"
+        _pending.append((logging.INFO, f"{what}=auto: {chosen} ({why})"))
+        return chosen
+    if dtype == "bfloat16" and not native and not device.startswith("cuda"):
+        _pending.append((logging.WARNING, f"{what}=bfloat16 on {device}: {why}; {EMULATED_SLOWDOWN}. "
+                                          f"{what}=auto (or float32) avoids it"))
+    return dtype
+
+
+def resolve_mixed_precision(mixed_precision: str, device: str) -> str:
+    """train.mixed_precision `auto` -> `bf16` where native on the training device, else `no` (float32)."""
+    if mixed_precision == "auto":
+        native, why = native_bf16(device)
+        chosen = "bf16" if native else "no"
+        _say_once(logging.INFO, f"train.mixed_precision=auto: {'bf16' if native else 'no (float32)'} on {device} ({why})")
+        return chosen
+    if mixed_precision == "bf16" and device == "cpu":
+        native, why = cpu_native_bf16()
+        if not native:
+            _say_once(logging.WARNING, f"train.mixed_precision=bf16 on the CPU: {why}; {EMULATED_SLOWDOWN}. "
+                                       "train.mixed_precision=auto (or no) avoids it")
+    return mixed_precision
