@@ -58,6 +58,22 @@ def _ints(t: torch.Tensor) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _segments(fn: str, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, start_offset: torch.Tensor,
+              end_offset: torch.Tensor, out_cache_loc: torch.Tensor, pool_len: int) -> tuple[list, list, list]:
+    """The CPU ops' checks shared by the two req_to_token <-> out_cache_loc copies; (rows, starts, ends)."""
+    _check_cpu(fn, req_pool_indices=req_pool_indices, req_to_token=req_to_token, start_offset=start_offset,
+               end_offset=end_offset, out_cache_loc=out_cache_loc)
+    _check(req_to_token.dim() == 2 and req_to_token.dtype == torch.int32, fn, "req_to_token must be 2-D int32")
+    _check(out_cache_loc.dtype == torch.int64, fn, f"out_cache_loc must be int64, got {out_cache_loc.dtype}")
+    _check(req_to_token.shape[1] == pool_len, fn, f"pool_len {pool_len} != req_to_token.shape[1]")
+    rows, starts, ends = _ints(req_pool_indices), _ints(start_offset), _ints(end_offset)
+    _check(len(starts) == len(rows) == len(ends), fn, "req_pool_indices/start_offset/end_offset lengths differ")
+    total = sum(e - s for s, e in zip(starts, ends))
+    _check(total <= out_cache_loc.numel(), fn,
+           f"out_cache_loc has {out_cache_loc.numel()} entries but offsets require {total}")
+    return rows, starts, ends
+
+
 def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                                  start_offset: torch.Tensor, end_offset: torch.Tensor,
                                  out_cache_loc: torch.Tensor, pool_len: int) -> None:
@@ -69,16 +85,8 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
     sum_{j<i}(end_j - start_j), into row req_pool_indices[i] from column start_offset[i] on.
     """
     fn = "assign_req_to_token_pool_cpu"
-    _check_cpu(fn, req_pool_indices=req_pool_indices, req_to_token=req_to_token, start_offset=start_offset,
-               end_offset=end_offset, out_cache_loc=out_cache_loc)
-    _check(req_to_token.dim() == 2 and req_to_token.dtype == torch.int32, fn, "req_to_token must be 2-D int32")
-    _check(out_cache_loc.dtype == torch.int64, fn, f"out_cache_loc must be int64, got {out_cache_loc.dtype}")
-    _check(req_to_token.shape[1] == pool_len, fn, f"pool_len {pool_len} != req_to_token.shape[1]")
-    rows, starts, ends = _ints(req_pool_indices), _ints(start_offset), _ints(end_offset)
-    _check(len(starts) == len(rows) == len(ends), fn, "req_pool_indices/start_offset/end_offset lengths differ")
-    total = sum(e - s for s, e in zip(starts, ends))
-    _check(total <= out_cache_loc.numel(), fn,
-           f"out_cache_loc has {out_cache_loc.numel()} entries but offsets require {total}")
+    rows, starts, ends = _segments(fn, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                   pool_len)
     pt = 0
     for row, s, e in zip(rows, starts, ends):
         n = e - s
@@ -125,16 +133,8 @@ def assign_extend_cache_locs_cpu(req_pool_indices: torch.Tensor, req_to_token: t
     `assign_extend_cache_locs_func` and `fill_front_out_cache_loc_func`).
     """
     fn = "assign_extend_cache_locs_cpu"
-    _check_cpu(fn, req_pool_indices=req_pool_indices, req_to_token=req_to_token, start_offset=start_offset,
-               end_offset=end_offset, out_cache_loc=out_cache_loc)
-    _check(req_to_token.dim() == 2 and req_to_token.dtype == torch.int32, fn, "req_to_token must be 2-D int32")
-    _check(out_cache_loc.dtype == torch.int64, fn, f"out_cache_loc must be int64, got {out_cache_loc.dtype}")
-    _check(req_to_token.shape[1] == pool_len, fn, f"pool_len {pool_len} != req_to_token.shape[1]")
-    rows, starts, ends = _ints(req_pool_indices), _ints(start_offset), _ints(end_offset)
-    _check(len(starts) == len(rows) == len(ends), fn, "req_pool_indices/start_offset/end_offset lengths differ")
-    total = sum(e - s for s, e in zip(starts, ends))
-    _check(total <= out_cache_loc.numel(), fn,
-           f"out_cache_loc has {out_cache_loc.numel()} entries but offsets require {total}")
+    rows, starts, ends = _segments(fn, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                   pool_len)
     pt = 0
     for row, s, e in zip(rows, starts, ends):
         n = e - s
