@@ -62,19 +62,13 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
 
 def eagle3_flags(cfg: Any, target_path: str, draft: Path) -> list[str]:
     """`sglang.launch_server` flags that serve the target with the head as its EAGLE-3 draft."""
-    from eagle3.targets.sglang import check_launch_args
+    from eagle3.targets.sglang import target_flags
 
-    s, e = cfg.target.sglang, cfg.eval
-    check_launch_args(s.launch_args)
-    flags = ["--model-path", target_path, "--tp-size", str(s.tp_size), "--dtype", cfg.target.dtype,
-             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
-             "--speculative-num-steps", str(e.num_steps), "--speculative-eagle-topk", str(e.topk),
-             "--speculative-num-draft-tokens", str(e.num_draft_tokens), "--skip-server-warmup"]
-    if cfg.target.trust_remote_code:
-        flags.append("--trust-remote-code")
-    if cfg.target.revision:
-        flags += ["--revision", cfg.target.revision]
-    return flags + list(s.launch_args)
+    e = cfg.eval
+    return target_flags(cfg, target_path, [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
+        "--speculative-num-steps", str(e.num_steps), "--speculative-eagle-topk", str(e.topk),
+        "--speculative-num-draft-tokens", str(e.num_draft_tokens), "--skip-server-warmup"])
 
 
 def sglang_draft(cfg: Any, folder: Path) -> Path:

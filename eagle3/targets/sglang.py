@@ -145,24 +145,27 @@ def check_launch_args(args: list[str]) -> None:
             raise ValueError(f"target.sglang.launch_args: {flag}: extraction serves the target without a draft")
 
 
-def capture_flags(cfg: Config, model_path: str) -> list[str]:
-    """The `sglang.launch_server` flags of the capture server for this config (host and port apart)."""
+def target_flags(cfg: Config, model_path: str, role_flags: list[str]) -> list[str]:
+    """`sglang.launch_server` flags serving the configured target (host and port apart): the target's own, then
+    `role_flags` (what the capture server or the EAGLE-3 server adds), then `target.sglang.launch_args`."""
     s = cfg.target.sglang
     check_launch_args(s.launch_args)
-    flags = [
-        "--model-path", model_path,
-        "--tp-size", str(s.tp_size),
-        "--dtype", cfg.target.dtype,
-        "--disable-radix-cache",          # a prefix hit would prefill (and dump) only the tail of a prompt
-        "--chunked-prefill-size", "-1",   # a chunk would be dumped as a separate, partial prompt
-        "--disable-cuda-graph",           # graphs serve decode only; extraction is prefill, and startup is faster
-        "--skip-server-warmup",           # its request would only leave a stray dump
-    ]
+    flags = ["--model-path", model_path, "--tp-size", str(s.tp_size), "--dtype", cfg.target.dtype, *role_flags]
     if cfg.target.trust_remote_code:
         flags.append("--trust-remote-code")
     if cfg.target.revision:
         flags += ["--revision", cfg.target.revision]
     return flags + list(s.launch_args)
+
+
+def capture_flags(cfg: Config, model_path: str) -> list[str]:
+    """The capture server's flags for this config (host and port apart)."""
+    return target_flags(cfg, model_path, [
+        "--disable-radix-cache",          # a prefix hit would prefill (and dump) only the tail of a prompt
+        "--chunked-prefill-size", "-1",   # a chunk would be dumped as a separate, partial prompt
+        "--disable-cuda-graph",           # graphs serve decode only; extraction is prefill, and startup is faster
+        "--skip-server-warmup",           # its request would only leave a stray dump
+    ])
 
 
 def server_env(dump_dir: str | Path, layer_ids: list[int], family: ArchFamily) -> dict[str, str]:
