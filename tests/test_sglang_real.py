@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import kimi_wrapped, tiny_deepseek_v3, tiny_llama
+from models import kimi_wrapped, tiny_llama
+from sglang_cpu.tiny_models import sglang_deepseek_fields, sglang_tiny_deepseek_v3
 from tokenizer_builders import kimi_test_tokenizer, llama_test_tokenizer
 
 from eagle3.config import Config, dump_config
@@ -55,10 +56,6 @@ TPS = [1, 2] if DEVICE == "cpu" else [tp for tp in (1, 2, 8) if tp <= _gpus()]
 IDS = {"llama": [2, 4, 6], "deepseek": [2, 3, 4], "kimi": [2, 3, 4]}
 """eagle3 ids (input of layer k). SGLang spells them [1, 3, 5] for the 8-layer Llama, as-is for the others."""
 CASES = [(family, tp) for family in ("llama", "deepseek", "kimi") for tp in TPS]
-# SGLang's DeepSeek code on its CPU path needs yarn rope (factor 1.0 = plain rope) and four fields that
-# transformers' DeepseekV3Config does not write (../shared/SGLANG-CPU.md, item 2).
-DEEPSEEK_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-                   "num_nextn_predict_layers": 0}
 KIMI_VISION = {"patch_size": 2, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 2,
                "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
                "text_hidden_size": 64, "vt_hidden_size": 16, "mm_hidden_size": 16}
@@ -102,15 +99,6 @@ def _omp_bind(tp: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- targets
-def _sglang_deepseek_fields(cfg: dict) -> dict:
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
-    yarn = {"rope_type": "yarn", "type": "yarn", "factor": 1.0,
-            "original_max_position_embeddings": cfg["max_position_embeddings"], "beta_fast": 32, "beta_slow": 1,
-            "mscale": 1.0, "mscale_all_dim": 1.0}
-    return {**cfg, "rope_scaling": yarn, "rope_parameters": {**yarn, "rope_theta": theta}, "rope_theta": theta,
-            **DEEPSEEK_FIELDS}
-
-
 def build_target(family: str, path: Path) -> Path:
     """A tiny random target of `family` with its tokenizer, as a folder both HF and SGLang load."""
     if family == "llama":
@@ -118,16 +106,14 @@ def build_target(family: str, path: Path) -> Path:
         llama_test_tokenizer(path, vocab_size=512)
         return path
     if family == "deepseek":
-        tiny_deepseek_v3(path, vocab=512, layers=6)
+        sglang_tiny_deepseek_v3(path, vocab=512, layers=6)
         llama_test_tokenizer(path, vocab_size=512)
-        conf = path / "config.json"
-        conf.write_text(json.dumps(_sglang_deepseek_fields(json.loads(conf.read_text())), indent=2))
         return path
     kimi_wrapped(path, vocab=163840, layers=6)
     kimi_test_tokenizer(path)
     conf = path / "config.json"
     wrapper = json.loads(conf.read_text())
-    wrapper["text_config"] = _sglang_deepseek_fields(wrapper["text_config"])
+    wrapper["text_config"] = sglang_deepseek_fields(wrapper["text_config"])
     wrapper["vision_config"] = {**wrapper["vision_config"], **KIMI_VISION}
     # The real checkpoint brings its image processor as remote code, which SGLang loads for a multimodal model
     # even without a tokenizer; the tiny one has none, so it declares itself text-only. SGLang still builds the

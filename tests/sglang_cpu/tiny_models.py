@@ -24,7 +24,8 @@ if str(_TESTS) not in sys.path:
 
 from models import tiny_deepseek_v3, tiny_llama  # noqa: E402  (tests/models.py)
 
-__all__ = ["sglang_tiny_llama", "sglang_tiny_deepseek_v3", "tiny_eagle3_draft", "DEEPSEEK_SGLANG_FIELDS"]
+__all__ = ["sglang_tiny_llama", "sglang_tiny_deepseek_v3", "sglang_deepseek_fields", "tiny_eagle3_draft",
+           "DEEPSEEK_SGLANG_FIELDS"]
 
 DEEPSEEK_SGLANG_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                           "num_nextn_predict_layers": 0}
@@ -38,22 +39,26 @@ def sglang_tiny_llama(path: str | Path, **kw) -> Path:
     return path
 
 
+def sglang_deepseek_fields(cfg: dict) -> dict:
+    """A DeepseekV3 config.json dict with what SGLang's CPU path needs added (yarn rope, factor 1.0 = plain rope,
+    and the four fields above); also used for the `text_config` of a Kimi-K2.5-shaped wrapper."""
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    yarn = {"type": "yarn", "rope_type": "yarn", "factor": 1.0,
+            "original_max_position_embeddings": cfg["max_position_embeddings"],
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    # transformers 5 reads rope_parameters, SGLang rope_scaling
+    return {**cfg, "rope_scaling": dict(yarn), "rope_parameters": dict(yarn, rope_theta=theta), "rope_theta": theta,
+            **DEEPSEEK_SGLANG_FIELDS}
+
+
 def sglang_tiny_deepseek_v3(path: str | Path, **kw) -> Path:
     """tests/models.py `tiny_deepseek_v3`, with the config fields SGLang needs written into config.json."""
     path = Path(path)
     if (path / "config.json").exists() and json.loads((path / "config.json").read_text()).get("topk_method"):
         return path
     tiny_deepseek_v3(path, **kw)
-    cfg = json.loads((path / "config.json").read_text())
-    yarn = {"type": "yarn", "rope_type": "yarn", "factor": 1.0,
-            "original_max_position_embeddings": cfg["max_position_embeddings"],
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
-    cfg["rope_scaling"] = dict(yarn)
-    cfg["rope_parameters"] = dict(yarn, rope_theta=theta)  # transformers 5 reads rope_parameters
-    cfg["rope_theta"] = theta
-    cfg.update(DEEPSEEK_SGLANG_FIELDS)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    conf = path / "config.json"
+    conf.write_text(json.dumps(sglang_deepseek_fields(json.loads(conf.read_text())), indent=2))
     return path
 
 
