@@ -26,6 +26,11 @@ RUNS = 15
 EXIT_CHECK = '''
 import atexit, sys, threading
 def _eagle3_exit_check():
+    for t in threading.enumerate():
+        # tqdm's own exit handler has already told its monitor to stop, without joining it; it waits in pure
+        # Python (an Event), so it is never cut off inside C++. Give it the moment it needs to return.
+        if t.name == "tqdm_monitor":
+            t.join(timeout=5)
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
     print(f"exit-check: threads alive at exit: {alive}", file=sys.stderr, flush=True)
 atexit.register(_eagle3_exit_check)  # registered first, so it runs last: after eagle3's own exit handlers
