@@ -87,101 +87,7 @@ def shift_tokens(input_ids: Tensor, by: int) -> Tensor:
     return F.pad(input_ids[:, by:], (0, by), value=0)
 
 
-def ttt_unroll(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, steps: int,
-               attention: Attention = "fast") -> list[Tensor]:
-    """Logits [B, T, draft_vocab] for each of `steps` unrolled steps (see the module docstring)."""
-    attend = ttt_attention_fast if attention == "fast" else ttt_attention_dense
-    t = input_ids.shape[1]
-    pos = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(input_ids.shape[0], t)
-    hidden = hidden0
-    k0 = v0 = None
-    ks: list[Tensor] = []
-    vs: list[Tensor] = []
-    logits = []
-    for j in range(steps):
-        q, k, v = draft.attention_inputs(shift_tokens(input_ids, 1 + j), hidden, pos + j)
-        if j == 0:
-            k0, v0 = k, v
-        else:
-            ks.append(k)
-            vs.append(v)
-        assert k0 is not None and v0 is not None
-        out = attend(q, k0, v0, ks, vs)
-        hidden = draft.after_attention(hidden, out)
-        logits.append(draft.logits(hidden))
-    return logits
-
-
-# -------------------------------------------------------------------------------------------------- teacher
-@dataclass
-class TeacherOutput:
-    probs: Tensor
-    """[..., draft_vocab] float32: the target's distribution restricted to the draft vocab, renormalised."""
-    draft_target: Tensor
-    """[...] int64: the target's FULL-vocab argmax as a draft id, -1 when it lies outside the draft vocab."""
-
-
-class Teacher:
-    """The frozen target lm_head, applied to stored final states in vocab chunks.
-
-    Only [N, draft_vocab] (the restricted logits, softmaxed in place) and one [N, chunk] block exist at a time;
-    a full [N, V] logits tensor (2.7 GB fp32 for 4096 tokens of Kimi's 163840 vocab) is never built. The draft
-    rows are cut out of each chunk's logits, so restricted and full argmax come from the very same numbers.
-    """
-
-    def __init__(self, lm_head_weight: Tensor, d2t: Tensor, t2d: Tensor, chunk: int):
-        self.weight = lm_head_weight.detach()
-        self.t2d = t2d.bool().to(self.weight.device)
-        self.chunk = chunk
-        v = self.t2d.shape[0]
-        if self.weight.shape[0] != v:
-            raise ValueError(f"target lm_head has {self.weight.shape[0]} rows but t2d covers {v} target ids")
-        to_draft = torch.full((v,), -1, dtype=torch.int64)
-        to_draft[torch.arange(d2t.shape[0]) + d2t.cpu().long()] = torch.arange(d2t.shape[0])
-        self.to_draft = to_draft.to(self.weight.device)
-        self.draft_vocab = d2t.shape[0]
-
-    def to(self, device: torch.device | str) -> Teacher:
-        self.weight, self.t2d, self.to_draft = self.weight.to(device), self.t2d.to(device), self.to_draft.to(device)
-        return self
-
-    @torch.no_grad()
-    def __call__(self, final: Tensor) -> TeacherOutput:
-        lead = final.shape[:-1]
-        x = final.reshape(-1, final.shape[-1]).to(self.weight.dtype)
-        n = x.shape[0]
-        restricted = torch.empty(n, self.draft_vocab, dtype=torch.float32, device=x.device)
-        best = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
-        best_id = torch.zeros(n, dtype=torch.int64, device=x.device)
-        filled = 0
-        for c0 in range(0, self.weight.shape[0], self.chunk):
-            block = (x @ self.weight[c0 : c0 + self.chunk].T).float()  # [N, chunk]
-            m, i = block.max(dim=-1)
-            better = m > best
-            best = torch.where(better, m, best)
-            best_id = torch.where(better, i + c0, best_id)
-            sel = self.t2d[c0 : c0 + self.chunk]
-            k = int(sel.sum())
-            if k:
-                restricted[:, filled : filled + k] = block[:, sel]
-                filled += k
-            del block
-        restricted -= restricted.max(dim=-1, keepdim=True).values
-        restricted.exp_()
-        restricted /= restricted.sum(dim=-1, keepdim=True)
-        return TeacherOutput(restricted.view(*lead, -1), self.to_draft[best_id].view(lead))
-
-
-# ----------------------------------------------------------------------------------------------------- loss
-@dataclass
-class StepStats:
-    """Sums (not means) so that batches and ranks aggregate exactly."""
-
-    loss_sum: Tensor  # [steps] soft-CE summed over valid positions (detached)
-    correct: Tensor  # [steps] draft argmax == target argmax (as draft id), over valid positions
-    valid: Tensor  # [steps] number of valid positions
-
-
+# ------------------------------------------------------------------------------------------------ the rows
 def valid_positions(loss_mask: Tensor, draft_target: Tensor, step: int, mask_out_of_vocab: bool) -> Tensor:
     """Bool [B, T]: position t counts at `step` (label x_{t+2+step} masked in, in-vocab teacher if asked)."""
     b, t = loss_mask.shape
@@ -196,34 +102,232 @@ def valid_positions(loss_mask: Tensor, draft_target: Tensor, step: int, mask_out
     return valid
 
 
-def ttt_loss(logits: list[Tensor], teacher: TeacherOutput, loss_mask: Tensor, decay: float,
-             mask_out_of_vocab: bool) -> tuple[Tensor, StepStats]:
-    """sum_j decay**j * mean over step j's valid positions of soft-CE(teacher, draft); plus per-step sums."""
-    steps = len(logits)
+@dataclass
+class Rows:
+    """The positions each TTT step computes and scores, as indices into the flattened [B*T] batch.
+
+    Only rows that reach the loss are worth a matmul: step j's lm_head and cross-entropy run on the positions
+    scored at step j, and its layer on the positions step j or a later step still needs (a later step reads
+    this step's hidden at the same position). Step 0's keys and values stay complete: every later query reads
+    the causal prefix of them. The sets are nested (keep[j+1] within keep[j]), so each step gathers its inputs
+    from the step before.
+    """
+
+    shape: tuple[int, int]
+    keep: list[Tensor]
+    """Step j: sorted flat positions whose step-j output hidden is needed."""
+    parent: list[Tensor]
+    """Step j >= 1: where each keep[j] position sits in keep[j-1] (parent[0] is unused)."""
+    score: list[Tensor]
+    """Step j: where each position scored at step j sits in keep[j]."""
+    teacher_pos: Tensor
+    """Sorted flat positions whose teacher distribution some step needs (t+1+j of a scored (j, t))."""
+    teacher_row: list[Tensor]
+    """Step j: the row of teacher_pos holding each scored position's teacher."""
+    counted: Tensor
+    """[steps] float: positions with a masked-in label at step j, out-of-vocab teachers included (acc's denominator)."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.keep)
+
+
+def _rank_in(member: Tensor) -> Tensor:
+    """For a flat bool mask, the index of each True element among the True ones (garbage elsewhere)."""
+    return member.long().cumsum(0) - 1
+
+
+def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_vocab: bool) -> Rows:
+    """The rows of a batch (see Rows), from its loss mask and the teacher's argmax as draft ids (-1 = OOV)."""
     b, t = loss_mask.shape
-    total = logits[0].new_zeros((), dtype=torch.float32)
-    loss_sum = torch.zeros(steps, device=loss_mask.device)
-    correct = torch.zeros(steps, device=loss_mask.device)
-    valid_n = torch.zeros(steps, device=loss_mask.device)
+    valid = [valid_positions(loss_mask, draft_target, j, mask_out_of_vocab).flatten() for j in range(steps)]
+    counted = torch.stack([valid_positions(loss_mask, draft_target, j, False).sum() for j in range(steps)]).float()
+    keep_masks: list[Tensor] = [valid[-1]]
+    for j in range(steps - 2, -1, -1):
+        keep_masks.insert(0, keep_masks[0] | valid[j])
+    keep = [m.nonzero().squeeze(1) for m in keep_masks]
+    parent = [keep[0]] + [_rank_in(keep_masks[j - 1])[keep[j]] for j in range(1, steps)]
+    scored = [v.nonzero().squeeze(1) for v in valid]
+    score = [_rank_in(keep_masks[j])[scored[j]] for j in range(steps)]
+    need = torch.zeros(b * t, dtype=torch.bool, device=loss_mask.device)
+    for j in range(steps):
+        need[scored[j] + 1 + j] = True  # t+1+j < T for every scored position, so it stays in the same row
+    rank = _rank_in(need)
+    teacher_row = [rank[scored[j] + 1 + j] for j in range(steps)]
+    return Rows((b, t), keep, parent, score, need.nonzero().squeeze(1), teacher_row, counted)
+
+
+def every_row(b: int, t: int, steps: int, device: torch.device | str = "cpu") -> Rows:
+    """Every position computed and scored at every step (the reference unroll, and decode tests)."""
+    all_ = torch.arange(b * t, device=device)
+    return Rows((b, t), [all_] * steps, [all_] * steps, [all_] * steps, all_, [all_] * steps,
+                torch.full((steps,), float(b * t), device=device))
+
+
+# ------------------------------------------------------------------------------------------------ the unroll
+def _to_rows(x: Tensor) -> Tensor:
+    """[1, heads, M, D] -> [M, heads, D]."""
+    return x[0].transpose(0, 1)
+
+
+def _scatter(rows: Tensor, index: Tensor, b: int, t: int) -> Tensor:
+    """[M, heads, D] rows at flat positions `index` -> [B, heads, T, D], zeros elsewhere (never read: a step's
+    own keys are read only by the same position's later queries, and those positions are kept)."""
+    full = rows.new_zeros(b * t, *rows.shape[1:]).index_copy(0, index, rows)
+    return full.view(b, t, *rows.shape[1:]).transpose(1, 2)
+
+
+def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows: Rows,
+                    attention: Attention = "fast") -> list[Tensor]:
+    """Logits [len(score[j]), draft_vocab] of the scored rows of each unrolled step (see the module docstring).
+
+    Step 0 runs attention over the whole batch (its keys and values are everyone's prefix); after that, the
+    layer, norm and lm_head run only on the rows in `rows`. The attention of a step j >= 1 still runs over
+    [B, T] (its queries scattered back, zeros elsewhere): it is a small share of the step, and keeps the exact
+    sink-key kernel of ttt_attention_fast.
+    """
+    attend = ttt_attention_fast if attention == "fast" else ttt_attention_dense
+    b, t = input_ids.shape
+    flat_pos = torch.arange(t, device=input_ids.device).repeat(b)
+    q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1), hidden0, flat_pos.view(b, t))
+    out = attend(q, k0, v0, [], [])  # [B, nh, T, D]
+    flat_out = out.transpose(1, 2).reshape(b * t, -1)
+    hidden = draft.block(hidden0.reshape(b * t, -1)[rows.keep[0]], flat_out[rows.keep[0]])  # [M0, H]
+    logits = [draft.logits(hidden[rows.score[0]])]
+    ks: list[Tensor] = []
+    vs: list[Tensor] = []
+    for j in range(1, rows.steps):
+        keep = rows.keep[j]
+        hidden = hidden[rows.parent[j]]
+        ids = shift_tokens(input_ids, 1 + j).flatten()[keep]
+        q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
+        ks.append(_scatter(_to_rows(k), keep, b, t))
+        vs.append(_scatter(_to_rows(v), keep, b, t))
+        out = attend(_scatter(_to_rows(q), keep, b, t), k0, v0, ks, vs)
+        hidden = draft.block(hidden, out.transpose(1, 2).reshape(b * t, -1)[keep])
+        logits.append(draft.logits(hidden[rows.score[j]]))
+    return logits
+
+
+def ttt_unroll(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, steps: int,
+               attention: Attention = "fast") -> list[Tensor]:
+    """Logits [B, T, draft_vocab] of every position at each of `steps` unrolled steps (the reference)."""
+    b, t = input_ids.shape
+    rows = every_row(b, t, steps, input_ids.device)
+    return [x.view(b, t, -1) for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention)]
+
+
+# -------------------------------------------------------------------------------------------------- teacher
+@dataclass
+class TeacherOutput:
+    probs: Tensor
+    """[..., draft_vocab] float32: the target's distribution restricted to the draft vocab, renormalised."""
+    draft_target: Tensor
+    """[...] int64: the target's FULL-vocab argmax as a draft id, -1 when it lies outside the draft vocab."""
+
+
+class Teacher:
+    """The frozen target lm_head, applied to stored final states.
+
+    Its two products cost very different amounts. The full-vocab argmax (as a draft id, -1 when out of the
+    draft vocab) reads every row of the lm_head, in vocab chunks so that a full [N, V] logits tensor (2.7 GB
+    fp32 for 4096 tokens of Kimi's 163840 vocab) is never built; it depends on the sample only, so the trainer
+    computes it once per sample (TeacherTargets). The distribution over the draft vocab reads only the draft
+    vocab's rows, and only at the positions the loss scores.
+    """
+
+    def __init__(self, lm_head_weight: Tensor, d2t: Tensor, t2d: Tensor, chunk: int):
+        self.weight = lm_head_weight.detach()
+        self.chunk = chunk
+        v = t2d.shape[0]
+        if self.weight.shape[0] != v:
+            raise ValueError(f"target lm_head has {self.weight.shape[0]} rows but t2d covers {v} target ids")
+        target_ids = torch.arange(d2t.shape[0]) + d2t.cpu().long()
+        to_draft = torch.full((v,), -1, dtype=torch.int64)
+        to_draft[target_ids] = torch.arange(d2t.shape[0])
+        self.to_draft = to_draft.to(self.weight.device)
+        self.draft_weight = self.weight[target_ids.to(self.weight.device)]  # [draft_vocab, H], draft id order
+        self.draft_vocab = d2t.shape[0]
+
+    def to(self, device: torch.device | str) -> Teacher:
+        self.weight, self.to_draft = self.weight.to(device), self.to_draft.to(device)
+        self.draft_weight = self.draft_weight.to(device)
+        return self
+
+    @torch.no_grad()
+    def targets(self, final: Tensor) -> Tensor:
+        """[...] int64: the full-vocab argmax of the target's logits, as a draft id (-1 when out of vocab)."""
+        lead = final.shape[:-1]
+        x = final.reshape(-1, final.shape[-1]).to(self.weight.dtype)
+        n = x.shape[0]
+        best = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+        best_id = torch.zeros(n, dtype=torch.int64, device=x.device)
+        for c0 in range(0, self.weight.shape[0], self.chunk):
+            m, i = (x @ self.weight[c0 : c0 + self.chunk].T).float().max(dim=-1)
+            better = m > best
+            best = torch.where(better, m, best)
+            best_id = torch.where(better, i + c0, best_id)
+        return self.to_draft[best_id].view(lead)
+
+    @torch.no_grad()
+    def probs(self, final: Tensor) -> Tensor:
+        """[..., draft_vocab] float32: softmax of the target's logits over the draft vocab, in draft id order."""
+        lead = final.shape[:-1]
+        x = final.reshape(-1, final.shape[-1]).to(self.weight.dtype)
+        p = (x @ self.draft_weight.T).float()
+        p -= p.max(dim=-1, keepdim=True).values
+        p.exp_()
+        p /= p.sum(dim=-1, keepdim=True)
+        return p.view(*lead, self.draft_vocab)
+
+    def __call__(self, final: Tensor) -> TeacherOutput:
+        return TeacherOutput(self.probs(final), self.targets(final))
+
+
+# ----------------------------------------------------------------------------------------------------- loss
+@dataclass
+class StepStats:
+    """Sums (not means) so that batches and ranks aggregate exactly."""
+
+    loss_sum: Tensor  # [steps] soft-CE summed over the positions in the loss (detached)
+    correct: Tensor  # [steps] draft argmax == target argmax (as draft id), over the positions in the loss
+    valid: Tensor  # [steps] positions in the loss (the loss's denominator)
+    counted: Tensor  # [steps] positions with a masked-in label, out-of-vocab teachers included (acc's denominator)
+
+    @classmethod
+    def zeros(cls, steps: int, device: torch.device | str) -> StepStats:
+        return cls(*(torch.zeros(steps, device=device) for _ in range(4)))
+
+    def __add__(self, other: StepStats) -> StepStats:
+        return StepStats(self.loss_sum + other.loss_sum, self.correct + other.correct, self.valid + other.valid,
+                         self.counted + other.counted)
+
+
+def ttt_loss(logits: list[Tensor], probs: Tensor, draft_target: Tensor, rows: Rows,
+             decay: float) -> tuple[Tensor, StepStats]:
+    """sum_j decay**j * mean over step j's scored rows of soft-CE(teacher, draft); plus per-step sums.
+
+    logits[j] holds step j's scored rows (ttt_unroll_rows); probs [len(teacher_pos), draft_vocab] and
+    draft_target [len(teacher_pos)] the teacher at rows.teacher_pos.
+    """
+    steps = len(logits)
+    device = probs.device
+    total = probs.new_zeros((), dtype=torch.float32)
+    loss_sum, correct, valid_n = (torch.zeros(steps, device=device) for _ in range(3))
     for j, lg in enumerate(logits):
-        n = t - 2 - j
-        if n <= 0:
-            continue
-        valid = valid_positions(loss_mask, teacher.draft_target, j, mask_out_of_vocab)[:, :n]
-        count = valid.sum()
+        count = lg.shape[0]
         if count == 0:
             # Keep every parameter in the graph (DDP expects gradients for all of them each step).
             total = total + lg.sum() * 0.0
             continue
-        sel = lg[:, :n][valid].float()  # [M, Vd]
-        p = teacher.probs[:, 1 + j : 1 + j + n][valid]
-        ce = -(p * torch.log_softmax(sel, dim=-1)).sum(-1)  # [M]
+        p = probs[rows.teacher_row[j]]
+        ce = -(p * torch.log_softmax(lg.float(), dim=-1)).sum(-1)  # [M]
         total = total + (decay**j) * ce.sum() / count
         with torch.no_grad():
             loss_sum[j] = ce.sum()
-            correct[j] = (sel.argmax(-1) == teacher.draft_target[:, 1 + j : 1 + j + n][valid]).sum()
+            correct[j] = (lg.argmax(-1) == draft_target[rows.teacher_row[j]]).sum()
             valid_n[j] = count
-    return total, StepStats(loss_sum, correct, valid_n)
+    return total, StepStats(loss_sum, correct, valid_n, rows.counted.to(device))
 
 
 def acceptance_length(acc: list[float] | Tensor) -> float:
@@ -236,9 +340,12 @@ def acceptance_length(acc: list[float] | Tensor) -> float:
 
 
 def summarise(stats: StepStats) -> dict[str, float]:
-    """loss_j, acc_j per step and the simulated acceptance length (which counts the bonus token)."""
+    """loss_j, acc_j per step and the simulated acceptance length (which counts the bonus token).
+
+    acc_j counts a position whose target argmax lies outside the draft vocab as a miss, as an engine does (the
+    draft can never propose that token); the loss leaves such positions out when train.mask_out_of_vocab."""
     valid = stats.valid.clamp(min=1)
-    acc = (stats.correct / valid).tolist()
+    acc = (stats.correct / stats.counted.clamp(min=1)).tolist()
     out: dict[str, float] = {}
     for j, (ls, a) in enumerate(zip((stats.loss_sum / valid).tolist(), acc, strict=True)):
         out[f"loss_{j}"] = ls

@@ -292,21 +292,26 @@ class Eagle3Draft(nn.Module):
         return q, k, v
 
     def after_attention(self, hidden: Tensor, attn_out: Tensor) -> Tensor:
-        """Residual (the feature) + o_proj(attention), then the MLP block: the pre-`norm` output hidden."""
-        layer = self.midlayer
+        """`block` on attention output [B, heads, S, D]: the pre-`norm` output hidden [B, S, H]."""
         b, _, s, _ = attn_out.shape
-        h = hidden + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, s, -1))
+        return self.block(hidden, attn_out.transpose(1, 2).reshape(b, s, -1))
+
+    def block(self, hidden: Tensor, attn_flat: Tensor) -> Tensor:
+        """Residual (the feature) + o_proj(attention [..., heads*D]), then the MLP block: the pre-`norm` output."""
+        layer = self.midlayer
+        h = hidden + layer.self_attn.o_proj(attn_flat)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, out_hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(out_hidden))
 
-    def forward(self, aux: Tensor, input_ids: Tensor, ttt_steps: int, attention: str = "fast") -> list[Tensor]:
-        """Training: the TTT unroll (eagle3.loss.ttt_unroll) -> logits per step. Lives in `forward` so that
-        DDP/FSDP wrappers see the whole computation (their gradient hooks need the call to go through them)."""
-        from eagle3.loss import ttt_unroll
+    def forward(self, aux: Tensor, input_ids: Tensor, rows: Any, attention: str = "fast") -> list[Tensor]:
+        """Training: the TTT unroll over `rows` (eagle3.loss.ttt_unroll_rows) -> logits of each step's scored
+        rows. Lives in `forward` so that DDP/FSDP wrappers see the whole computation (their gradient hooks need
+        the call to go through them)."""
+        from eagle3.loss import ttt_unroll_rows
 
-        return ttt_unroll(self, self.project(aux), input_ids, ttt_steps, attention)  # type: ignore[arg-type]
+        return ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention)  # type: ignore[arg-type]
 
     def decode(
         self,

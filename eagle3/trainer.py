@@ -35,7 +35,7 @@ from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import Progress, setup_logging
-from eagle3.loss import StepStats, Teacher, summarise, ttt_loss
+from eagle3.loss import StepStats, Teacher, plan_rows, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.targets.weights import load_target_head
 
@@ -132,6 +132,37 @@ class OnlineSource:
 
         for items in OnlineBatches(self.backend, self.split, index_batches, prefetch=self.prefetch):
             yield collate(items)
+
+
+class TeacherTargets:
+    """A cache split whose items also carry the teacher's full-vocab argmax (as draft ids), once known.
+
+    That argmax depends on the sample only, but it reads every row of the target's lm_head: 6x the rows the
+    loss needs for SmolLM2, 5x for Kimi-K2.5, and more time than the draft's own layer (BENCHMARKS.md,
+    "Training speed"). So the trainer computes it the first time it sees a sample and keeps it here (int32,
+    4 bytes a token, next to the cache's thousands); later epochs and evals multiply only the draft vocab's rows.
+    """
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self._kept: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.dataset.lengths
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = self.dataset[i]
+        kept = self._kept.get(i)
+        return item if kept is None else {**item, "draft_target": kept}
+
+    def remember(self, indices: list[int], draft_target: torch.Tensor, lengths: torch.Tensor) -> None:
+        rows = draft_target.to("cpu", torch.int32)
+        for row, (i, n) in enumerate(zip(indices, lengths.tolist(), strict=True)):
+            self._kept[i] = rows[row, :n].clone()
 
 
 def batch_iter(source: Any, index_batches: list[list[int]]):
@@ -324,16 +355,26 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def forward_loss(model, teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config) -> tuple[torch.Tensor, StepStats]:
-    logits = model(batch["aux"], batch["input_ids"], cfg.train.ttt_steps)
-    target = teacher(batch["final"])
-    return ttt_loss(logits, target, batch["loss_mask"], cfg.train.step_decay, cfg.train.mask_out_of_vocab)
+def forward_loss(model, teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config,
+                 kept: TeacherTargets | None = None, indices: list[int] | None = None) -> tuple[torch.Tensor, StepStats]:
+    """The loss of one micro-batch; the teacher's argmax is computed (and kept, for `indices` of `kept`) when the
+    batch does not carry it yet."""
+    tc = cfg.train
+    target = batch.get("draft_target")
+    if target is None:
+        target = teacher.targets(batch["final"])
+        if kept is not None and indices is not None:
+            kept.remember(indices, target, batch["lengths"])
+    rows = plan_rows(batch["loss_mask"], target, tc.ttt_steps, tc.mask_out_of_vocab)
+    logits = model(batch["aux"], batch["input_ids"], rows)
+    probs = teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
+    return ttt_loss(logits, probs, target.flatten()[rows.teacher_pos], rows, tc.step_decay)
 
 
 def _reduce(accelerator, stats: StepStats) -> StepStats:
-    packed = torch.stack([stats.loss_sum, stats.correct, stats.valid])
+    packed = torch.stack([stats.loss_sum, stats.correct, stats.valid, stats.counted])
     packed = accelerator.reduce(packed, reduction="sum")
-    return StepStats(packed[0], packed[1], packed[2])
+    return StepStats(packed[0], packed[1], packed[2], packed[3])
 
 
 @torch.no_grad()
@@ -344,13 +385,13 @@ def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) ->
         n = min(n, cfg.train.eval_max_samples)
     plan = plan_epoch(dataset.lengths[:n], cfg.train.batch_tokens, cfg.train.seed, 0,
                       accelerator.process_index, accelerator.num_processes, shuffle=False)
-    steps = cfg.train.ttt_steps
-    total = StepStats(*(torch.zeros(steps, device=accelerator.device) for _ in range(3)))
+    total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
+    kept = dataset if isinstance(dataset, TeacherTargets) else None
     model.eval()
     with closing(batch_iter(dataset, plan.batches)) as batches:
-        for batch in batches:
-            _, st = forward_loss(model, teacher, to_device(batch, accelerator.device), cfg)
-            total = StepStats(total.loss_sum + st.loss_sum, total.correct + st.correct, total.valid + st.valid)
+        for indices, batch in zip(plan.batches, batches):
+            _, st = forward_loss(model, teacher, to_device(batch, accelerator.device), cfg, kept, indices)
+            total = total + st
     model.train()
     return summarise(_reduce(accelerator, total))
 
@@ -370,6 +411,10 @@ def run(cfg: Config) -> dict[str, Any]:
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg)
     train_ds, eval_ds = open_datasets(cfg)
+    if not isinstance(train_ds, OnlineSource):  # online states are recomputed anyway, and so is the argmax
+        train_ds = TeacherTargets(train_ds)
+        eval_ds = TeacherTargets(eval_ds) if eval_ds is not None else None
+    kept = train_ds if isinstance(train_ds, TeacherTargets) else None
     draft = build_draft(cfg, hf_config, d2t, t2d, embed, lm_head)
     teacher = Teacher(lm_head, d2t, t2d, tc.teacher_chunk).to(accelerator.device)
     del embed, lm_head
@@ -429,7 +474,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 wait = 0.0
                 tokens = 0
-                stats = StepStats(*(torch.zeros(tc.ttt_steps, device=accelerator.device) for _ in range(3)))
+                stats = StepStats.zeros(tc.ttt_steps, accelerator.device)
                 loss_total = 0.0
                 for micro in range(tc.grad_accum):
                     tw = time.perf_counter()
@@ -439,10 +484,11 @@ def run(cfg: Config) -> dict[str, Any]:
                     sync = micro == tc.grad_accum - 1
                     # Gradients are all-reduced only on the last micro-batch of an accumulation group.
                     with accelerator.no_sync(model) if not sync else nullcontext():
-                        loss, st = forward_loss(model, teacher, batch, cfg)
+                        loss, st = forward_loss(model, teacher, batch, cfg, kept,
+                                                plan.batches[state.batch_index + micro])
                         accelerator.backward(loss / tc.grad_accum)
                     loss_total += float(loss.detach()) / tc.grad_accum
-                    stats = StepStats(stats.loss_sum + st.loss_sum, stats.correct + st.correct, stats.valid + st.valid)
+                    stats = stats + st
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
                 optimizer.step()
                 scheduler.step()

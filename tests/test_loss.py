@@ -9,12 +9,15 @@ import torch.nn.functional as F
 from eagle3.loss import (
     Teacher,
     TeacherOutput,
+    StepStats,
     acceptance_length,
+    plan_rows,
     summarise,
     ttt_attention_dense,
     ttt_attention_fast,
     ttt_loss,
     ttt_unroll,
+    ttt_unroll_rows,
     valid_positions,
 )
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -101,31 +104,85 @@ def _golden_teacher() -> TeacherOutput:
 def test_loss_mask_golden(mask_oov, golden):
     teacher = _golden_teacher()
     mask = torch.tensor([LOSS_MASK])
+    rows = plan_rows(mask, teacher.draft_target, 4, mask_oov)
     for j, expected in golden.items():
         got = valid_positions(mask, teacher.draft_target, j, mask_oov)[0].nonzero().flatten().tolist()
         assert got == expected, f"step {j}"
+        assert rows.keep[j][rows.score[j]].tolist() == expected, f"step {j} scores other rows"
+        # Step j computes exactly the positions it or a later step scores.
+        assert rows.keep[j].tolist() == sorted(set().union(*(golden[k] for k in range(j, 4)))), f"step {j}"
+        # acc_j's denominator counts an out-of-vocab teacher as a position (a miss), whatever the loss does.
+        assert rows.counted[j] == len(GOLDEN_ALL[j])
     # The first assistant token (position 3) is learned: predicted at step 0 from position 1.
     assert 1 in golden[0]
     torch.manual_seed(2)
-    logits = [torch.randn(1, 10, 5) for _ in range(4)]
-    loss, stats = ttt_loss(logits, teacher, mask, decay=0.8, mask_out_of_vocab=mask_oov)
+    full = [torch.randn(1, 10, 5) for _ in range(4)]
+    logits = [full[j][0][rows.keep[j][rows.score[j]]] for j in range(4)]
+    probs = teacher.probs.flatten(0, 1)[rows.teacher_pos]
+    loss, stats = ttt_loss(logits, probs, teacher.draft_target.flatten()[rows.teacher_pos], rows, decay=0.8)
     expected_loss = 0.0
     for j, pos in golden.items():
-        ce = [-(teacher.probs[0, t + 1 + j] * torch.log_softmax(logits[j][0, t], -1)).sum() for t in pos]
+        ce = [-(teacher.probs[0, t + 1 + j] * torch.log_softmax(full[j][0, t], -1)).sum() for t in pos]
         expected_loss += 0.8**j * torch.stack(ce).mean()
         assert stats.valid[j] == len(pos)
-        correct = sum(int(logits[j][0, t].argmax() == teacher.draft_target[0, t + 1 + j]) for t in pos)
+        correct = sum(int(full[j][0, t].argmax() == teacher.draft_target[0, t + 1 + j]) for t in pos)
         assert stats.correct[j] == correct
     torch.testing.assert_close(loss, torch.as_tensor(expected_loss), atol=1e-6, rtol=1e-6)
+    acc = summarise(stats)
+    for j in range(4):
+        assert acc[f"acc_{j}"] == pytest.approx(float(stats.correct[j]) / len(GOLDEN_ALL[j]))
+
+
+@pytest.mark.parametrize("mask_oov", [True, False])
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_pruned_rows_match_every_row_loss_and_gradients(mask_oov, steps):
+    """Computing only the rows that reach the loss gives the loss and gradients of computing every row."""
+    m = draft(3)
+    torch.manual_seed(steps)
+    b, t, h = 3, 19, 48
+    aux = torch.randn(b, t, 3 * h)
+    ids = torch.randint(0, 200, (b, t))
+    mask = (torch.rand(b, t) < 0.6).long()
+    mask[2, 11:] = 0  # a padded row
+    teacher = Teacher(torch.randn(200, h), m.d2t, m.t2d, 64)
+    final = torch.randn(b, t, h)
+    out = teacher(final)
+    assert (out.draft_target == -1).any()
+
+    def reference():
+        logits = ttt_unroll(m, m.project(aux), ids, steps)
+        total = torch.zeros(())
+        for j, lg in enumerate(logits):
+            valid = valid_positions(mask, out.draft_target, j, mask_oov)
+            pos = valid.nonzero()
+            if len(pos) == 0:
+                continue
+            sel = lg[pos[:, 0], pos[:, 1]]
+            p = out.probs[pos[:, 0], pos[:, 1] + 1 + j]
+            total = total + 0.8**j * (-(p * torch.log_softmax(sel, -1)).sum(-1)).mean()
+        return total
+
+    ref = reference()
+    g_ref = torch.autograd.grad(ref, list(m.parameters()))
+    rows = plan_rows(mask, out.draft_target, steps, mask_oov)
+    assert rows.keep[-1].numel() < b * t  # something was pruned
+    logits = m(aux, ids, rows)
+    got, stats = ttt_loss(logits, teacher.probs(final.flatten(0, 1)[rows.teacher_pos]),
+                          out.draft_target.flatten()[rows.teacher_pos], rows, 0.8)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    g = torch.autograd.grad(got, list(m.parameters()))
+    for a, b_ in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b_, atol=1e-6, rtol=1e-5)
+    for j in range(steps):
+        assert stats.valid[j] == valid_positions(mask, out.draft_target, j, mask_oov).sum()
 
 
 def test_acceptance_length_counts_bonus_token():
     assert acceptance_length([1.0, 1.0, 1.0]) == 4.0
     assert acceptance_length([0.0, 1.0]) == 1.0
     assert abs(acceptance_length([0.5, 0.5]) - 1.75) < 1e-12
-    from eagle3.loss import StepStats
-
-    s = summarise(StepStats(torch.tensor([2.0, 4.0]), torch.tensor([1.0, 1.0]), torch.tensor([2.0, 4.0])))
+    s = summarise(StepStats(torch.tensor([2.0, 4.0]), torch.tensor([1.0, 1.0]), torch.tensor([2.0, 4.0]),
+                            torch.tensor([2.0, 4.0])))
     assert s["acc_0"] == 0.5 and s["acc_1"] == 0.25 and s["loss_1"] == 1.0
     assert abs(s["sim_accept_len"] - (1 + 0.5 + 0.125)) < 1e-9
 
