@@ -148,7 +148,7 @@ def sniff_format(path: Path) -> str:
     if path.is_dir():
         return "hf"
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")  # the BOM whole, not its bytes
     if head.startswith(b"["):
         return "json"
     if path.suffix == ".jsonl" or head.startswith(b"{") or not head:

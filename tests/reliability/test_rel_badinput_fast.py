@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from eagle3.cli import main as cli_main
@@ -46,6 +46,7 @@ def _valid(convs: list, stats: SourceStats) -> None:
 # ------------------------------------------------------------------------------------------- fuzzed files
 @FUZZ
 @given(data=st.binary(max_size=400))
+@example(data=b"\xbf[")  # one byte of a BOM is not a BOM: the sniffer must not strip it and call this an array
 def test_arbitrary_bytes_never_crash_the_jsonl_reader(tmp_path_factory, data):
     p = tmp_path_factory.mktemp("b") / "x.jsonl"
     p.write_bytes(data)
