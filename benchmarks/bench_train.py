@@ -13,6 +13,15 @@ counted. Prints one line per precision and a JSON summary.
 prints the unigram baseline instead: the share of valid step-0 positions (loss-masked label, in-vocab target
 argmax) whose target argmax is the draft token most frequent among the train split's valid positions; acc_0 of
 a trained head should be well above it.
+
+    python benchmarks/bench_train.py --config configs/smollm2-135m.yaml --against a6e3953~1 --ttt 3 7 \
+        --precision no bf16 --steps 24 -- [same overrides]
+
+runs the trainer of git revision REV (checked out into a scratch worktree) and this tree's side by side,
+alternating, on the same cache and config, for each TTT depth and precision: tokens/s of each and the ratio,
+over all counted steps and over the steps after the first epoch (this trainer computes the teacher's
+full-vocab argmax the first time it sees a sample and keeps it), and the loss of both after the same steps.
+bf16 is skipped where the CPU has no native bf16 (emulated bf16 measures the emulation).
 """
 
 from __future__ import annotations
@@ -25,12 +34,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def one(config: str, overrides: list[str], out: str, steps: int, precision: str) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    import eagle3
     from eagle3.config import load_config
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "eagle3_path").write_text(str(Path(eagle3.__file__).parent))
     from eagle3.logs import setup_logging
     from eagle3.trainer import run
 
@@ -48,12 +63,85 @@ def one(config: str, overrides: list[str], out: str, steps: int, precision: str)
 
 def summarise(out: Path, warmup: int) -> dict[str, float]:
     rows = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r and r["step"] > warmup]
+    rows = [r for r in rows if "loss" in r]
+    last = rows[-1]
+    later = [r for r in rows if r["epoch"] > 0 and r["step"] > warmup]
+    rows = [r for r in rows if r["step"] > warmup]
+
+    def tok_s(rs: list[dict]) -> float | None:
+        time_s = sum(r["step_s"] for r in rs)
+        return sum(r["tokens_per_s"] * r["step_s"] for r in rs) / time_s if rs else None
+
     time_s = sum(r["step_s"] for r in rows)
-    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in rows)
     wait = sum(r["data_wait_share"] * r["step_s"] for r in rows)
-    return {"steps": len(rows), "tokens_per_s": tokens / time_s, "data_wait_share": wait / time_s,
-            "step_s": time_s / len(rows), "padding_share": rows[-1]["padding_share"], "last_loss": rows[-1]["loss"]}
+    return {"steps": len(rows), "tokens_per_s": tok_s(rows), "tokens_per_s_after_epoch_0": tok_s(later),
+            "steps_after_epoch_0": len(later), "data_wait_share": wait / time_s, "step_s": time_s / len(rows),
+            "padding_share": last["padding_share"], "last_step": last["step"], "last_loss": last["loss"]}
+
+
+def run_one(tree: Path, config: str, overrides: list[str], steps: int, precision: str, warmup: int) -> dict:
+    """The trainer of `tree` (a checkout of this repository) in its own process: accelerate's state is per
+    process, and the two trees' `eagle3` packages cannot share one."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-train-{precision}-") as tmp:
+        cmd = [sys.executable, __file__, "--config", config, "--steps", str(steps), "--one", precision, "--out", tmp,
+               *overrides]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run(cmd, check=True, env=env)
+        where = Path((Path(tmp) / "eagle3_path").read_text())
+        if where != tree / "eagle3":
+            raise RuntimeError(f"the run meant for {tree} imported the eagle3 of {where}")
+        return summarise(Path(tmp), warmup)
+
+
+def compare(a: argparse.Namespace) -> dict:
+    """Revision a.against vs this tree, alternating run by run, for each TTT depth and precision."""
+    from eagle3.precision import cpu_native_bf16
+
+    native, why = cpu_native_bf16()
+    precisions = [p for p in a.precision if p == "no" or native]
+    if precisions != a.precision:
+        print(f"bench: bf16 skipped ({why})", flush=True)
+    base = Path(tempfile.mkdtemp(prefix="bench-train-base-"))
+    subprocess.run(["git", "worktree", "add", "--detach", str(base), a.against], cwd=REPO, check=True,
+                   capture_output=True)
+    results: dict = {"against": a.against, "cpu": cpu_model(), "native_bf16": native, "runs": {}}
+    try:
+        for ttt in a.ttt:
+            for prec in precisions:
+                over = [*a.overrides, f"train.ttt_steps={ttt}"]
+                got: dict[str, list[dict]] = {"base": [], "new": []}
+                for _ in range(a.rounds):
+                    for side, tree in (("base", base), ("new", REPO)):
+                        got[side].append(run_one(tree, a.config, over, a.steps, prec, a.warmup))
+                row = {side: _mean(rs) for side, rs in got.items()}
+                b, n = row["base"], row["new"]
+                row["ratio"] = n["tokens_per_s"] / b["tokens_per_s"]
+                if b["tokens_per_s_after_epoch_0"] and n["tokens_per_s_after_epoch_0"]:
+                    row["ratio_after_epoch_0"] = n["tokens_per_s_after_epoch_0"] / b["tokens_per_s_after_epoch_0"]
+                row["loss_rel_diff"] = abs(n["last_loss"] - b["last_loss"]) / abs(b["last_loss"])
+                results["runs"][f"ttt{ttt}-{prec}"] = row
+                print(f"TTT {ttt}, mixed_precision={prec}: {b['tokens_per_s']:.0f} -> {n['tokens_per_s']:.0f} "
+                      f"tokens/s ({row['ratio']:.2f}x; after epoch 0: {row.get('ratio_after_epoch_0', float('nan')):.2f}x), "
+                      f"loss at step {n['last_step']}: {b['last_loss']:.6f} vs {n['last_loss']:.6f} "
+                      f"(rel diff {row['loss_rel_diff']:.1e})", flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, capture_output=True)
+    return results
+
+
+def _mean(rs: list[dict]) -> dict:
+    out = dict(rs[-1])
+    for k in ("tokens_per_s", "tokens_per_s_after_epoch_0", "step_s"):
+        vals = [r[k] for r in rs if r[k] is not None]
+        out[k] = sum(vals) / len(vals) if vals else None
+    return out
+
+
+def cpu_model() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def unigram_baseline(config: str, overrides: list[str]) -> dict[str, float]:
@@ -95,6 +183,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", nargs="+", default=["no", "bf16"], choices=["no", "bf16", "fp16"])
     p.add_argument("--baseline", action="store_true", help="print the unigram acc_0 baseline and exit")
+    p.add_argument("--against", metavar="REV", help="compare with the trainer of this git revision")
+    p.add_argument("--ttt", type=int, nargs="+", default=[3], help="TTT depths to compare (with --against)")
+    p.add_argument("--rounds", type=int, default=1, help="alternating runs of each side (with --against)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one precision in this process
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*")
@@ -105,14 +196,12 @@ def main() -> int:
     if a.one:
         one(a.config, a.overrides, a.out, a.steps, a.one)
         return 0
+    if a.against:
+        print(json.dumps(compare(a), indent=2))
+        return 0
     results = {}
     for prec in a.precision:
-        with tempfile.TemporaryDirectory(prefix=f"bench-train-{prec}-") as tmp:
-            cmd = [sys.executable, __file__, "--config", a.config, "--steps", str(a.steps), "--one", prec,
-                   "--out", tmp, *a.overrides]
-            subprocess.run(cmd, check=True)
-            results[prec] = summarise(Path(tmp), a.warmup)
-        r = results[prec]
+        results[prec] = r = run_one(REPO, a.config, a.overrides, a.steps, prec, a.warmup)
         print(f"mixed_precision={prec}: {r['tokens_per_s']:.0f} tokens/s, {r['step_s']:.2f} s/step, data wait "
               f"{100 * r['data_wait_share']:.2f}% of step time, padding {100 * r['padding_share']:.1f}% "
               f"({r['steps']} steps after {a.warmup} warm-up)", flush=True)

@@ -34,13 +34,13 @@ import torch
 
 from eagle3.layer_ids import LAYER_ID_CONVENTION
 from eagle3.logs import UserError
+from eagle3.precision import DTYPES
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
 
 # Storage type per target dtype: 16-bit floats keep their bit patterns in uint16.
 _STORAGE = {torch.bfloat16: pa.uint16(), torch.float16: pa.uint16(), torch.float32: pa.float32()}
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LABELS = {
     "layer_ids": "layer ids", "layer_id_convention": "layer-id convention", "dtype": "target dtype",
     "weights_id": "target weights id", "target_path": "target path", "revision": "target revision",
@@ -382,7 +382,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if expected is not None:
             check_fingerprint(cache_dir, expected)
         self.fingerprint = self.meta["fingerprint"]
-        self.dtype = _DTYPES[self.fingerprint["dtype"]]
+        self.dtype = DTYPES[self.fingerprint["dtype"]]
         self.hidden_size = int(self.fingerprint["hidden_size"])
         self.layer_ids = list(self.fingerprint["layer_ids"])
         found, incomplete = manifests(cache_dir, split)
@@ -447,7 +447,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 # ------------------------------------------------------------------------------------------------------- info
 def payload_bytes_per_token(hidden_size: int, dtype: str) -> int:
     """The least any format can store per token: aux + final states, an int32 id and an int8 mask."""
-    item = torch.empty(0, dtype=_DTYPES[dtype]).element_size()
+    item = torch.empty(0, dtype=DTYPES[dtype]).element_size()
     return 4 * hidden_size * item + 4 + 1
 
 

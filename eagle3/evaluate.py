@@ -26,11 +26,11 @@ import torch
 
 from eagle3.config import Config
 from eagle3.logs import Progress, setup_logging
+from eagle3.precision import DTYPES
 from eagle3.prompts import Prompt, PromptSet, load_prompt_set
 from eagle3.specdec import AcceptanceStats, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 
 log = logging.getLogger("eagle3")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------------- loading
@@ -60,7 +60,7 @@ def load_target(cfg: Config) -> tuple[torch.nn.Module, Any]:
     from eagle3.targets.hf import load_causal_lm
 
     path = resolve_target_path(cfg.target.path)
-    model = load_causal_lm(path, _DTYPES[cfg.target.dtype], cfg.target.device, cfg.target.trust_remote_code,
+    model = load_causal_lm(path, DTYPES[cfg.target.dtype], cfg.target.device, cfg.target.trust_remote_code,
                            cfg.target.revision)
     return model, load_tokenizer(cfg)
 

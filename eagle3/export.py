@@ -42,9 +42,9 @@ from safetensors.torch import save_file
 from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import LAYER_ID_CONVENTION, arch_family, to_engine_ids
 from eagle3.model import CONFIG_NAME, FORMAT, WEIGHTS_NAME, Eagle3DraftConfig
+from eagle3.precision import DTYPES
 
 EngineName = Literal["sglang", "vllm"]
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LAYER_KEYS = (
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -294,8 +294,8 @@ def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", d
     """
     if to not in ("sglang", "vllm"):
         raise ExportError(f"unknown engine {to!r}; choose sglang or vllm")
-    if dtype is not None and dtype not in _DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)} or None")
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or None")
     folder = resolve_draft_folder(checkpoint)
     config, tensors = read_draft(folder)
     validate(config, tensors, str(folder))
@@ -304,7 +304,7 @@ def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", d
         fc = tensors["fc.weight"].clone()
         fc[:, : 2 * (fc.shape[1] // 3)] = 0
         tensors = {**tensors, "fc.weight": fc}
-    torch_dtype = _DTYPES[dtype] if dtype else tensors["fc.weight"].dtype
+    torch_dtype = DTYPES[dtype] if dtype else tensors["fc.weight"].dtype
     dtype_name = str(torch_dtype).removeprefix("torch.")
     cfg_json = engine_config(config, to, dtype_name, num_speculative_tokens)
     weights = engine_tensors(tensors, to, torch_dtype)

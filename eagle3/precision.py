@@ -15,6 +15,8 @@ import logging
 import os
 from functools import cache
 
+import torch
+
 log = logging.getLogger("eagle3")
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -22,6 +24,10 @@ EMULATED_SLOWDOWN = ("bf16 is emulated on this CPU: expect about 10x the float32
                      "extraction 17 vs 150 tokens/s)")
 _said: set[str] = set()
 _pending: list[tuple[int, str]] = []
+
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+"""The dtype names of the config schema (target.dtype, cache fingerprints, export) -> torch dtypes."""
 
 
 def _say_once(level: int, msg: str) -> None:
@@ -64,8 +70,6 @@ def native_bf16(device: str) -> tuple[bool, str]:
     """(bf16 runs natively on `device`, why). `cuda...`/`auto` ask CUDA when it is visible here; a CUDA device that
     is not visible from this process (a config checked on a login node) is taken to be a bf16 GPU."""
     if device.startswith("cuda") or device == "auto":
-        import torch
-
         if torch.cuda.is_available():
             ok = torch.cuda.is_bf16_supported()
             return ok, f"CUDA device {torch.cuda.get_device_name(0)} {'supports' if ok else 'lacks'} bf16"

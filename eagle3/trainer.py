@@ -37,6 +37,7 @@ from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import Progress, setup_logging
 from eagle3.loss import StepStats, Teacher, plan_rows, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from eagle3.precision import DTYPES
 from eagle3.targets.weights import load_target_head
 
 log = logging.getLogger("eagle3")
@@ -416,7 +417,9 @@ def run(cfg: Config) -> dict[str, Any]:
         eval_ds = TeacherTargets(eval_ds) if eval_ds is not None else None
     kept = train_ds if isinstance(train_ds, TeacherTargets) else None
     draft = build_draft(cfg, hf_config, d2t, t2d, embed, lm_head)
-    teacher = Teacher(lm_head, d2t, t2d, tc.teacher_chunk).to(accelerator.device)
+    # The teacher multiplies in the dtype the target is served in (its logits are the ones the engine verifies
+    # against), whatever dtype the checkpoint stores its lm_head in.
+    teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d, tc.teacher_chunk).to(accelerator.device)
     del embed, lm_head
 
     rank, world = accelerator.process_index, accelerator.num_processes

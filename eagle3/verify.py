@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from eagle3.precision import DTYPES
+
 log = logging.getLogger("eagle3")
 
 COSINE_MIN = 0.99
@@ -190,8 +192,7 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
             raise FileNotFoundError(f"--source {source}: not 'backend' and not a cache folder")
         rows, layer_ids = _states_from_cache(source, prepared.train, num_samples)
     if model is None:
-        model = load_causal_lm(resolve_target_path(cfg.target.path), {"bfloat16": torch.bfloat16, "float16":
-                               torch.float16, "float32": torch.float32}[cfg.target.dtype], cfg.target.device,
+        model = load_causal_lm(resolve_target_path(cfg.target.path), DTYPES[cfg.target.dtype], cfg.target.device,
                                cfg.target.trust_remote_code, cfg.target.revision)
     reports = []
     for sid, ids, aux, final in rows:

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.loss import (
+    StepStats,
     Teacher,
     TeacherOutput,
-    StepStats,
     acceptance_length,
     plan_rows,
     summarise,
@@ -17,7 +17,6 @@ from eagle3.loss import (
     ttt_attention_fast,
     ttt_loss,
     ttt_unroll,
-    ttt_unroll_rows,
     valid_positions,
 )
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig

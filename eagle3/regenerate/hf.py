@@ -14,6 +14,7 @@ from typing import Any
 
 from eagle3.config import Config
 from eagle3.data.templates import load_tokenizer, render_prompt
+from eagle3.precision import DTYPES
 from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, split_reasoning
 
 log = logging.getLogger("eagle3")
@@ -23,7 +24,6 @@ class HFBackend:
     """Generates answers with an AutoModelForCausalLM loaded from `target.path`."""
 
     def __init__(self, cfg: Config, model: Any = None, tokenizer: Any = None):
-        import torch
         from transformers import AutoModelForCausalLM
 
         from eagle3.bundled import resolve_target_path
@@ -34,7 +34,7 @@ class HFBackend:
             path = resolve_target_path(cfg.target.path)
             t = cfg.target
             tokenizer = load_tokenizer(cfg)
-            kwargs: dict[str, Any] = {"dtype": getattr(torch, t.dtype), "revision": t.revision,
+            kwargs: dict[str, Any] = {"dtype": DTYPES[t.dtype], "revision": t.revision,
                                       "trust_remote_code": t.trust_remote_code}
             if t.device == "auto":
                 kwargs["device_map"] = "auto"

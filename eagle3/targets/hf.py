@@ -18,9 +18,8 @@ import torch
 
 from eagle3.bundled import resolve_target_path
 from eagle3.cache import read_target_config, weights_id
+from eagle3.precision import DTYPES
 from eagle3.targets.base import Captured
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -81,7 +80,7 @@ class HFTarget:
     def __init__(self, cfg: Any):
         self.cfg = cfg
         self.path = resolve_target_path(cfg.target.path)
-        self.dtype = _DTYPES[cfg.target.dtype]
+        self.dtype = DTYPES[cfg.target.dtype]
         self.model = load_causal_lm(self.path, self.dtype, cfg.target.device, cfg.target.trust_remote_code,
                                     cfg.target.revision)
         self.config = self.model.config

@@ -53,6 +53,7 @@ import torch
 
 from eagle3.config import Config
 from eagle3.layer_ids import ArchFamily, arch_family, validate_layer_ids
+from eagle3.precision import DTYPES
 from eagle3.targets.base import Captured
 from eagle3.targets.sglang_dump import (
     ENV_DUMP_DIR,
@@ -195,7 +196,7 @@ class SGLangTarget:
         self.vocab_size = self.info.vocab_size
         self.family: ArchFamily = self.info.family
         self.layer_ids = cfg.layer_ids(self.num_layers)
-        self.dtype: torch.dtype = getattr(torch, cfg.target.dtype)
+        self.dtype: torch.dtype = DTYPES[cfg.target.dtype]
         self.timeout_s = s.timeout_s
         self.dump_dir = Path(s.dump_dir).absolute()
         self.server: SGLangServer | None = None
