@@ -36,49 +36,63 @@ Attention = Literal["fast", "dense"]
 
 
 # ------------------------------------------------------------------------------------------------ attention
-def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
-    """Exact TTT attention without a [T, (j+1)T] mask: one causal SDPA with j "sink" keys.
+def _prefix_mask(q_pos: Tensor, t: int, sinks: int) -> Tensor:
+    """Bool [B, 1, M, sinks + T]: query m (at position q_pos[b, m]) sees every sink and the keys 0..q_pos."""
+    causal = torch.arange(t, device=q_pos.device) <= q_pos[..., None]  # [B, M, T]
+    return F.pad(causal, (sinks, 0), value=True)[:, None]
+
+
+def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
+                       q_pos: Tensor | None = None) -> Tensor:
+    """Exact TTT attention without a [T, (j+1)T] mask: one SDPA over the step-0 keys plus j "sink" keys.
 
     The j same-position scores d_i(t) = q_t . k_i,t are computed elementwise and appended to each query as
     extra channels; j shared sink keys (one-hot in those channels) then score exactly d_i(t) for query t, and
     their one-hot values report the softmax weight p_i(t) each sink received, normalised jointly with the
-    step-0 causal keys. The output is SDPA's step-0 part plus sum_i p_i(t) v_i,t. SDPA sees a lower-right
-    causal mask (sinks first, visible to every query), so flash / memory-efficient kernels still apply.
-    q [B, nh, T, D]; k0, v0 and each ks[i], vs[i] [B, nkv, T, D].
+    step-0 causal keys. The output is SDPA's step-0 part plus sum_i p_i(t) v_i,t.
+    q [B, nh, M, D]; k0, v0 [B, nkv, T, D]; each ks[i], vs[i] [B, nkv, M, D], aligned with q. q_pos [B, M]: the
+    position of each query; None when the queries are positions 0..T-1 in order, which SDPA takes as a
+    lower-right causal mask (sinks first, visible to every query) so flash kernels apply.
     """
-    b, nh, t, d = q.shape
+    b, nh, m, d = q.shape
+    t = k0.shape[2]
     n = len(ks)
-    if n == 0:
-        n_rep = nh // k0.shape[1]
-        return F.scaled_dot_product_attention(q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), is_causal=True)
     n_rep = nh // k0.shape[1]
+    if n == 0:
+        k, v = repeat_kv(k0, n_rep), repeat_kv(v0, n_rep)
+        if q_pos is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_prefix_mask(q_pos, t, 0))
     dp = -(-(d + n) // 8) * 8  # padded head dim (kernels like multiples of 8)
-    diag = torch.stack([(q * repeat_kv(k, n_rep)).sum(-1) for k in ks], dim=-1)  # [B, nh, T, n]
-    q_aug = torch.cat([q, diag, q.new_zeros(b, nh, t, dp - d - n)], dim=-1)
+    diag = torch.stack([(q * repeat_kv(k, n_rep)).sum(-1) for k in ks], dim=-1)  # [B, nh, M, n]
+    q_aug = torch.cat([q, diag, q.new_zeros(b, nh, m, dp - d - n)], dim=-1)
     sinks = torch.zeros(n, dp, dtype=q.dtype, device=q.device)
     sinks[torch.arange(n), d + torch.arange(n)] = 1.0
     sinks = sinks.expand(b, k0.shape[1], n, dp)
     pad = (0, dp - d)
     k_aug = torch.cat([sinks, F.pad(k0, pad)], dim=2)
     v_aug = torch.cat([sinks, F.pad(v0, pad)], dim=2)
-    out = F.scaled_dot_product_attention(
-        q_aug, repeat_kv(k_aug, n_rep), repeat_kv(v_aug, n_rep),
-        attn_mask=causal_lower_right(t, t + n), scale=d**-0.5,
-    )
+    mask = causal_lower_right(m, t + n) if q_pos is None else _prefix_mask(q_pos, t, n)
+    out = F.scaled_dot_product_attention(q_aug, repeat_kv(k_aug, n_rep), repeat_kv(v_aug, n_rep), attn_mask=mask,
+                                         scale=d**-0.5)
     result = out[..., :d]
     for i, v in enumerate(vs):
         result = result + out[..., d + i : d + i + 1] * repeat_kv(v, n_rep)
     return result
 
 
-def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
-    """Reference: all keys concatenated with an explicit [T, (j+1)T] mask (causal block + diagonal blocks)."""
-    t = q.shape[2]
+def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
+                        q_pos: Tensor | None = None) -> Tensor:
+    """Reference: all keys concatenated with an explicit [M, T + jM] mask (causal block + diagonal blocks)."""
+    b, _, m, _ = q.shape
+    t = k0.shape[2]
     n_rep = q.shape[1] // k0.shape[1]
+    if q_pos is None:
+        q_pos = torch.arange(m, device=q.device).expand(b, m)
     keys = torch.cat([k0, *ks], dim=2)
     values = torch.cat([v0, *vs], dim=2)
-    eye = torch.eye(t, dtype=torch.bool, device=q.device)
-    mask = torch.cat([torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), *([eye] * len(ks))], dim=1)
+    eye = torch.eye(m, dtype=torch.bool, device=q.device).expand(b, 1, m, m)
+    mask = torch.cat([_prefix_mask(q_pos, t, 0), *([eye] * len(ks))], dim=-1)
     return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
 
 
@@ -126,10 +140,34 @@ class Rows:
     """Step j: the row of teacher_pos holding each scored position's teacher."""
     counted: Tensor
     """[steps] float: positions with a masked-in label at step j, out-of-vocab teachers included (acc's denominator)."""
+    slot: list[Tensor]
+    """Step j: where each keep[j] position sits in the [B, width[j]] query layout of that step's attention (each
+    batch row's kept positions packed to the left)."""
+    width: list[int]
+    q_pos: list[Tensor | None]
+    """Step j: [B, width[j]] the position of each query slot (0 in unused slots); None when the slots are the
+    positions 0..T-1 themselves (every row kept), so attention can use its causal kernel."""
 
     @property
     def steps(self) -> int:
         return len(self.keep)
+
+    def within(self, i: int, j: int) -> Tensor:
+        """Where each keep[j] position sits in keep[i], for i <= j."""
+        idx = torch.arange(self.keep[j].numel(), device=self.keep[j].device)
+        for step in range(j, i, -1):
+            idx = self.parent[step][idx]
+        return idx
+
+    def pack(self, j: int, rows: Tensor) -> Tensor:
+        """Rows [M_j, heads, D] of keep[j] -> [B, heads, width[j], D] in step j's query layout, zeros elsewhere."""
+        b = self.shape[0]
+        full = rows.new_zeros(b * self.width[j], *rows.shape[1:]).index_copy(0, self.slot[j], rows)
+        return full.view(b, self.width[j], *rows.shape[1:]).transpose(1, 2)
+
+    def unpack(self, j: int, out: Tensor) -> Tensor:
+        """[B, heads, width[j], D] -> rows [M_j, heads * D] of keep[j]."""
+        return out.transpose(1, 2).reshape(self.shape[0] * self.width[j], -1)[self.slot[j]]
 
 
 def _rank_in(member: Tensor) -> Tensor:
@@ -154,57 +192,60 @@ def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_v
         need[scored[j] + 1 + j] = True  # t+1+j < T for every scored position, so it stays in the same row
     rank = _rank_in(need)
     teacher_row = [rank[scored[j] + 1 + j] for j in range(steps)]
-    return Rows((b, t), keep, parent, score, need.nonzero().squeeze(1), teacher_row, counted)
+    slot, width, q_pos = [], [], []
+    for k in keep:
+        row, pos = k // t, k % t
+        counts = torch.bincount(row, minlength=b)
+        w = int(counts.max()) if k.numel() else 0
+        s = row * w + torch.arange(k.numel(), device=k.device) - (counts.cumsum(0) - counts)[row]
+        slot.append(s)
+        width.append(w)
+        q_pos.append(torch.zeros(b * w, dtype=torch.int64, device=k.device).index_copy(0, s, pos).view(b, w))
+    return Rows((b, t), keep, parent, score, need.nonzero().squeeze(1), teacher_row, counted, slot, width, q_pos)
 
 
 def every_row(b: int, t: int, steps: int, device: torch.device | str = "cpu") -> Rows:
     """Every position computed and scored at every step (the reference unroll, and decode tests)."""
     all_ = torch.arange(b * t, device=device)
     return Rows((b, t), [all_] * steps, [all_] * steps, [all_] * steps, all_, [all_] * steps,
-                torch.full((steps,), float(b * t), device=device))
+                torch.full((steps,), float(b * t), device=device), [all_] * steps, [t] * steps, [None] * steps)
 
 
 # ------------------------------------------------------------------------------------------------ the unroll
-def _to_rows(x: Tensor) -> Tensor:
-    """[1, heads, M, D] -> [M, heads, D]."""
-    return x[0].transpose(0, 1)
-
-
-def _scatter(rows: Tensor, index: Tensor, b: int, t: int) -> Tensor:
-    """[M, heads, D] rows at flat positions `index` -> [B, heads, T, D], zeros elsewhere (never read: a step's
-    own keys are read only by the same position's later queries, and those positions are kept)."""
-    full = rows.new_zeros(b * t, *rows.shape[1:]).index_copy(0, index, rows)
-    return full.view(b, t, *rows.shape[1:]).transpose(1, 2)
+def _rows(x: Tensor) -> Tensor:
+    """[B, heads, T, D] -> [B*T, heads, D]."""
+    return x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])
 
 
 def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows: Rows,
                     attention: Attention = "fast") -> list[Tensor]:
     """Logits [len(score[j]), draft_vocab] of the scored rows of each unrolled step (see the module docstring).
 
-    Step 0 runs attention over the whole batch (its keys and values are everyone's prefix); after that, the
-    layer, norm and lm_head run only on the rows in `rows`. The attention of a step j >= 1 still runs over
-    [B, T] (its queries scattered back, zeros elsewhere): it is a small share of the step, and keeps the exact
-    sink-key kernel of ttt_attention_fast.
+    Step 0 computes keys and values at every position (they are every later query's prefix); everything else
+    (queries, attention, the layer after it, norm and lm_head) runs only on the rows in `rows`, each batch row's
+    kept queries packed to the left and masked by their own positions.
     """
     attend = ttt_attention_fast if attention == "fast" else ttt_attention_dense
     b, t = input_ids.shape
     flat_pos = torch.arange(t, device=input_ids.device).repeat(b)
+    keep = rows.keep[0]
     q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1), hidden0, flat_pos.view(b, t))
-    out = attend(q, k0, v0, [], [])  # [B, nh, T, D]
-    flat_out = out.transpose(1, 2).reshape(b * t, -1)
-    hidden = draft.block(hidden0.reshape(b * t, -1)[rows.keep[0]], flat_out[rows.keep[0]])  # [M0, H]
+    out = attend(rows.pack(0, _rows(q)[keep]), k0, v0, [], [], rows.q_pos[0])
+    hidden = draft.block(hidden0.reshape(b * t, -1)[keep], rows.unpack(0, out))  # [M0, H]
     logits = [draft.logits(hidden[rows.score[0]])]
-    ks: list[Tensor] = []
+    ks: list[Tensor] = []  # step i's keys and values at the rows of keep[i] (i = 1, 2, ...)
     vs: list[Tensor] = []
     for j in range(1, rows.steps):
         keep = rows.keep[j]
         hidden = hidden[rows.parent[j]]
         ids = shift_tokens(input_ids, 1 + j).flatten()[keep]
         q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
-        ks.append(_scatter(_to_rows(k), keep, b, t))
-        vs.append(_scatter(_to_rows(v), keep, b, t))
-        out = attend(_scatter(_to_rows(q), keep, b, t), k0, v0, ks, vs)
-        hidden = draft.block(hidden, out.transpose(1, 2).reshape(b * t, -1)[keep])
+        ks.append(k[0].transpose(0, 1))
+        vs.append(v[0].transpose(0, 1))
+        at = [rows.within(i + 1, j) for i in range(len(ks))]
+        out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0, [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
+                     [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)], rows.q_pos[j])
+        hidden = draft.block(hidden, rows.unpack(j, out))
         logits.append(draft.logits(hidden[rows.score[j]]))
     return logits
 
