@@ -167,7 +167,8 @@ class Rows:
 
     def unpack(self, j: int, out: Tensor) -> Tensor:
         """[B, heads, width[j], D] -> rows [M_j, heads * D] of keep[j]."""
-        return out.transpose(1, 2).reshape(self.shape[0] * self.width[j], -1)[self.slot[j]]
+        heads, d = out.shape[1], out.shape[3]
+        return out.transpose(1, 2).reshape(self.shape[0] * self.width[j], heads * d)[self.slot[j]]
 
 
 def _rank_in(member: Tensor) -> Tensor:

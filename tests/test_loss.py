@@ -203,6 +203,24 @@ def test_pruned_rows_match_every_row_loss_and_gradients(mask_oov, steps):
         assert stats.valid[j] == valid_positions(mask, out.draft_target, j, mask_oov).sum()
 
 
+def test_a_batch_with_nothing_to_score_still_reaches_every_parameter():
+    """No assistant token at all (a blanked sample): zero loss, and a (zero) gradient for every parameter, as
+    DDP expects of every rank at every step."""
+    m = draft(4)
+    b, t, h = 2, 9, 48
+    teacher = Teacher(torch.randn(200, h), m.d2t, m.t2d, 64)
+    final = torch.randn(b, t, h)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    target = teacher.targets(final)
+    rows = plan_rows(mask, target, 3, True)
+    logits = m(torch.randn(b, t, 3 * h), torch.randint(0, 200, (b, t)), rows)
+    loss, stats = ttt_loss(logits, teacher.probs(final.flatten(0, 1)[rows.teacher_pos]),
+                           target.flatten()[rows.teacher_pos], rows, 0.8)
+    assert float(loss.detach()) == 0.0 and float(stats.counted.sum()) == 0.0
+    grads = torch.autograd.grad(loss, list(m.parameters()), allow_unused=False)
+    assert all(float(g.abs().sum()) == 0.0 for g in grads)
+
+
 def test_acceptance_length_counts_bonus_token():
     assert acceptance_length([1.0, 1.0, 1.0]) == 4.0
     assert acceptance_length([0.0, 1.0]) == 1.0
