@@ -81,10 +81,10 @@ def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         "final": torch.zeros(b, t, fin0.shape[-1], dtype=fin0.dtype),
         "lengths": torch.tensor([len(it["input_ids"]) for it in items], dtype=torch.int64),
     }
-    if all("draft_target" in it for it in items):  # the teacher's argmax, kept from an earlier epoch
-        out["draft_target"] = torch.full((b, t), -1, dtype=torch.int64)
+    if all("target_argmax" in it for it in items):  # stored at extraction, or kept by the trainer
+        out["target_argmax"] = torch.zeros(b, t, dtype=torch.int64)
         for i, it in enumerate(items):
-            out["draft_target"][i, : len(it["input_ids"])] = it["draft_target"]
+            out["target_argmax"][i, : len(it["input_ids"])] = it["target_argmax"]
     for i, it in enumerate(items):
         n = len(it["input_ids"])
         out["input_ids"][i, :n] = it["input_ids"]

@@ -9,8 +9,9 @@ Layout (one folder per prepared split; every rank of a scaled-out extraction wri
     <cache>/<split>/rank-00000-of-00002-shard-00000.arrow
 
 Each shard is an Arrow IPC stream (what `datasets.Dataset.from_file` reads) with columns sample_id (string),
-input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32), aux (list<fixed_size_list<H3>>) and final
-(list<fixed_size_list<H>>). bf16/fp16 states are stored as their raw 16-bit patterns (uint16), so they round-trip
+input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32), aux (list<fixed_size_list<H3>>), final
+(list<fixed_size_list<H>>) and target_argmax (list<int32>: the target's full-vocab argmax at each position, so
+the trainer never reads the whole lm_head; shards written before it existed lack it and still load). bf16/fp16 states are stored as their raw 16-bit patterns (uint16), so they round-trip
 bit-exactly (subnormals, -0.0, inf included) through a format that has no bfloat16 type; float32 stays float32.
 
 A cache is only valid for the exact target weights, dtype, layer ids (and their meaning) and prepared data it was
@@ -229,16 +230,19 @@ def storage_type(dtype: torch.dtype) -> pa.DataType:
     return _STORAGE[dtype]
 
 
-def schema(hidden_size: int, dtype: torch.dtype) -> pa.Schema:
+def schema(hidden_size: int, dtype: torch.dtype, target_argmax: bool = False) -> pa.Schema:
     st = storage_type(dtype)
-    return pa.schema([
+    fields = [
         ("sample_id", pa.string()),
         ("input_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.int8())),
         ("num_tokens", pa.int32()),
         ("aux", pa.list_(pa.list_(st, 3 * hidden_size))),
         ("final", pa.list_(pa.list_(st, hidden_size))),
-    ], metadata={"eagle3_dtype": str(dtype).removeprefix("torch.")})
+    ]
+    if target_argmax:  # optional: shards written before it existed load without it (the trainer computes it)
+        fields.append(("target_argmax", pa.list_(pa.int32())))
+    return pa.schema(fields, metadata={"eagle3_dtype": str(dtype).removeprefix("torch.")})
 
 
 def _to_storage_np(t: torch.Tensor) -> np.ndarray:
@@ -251,9 +255,11 @@ def _to_storage_np(t: torch.Tensor) -> np.ndarray:
     raise CacheError(f"cannot store hidden states of dtype {t.dtype}")
 
 
-def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtype) -> pa.RecordBatch:
-    """Rows {sample_id, input_ids, loss_mask, aux [T,3H], final [T,H]} -> one Arrow record batch."""
-    sch = schema(hidden_size, dtype)
+def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtype,
+                 target_argmax: bool = False) -> pa.RecordBatch:
+    """Rows {sample_id, input_ids, loss_mask, aux [T,3H], final [T,H][, target_argmax [T]]} -> one Arrow record
+    batch. target_argmax is the target's full-vocab argmax at each position (a target token id)."""
+    sch = schema(hidden_size, dtype, target_argmax)
     lengths = np.array([len(r["input_ids"]) for r in rows], dtype=np.int32)
     for r, t in zip(rows, lengths, strict=True):
         if tuple(r["aux"].shape) != (t, 3 * hidden_size) or tuple(r["final"].shape) != (t, hidden_size):
@@ -278,6 +284,12 @@ def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtyp
         states("aux", 3 * hidden_size),
         states("final", hidden_size),
     ]
+    if target_argmax:
+        for r, t in zip(rows, lengths, strict=True):
+            if len(r["target_argmax"]) != t:
+                raise CacheError(f"sample {r['sample_id']}: {len(r['target_argmax'])} argmax ids for {t} tokens")
+        top = np.concatenate([np.asarray(r["target_argmax"], dtype=np.int32) for r in rows])
+        cols.append(pa.ListArray.from_arrays(offsets, pa.array(top, type=pa.int32())))
     return pa.RecordBatch.from_arrays(cols, schema=sch)
 
 
@@ -285,18 +297,18 @@ class ShardWriter:
     """Streams record batches into `<final>.tmp` and renames it into place on `commit()`, so a shard file that
     exists is always whole (a kill at any moment leaves at most a stale .tmp, removed on restart)."""
 
-    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype):
-        self.path, self.hidden_size, self.dtype = path, hidden_size, dtype
+    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype, target_argmax: bool = False):
+        self.path, self.hidden_size, self.dtype, self.target_argmax = path, hidden_size, dtype, target_argmax
         self.tmp = path.with_name(path.name + ".tmp")
         self._sink = pa.OSFile(str(self.tmp), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, schema(hidden_size, dtype))
+        self._writer = pa.ipc.new_stream(self._sink, schema(hidden_size, dtype, target_argmax))
         self.num_samples = 0
         self.num_tokens = 0
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        rb = record_batch(rows, self.hidden_size, self.dtype)
+        rb = record_batch(rows, self.hidden_size, self.dtype, self.target_argmax)
         self._writer.write_batch(rb)
         self.num_samples += len(rows)
         self.num_tokens += int(sum(len(r["input_ids"]) for r in rows))
@@ -358,6 +370,8 @@ class _Batch:
         self.width_final = rb.schema.field("final").type.value_type.list_size
         self.dtype = torch_dtype
         self.sample_ids = rb.column("sample_id")
+        has_top = "target_argmax" in rb.schema.names
+        self.top = _np(rb.column("target_argmax").values) if has_top else None
 
 
 def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -372,7 +386,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     """One split of a cache as a torch Dataset; items are zero-copy views of the memory-mapped shards.
 
     `item["aux"]` is [T, 3H] and `item["final"]` [T, H] in the target dtype; `input_ids` int64 [T];
-    `loss_mask` int8 [T]. The tensors share memory with the file mapping: copy before writing into them.
+    `loss_mask` int8 [T]; `target_argmax` int64 [T] (the target's full-vocab argmax, a target token id) where the
+    shard stores it. The tensors share memory with the file mapping: copy before writing into them.
     """
 
     def __init__(self, cache_dir: str | Path, split: str = "train", allow_incomplete: bool = False,
@@ -435,13 +450,16 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         r = int(self._where_r[i])
         s, e = int(b.offsets[r]), int(b.offsets[r + 1])
         t = e - s
-        return {
+        item = {
             "sample_id": b.sample_ids[r].as_py(),
             "input_ids": torch.from_numpy(b.ids[s:e].astype(np.int64)),
             "loss_mask": _tensor(b.mask[s:e], torch.int8),
             "aux": _tensor(b.aux[s * b.width_aux:e * b.width_aux], self.dtype).view(t, b.width_aux),
             "final": _tensor(b.final[s * b.width_final:e * b.width_final], self.dtype).view(t, b.width_final),
         }
+        if b.top is not None:
+            item["target_argmax"] = torch.from_numpy(b.top[s:e].astype(np.int64))
+        return item
 
 
 # ------------------------------------------------------------------------------------------------------- info
@@ -462,8 +480,14 @@ def summary(cache_dir: str | Path) -> dict[str, Any]:
             "skipped_nonfinite": sum(len(s.skipped_nonfinite) for s in shards),
             "bytes": sum(s.bytes for s in shards), "shards": len(shards),
             "planned_samples": sum(m.planned_samples for m in found), "incomplete_ranks": incomplete,
+            "argmax_shards": sum(_has_argmax(Path(cache_dir) / split / s.file) for s in shards),
         }
     return out
+
+
+def _has_argmax(shard: Path) -> bool:
+    with pa.memory_map(str(shard), "r") as mm:
+        return "target_argmax" in pa.ipc.open_stream(mm).schema.names
 
 
 def print_info(cache_dir: str | Path) -> None:
@@ -477,7 +501,9 @@ def print_info(cache_dir: str | Path) -> None:
         print(f"  {split}: {d['samples']} samples, {d['tokens']} tokens, {d['bytes'] / 1e6:.1f} MB in "
               f"{d['shards']} shards, {bpt:.1f} bytes/token (payload minimum {payload}: "
               f"{bpt / payload if payload else 0:.3f}x), {state}"
-              + (f", {d['skipped_nonfinite']} samples skipped (non-finite states)" if d["skipped_nonfinite"] else ""))
+              + (f", {d['skipped_nonfinite']} samples skipped (non-finite states)" if d["skipped_nonfinite"] else "")
+              + f"; target argmax stored in {d['argmax_shards']}/{d['shards']} shards (4 bytes/token; the "
+              "trainer computes it for the others)")
     print(f"  layer ids: {fp['layer_ids']} ({fp['layer_id_convention']}: id k = input of decoder layer k)")
     print(f"  layout: {s['layout']}")
     print("  fingerprint:")

@@ -46,6 +46,7 @@ from eagle3.cache import (
 )
 from eagle3.data.prepared import load_prepared
 from eagle3.logs import Progress, disk_full_error, setup_logging
+from eagle3.loss import ArgmaxHead
 
 log = logging.getLogger("eagle3")
 
@@ -251,6 +252,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     from eagle3.targets.hf import plan_batches
 
     dtype = backend.dtype
+    argmax = ArgmaxHead.for_backend(cfg, backend)
     t0 = time.monotonic()
     tokens_done = batches_done = nonfinite = 0
     with Progress(todo_samples, f"extract rank {rank}/{world}", unit="samples") as prog:
@@ -262,7 +264,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
             tokens_at_start = tokens_done
             committed = sum(len(m.shards) for m in manifests.values())
             try:
-                writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], dtype)
+                writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], dtype, target_argmax=True)
                 for batch in plan_batches([int(lens[i]) for i in job.rows], cfg.extract.batch_tokens,
                                           cfg.extract.max_batch_size):
                     rows = ds[[job.rows[b] for b in batch]]
@@ -271,7 +273,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
                     for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True):
                         if finite(c):
                             keep.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "aux": c.aux,
-                                         "final": c.final})
+                                         "final": c.final, "target_argmax": argmax(c.final)})
                         else:  # skipped and counted; the manifest lists it, so `cache info` shows it
                             skipped.append(sid)
                             log.warning("%s sample %r: the target returned NaN/inf hidden states; skipped (not "

@@ -23,7 +23,7 @@ steps 1..j (its own included), as the engine's KV cache holds them when drafting
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -268,6 +268,60 @@ class TeacherOutput:
     """[...] int64: the target's FULL-vocab argmax as a draft id, -1 when it lies outside the draft vocab."""
 
 
+def lm_head_argmax(weight: Tensor, final: Tensor, chunk: int) -> Tensor:
+    """[...] int64 target ids: the argmax of final @ weight.T over the full vocab, in vocab chunks of `chunk`
+    rows, so a [N, V] logits tensor is never built. Extraction stores it; the trainer computes it for caches
+    without it, in the same dtype and chunks (so both give the same ids)."""
+    return lm_head_max(weight, final, chunk)[1]
+
+
+@torch.no_grad()
+def lm_head_max(weight: Tensor, final: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """([...] float32 max logit, [...] int64 its target id) of final @ weight.T, chunked (see lm_head_argmax)."""
+    lead = final.shape[:-1]
+    x = final.reshape(-1, final.shape[-1]).to(weight.dtype)
+    n = x.shape[0]
+    best = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+    best_id = torch.zeros(n, dtype=torch.int64, device=x.device)
+    for c0 in range(0, weight.shape[0], chunk):
+        m, i = (x @ weight[c0 : c0 + chunk].T).float().max(dim=-1)
+        better = m > best
+        best = torch.where(better, m, best)
+        best_id = torch.where(better, i + c0, best_id)
+    return best.view(lead), best_id.view(lead)
+
+
+class ArgmaxHead:
+    """The target's lm_head, to compute the full-vocab argmax of each token once, where its states are captured.
+
+    The trainer needs that argmax (as a draft id, or -1) to mask out-of-vocab positions, and getting it reads
+    every row of the lm_head: 6x the rows of the loss's draft vocab for SmolLM2, 5x for Kimi-K2.5. Extraction
+    stores it in the cache (as target ids: the cache does not depend on the draft vocab) and online capture hands
+    it over with the states. The weights are the target's dtype and the trainer's chunking, so the ids are the
+    ones the trainer would compute; the backend's own lm_head is used where it has one in memory.
+    """
+
+    def __init__(self, weight: Tensor, chunk: int):
+        self.weight, self.chunk = weight.detach(), chunk
+
+    @classmethod
+    def for_backend(cls, cfg: Any, backend: Any) -> ArgmaxHead:
+        weight = getattr(backend, "lm_head_weight", None)
+        if weight is None:  # e.g. SGLang: the weights live in the server
+            from eagle3.precision import DTYPES
+            from eagle3.targets.weights import load_lm_head
+
+            device = cfg.target.device
+            if device == "auto" or (device.startswith("cuda") and not torch.cuda.is_available()):
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            weight = load_lm_head(cfg).to(device, DTYPES[cfg.target.dtype])
+        return cls(weight, cfg.train.teacher_chunk)
+
+    def __call__(self, final: Tensor) -> Tensor:
+        """[T] int32 target ids (on the CPU) of final [T, H]."""
+        return lm_head_argmax(self.weight, final.to(self.weight.device), self.chunk).to("cpu", torch.int32)
+
+
 class Teacher:
     """The frozen target lm_head, applied to stored final states.
 
@@ -296,20 +350,13 @@ class Teacher:
         self.draft_weight = self.draft_weight.to(device)
         return self
 
-    @torch.no_grad()
+    def argmax(self, final: Tensor) -> Tensor:
+        """[...] int64: the full-vocab argmax of the target's logits (a target id)."""
+        return lm_head_argmax(self.weight, final, self.chunk)
+
     def targets(self, final: Tensor) -> Tensor:
         """[...] int64: the full-vocab argmax of the target's logits, as a draft id (-1 when out of vocab)."""
-        lead = final.shape[:-1]
-        x = final.reshape(-1, final.shape[-1]).to(self.weight.dtype)
-        n = x.shape[0]
-        best = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
-        best_id = torch.zeros(n, dtype=torch.int64, device=x.device)
-        for c0 in range(0, self.weight.shape[0], self.chunk):
-            m, i = (x @ self.weight[c0 : c0 + self.chunk].T).float().max(dim=-1)
-            better = m > best
-            best = torch.where(better, m, best)
-            best_id = torch.where(better, i + c0, best_id)
-        return self.to_draft[best_id].view(lead)
+        return self.to_draft[self.argmax(final)]
 
     @torch.no_grad()
     def probs(self, final: Tensor) -> Tensor:

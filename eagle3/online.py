@@ -5,7 +5,8 @@ trainer asks for the states of each batch as it goes. A background thread keeps 
 target's forward of batch i+1 overlaps the draft's step on batch i (torch releases the GIL inside its kernels).
 
 Items are the same dicts `HiddenStateDataset` yields, so the trainer cannot tell the two modes apart:
-{"sample_id", "input_ids" int64 [T], "loss_mask" int8 [T], "aux" [T,3H], "final" [T,H]}.
+{"sample_id", "input_ids" int64 [T], "loss_mask" int8 [T], "aux" [T,3H], "final" [T,H]}, plus "target_argmax"
+[T] (the target's full-vocab argmax, as extraction stores it) when an ArgmaxHead is given.
 
     batches = OnlineBatches(backend, prepared.train, index_batches, prefetch=cfg.extract.prefetch)
     for items in batches: ...      # one list of item dicts per index batch, in order
@@ -24,7 +25,7 @@ from eagle3.batching import Prefetch
 log = logging.getLogger("eagle3")
 
 
-def capture_items(backend: Any, dataset: Any, indices: list[int]) -> list[dict[str, Any]]:
+def capture_items(backend: Any, dataset: Any, indices: list[int], argmax: Any = None) -> list[dict[str, Any]]:
     """The item dicts for `indices` of a prepared split, computed by `backend` now.
 
     A sample whose states are not all finite (NaN/inf from the target) must never be trained on, but dropping it
@@ -40,8 +41,11 @@ def capture_items(backend: Any, dataset: Any, indices: list[int]) -> list[dict[s
             log.warning("online: sample %r: the target returned NaN/inf hidden states; blanked (zero states, no "
                         "loss positions), never trained on", sid)
             aux, final, loss_mask = torch.zeros_like(aux), torch.zeros_like(final), torch.zeros_like(loss_mask)
-        items.append({"sample_id": sid, "input_ids": torch.tensor(ids, dtype=torch.int64), "loss_mask": loss_mask,
-                      "aux": aux, "final": final})
+        item = {"sample_id": sid, "input_ids": torch.tensor(ids, dtype=torch.int64), "loss_mask": loss_mask,
+                "aux": aux, "final": final}
+        if argmax is not None:
+            item["target_argmax"] = argmax(final).long()
+        items.append(item)
     return items
 
 
@@ -49,13 +53,14 @@ class OnlineBatches:
     """Iterate over `index_batches` (chosen by the trainer), yielding each batch's item dicts, `prefetch` batches
     ahead in a background thread (eagle3.batching.Prefetch: closed and joined when the iteration ends)."""
 
-    def __init__(self, backend: Any, dataset: Any, index_batches: Iterable[list[int]], prefetch: int = 2):
-        self.backend, self.dataset = backend, dataset
+    def __init__(self, backend: Any, dataset: Any, index_batches: Iterable[list[int]], prefetch: int = 2,
+                 argmax: Any = None):
+        self.backend, self.dataset, self.argmax = backend, dataset, argmax
         self.index_batches = index_batches
         self.prefetch = prefetch
 
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
-        gen = (capture_items(self.backend, self.dataset, idx) for idx in self.index_batches)
+        gen = (capture_items(self.backend, self.dataset, idx, self.argmax) for idx in self.index_batches)
         if self.prefetch <= 0:
             yield from gen
             return
@@ -64,3 +69,21 @@ class OnlineBatches:
                 yield from pf
             except Exception as e:
                 raise RuntimeError("the online target failed while computing hidden states") from e
+
+
+class OnlineSource:
+    """Online mode: a prepared split whose states the target computes batch by batch, with `lengths` for the
+    batch planner; the trainer cannot tell it from a cache split."""
+
+    def __init__(self, backend: Any, split: Any, prefetch: int, argmax: Any = None):
+        self.backend, self.split, self.prefetch, self.argmax = backend, split, prefetch, argmax
+        self.lengths = [len(x) for x in split["input_ids"]]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def iter_collated(self, index_batches: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+        from eagle3.batching import collate
+
+        for items in OnlineBatches(self.backend, self.split, index_batches, self.prefetch, self.argmax):
+            yield collate(items)

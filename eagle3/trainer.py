@@ -30,13 +30,14 @@ from typing import Any
 
 import torch
 
-from eagle3.batching import collate, iter_batches, plan_epoch
+from eagle3.batching import iter_batches, plan_epoch
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import Progress, setup_logging
-from eagle3.loss import StepStats, Teacher, plan_rows, summarise, ttt_loss
+from eagle3.loss import ArgmaxHead, StepStats, Teacher, plan_rows, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
 from eagle3.targets.weights import load_target_head
 
@@ -117,31 +118,13 @@ def init_tracking(accelerator, cfg: Config) -> None:
     accelerator.trackers = []
 
 
-class OnlineSource:
-    """Online mode: a prepared split whose states the target computes batch by batch (eagle3.online), with
-    `lengths` for the batch planner; the trainer cannot tell it from a cache split."""
-
-    def __init__(self, backend: Any, split: Any, prefetch: int):
-        self.backend, self.split, self.prefetch = backend, split, prefetch
-        self.lengths = [len(x) for x in split["input_ids"]]
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def iter_collated(self, index_batches: list[list[int]]):
-        from eagle3.online import OnlineBatches
-
-        for items in OnlineBatches(self.backend, self.split, index_batches, prefetch=self.prefetch):
-            yield collate(items)
-
-
 class TeacherTargets:
-    """A cache split whose items also carry the teacher's full-vocab argmax (as draft ids), once known.
+    """A cache split whose items all carry the teacher's full-vocab argmax (`target_argmax`, target ids).
 
-    That argmax depends on the sample only, but it reads every row of the target's lm_head: 6x the rows the
-    loss needs for SmolLM2, 5x for Kimi-K2.5, and more time than the draft's own layer (BENCHMARKS.md,
-    "Training speed"). So the trainer computes it the first time it sees a sample and keeps it here (int32,
-    4 bytes a token, next to the cache's thousands); later epochs and evals multiply only the draft vocab's rows.
+    That argmax depends on the sample only, but it reads every row of the target's lm_head (eagle3.loss.
+    ArgmaxHead). Extraction stores it; for a cache written before it did, the trainer computes it the first
+    time it sees a sample and keeps it here (int32, 4 bytes a token next to the cache's thousands), so later
+    epochs and evals multiply only the draft vocab's rows.
     """
 
     def __init__(self, dataset: Any):
@@ -158,10 +141,10 @@ class TeacherTargets:
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self.dataset[i]
         kept = self._kept.get(i)
-        return item if kept is None else {**item, "draft_target": kept}
+        return item if kept is None or "target_argmax" in item else {**item, "target_argmax": kept}
 
-    def remember(self, indices: list[int], draft_target: torch.Tensor, lengths: torch.Tensor) -> None:
-        rows = draft_target.to("cpu", torch.int32)
+    def remember(self, indices: list[int], target_argmax: torch.Tensor, lengths: torch.Tensor) -> None:
+        rows = target_argmax.to("cpu", torch.int32)
         for row, (i, n) in enumerate(zip(indices, lengths.tolist(), strict=True)):
             self._kept[i] = rows[row, :n].clone()
 
@@ -196,8 +179,9 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
 
         prepared = load_prepared(cfg.prepared_dir)
         backend = make_backend(cfg)
-        evald = OnlineSource(backend, prepared.eval, cfg.extract.prefetch) if len(prepared.eval) else None
-        return OnlineSource(backend, prepared.train, cfg.extract.prefetch), evald
+        argmax = ArgmaxHead.for_backend(cfg, backend)
+        evald = OnlineSource(backend, prepared.eval, cfg.extract.prefetch, argmax) if len(prepared.eval) else None
+        return OnlineSource(backend, prepared.train, cfg.extract.prefetch, argmax), evald
     from eagle3.cache import HiddenStateDataset, check_fingerprint, expected_fingerprint
 
     if not (cfg.cache_dir / "meta.json").is_file():
@@ -361,11 +345,12 @@ def forward_loss(model, teacher: Teacher, batch: dict[str, torch.Tensor], cfg: C
     """The loss of one micro-batch; the teacher's argmax is computed (and kept, for `indices` of `kept`) when the
     batch does not carry it yet."""
     tc = cfg.train
-    target = batch.get("draft_target")
-    if target is None:
-        target = teacher.targets(batch["final"])
+    top = batch.get("target_argmax")
+    if top is None:
+        top = teacher.argmax(batch["final"])
         if kept is not None and indices is not None:
-            kept.remember(indices, target, batch["lengths"])
+            kept.remember(indices, top, batch["lengths"])
+    target = teacher.to_draft[top]
     rows = plan_rows(batch["loss_mask"], target, tc.ttt_steps, tc.mask_out_of_vocab)
     logits = model(batch["aux"], batch["input_ids"], rows)
     probs = teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
@@ -412,15 +397,15 @@ def run(cfg: Config) -> dict[str, Any]:
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg)
     train_ds, eval_ds = open_datasets(cfg)
-    if not isinstance(train_ds, OnlineSource):  # online states are recomputed anyway, and so is the argmax
-        train_ds = TeacherTargets(train_ds)
-        eval_ds = TeacherTargets(eval_ds) if eval_ds is not None else None
-    kept = train_ds if isinstance(train_ds, TeacherTargets) else None
     draft = build_draft(cfg, hf_config, d2t, t2d, embed, lm_head)
     # The teacher multiplies in the dtype the target is served in (its logits are the ones the engine verifies
     # against), whatever dtype the checkpoint stores its lm_head in.
     teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d, tc.teacher_chunk).to(accelerator.device)
     del embed, lm_head
+    if not isinstance(train_ds, OnlineSource):  # online capture hands the argmax over with the states
+        train_ds = TeacherTargets(train_ds)
+        eval_ds = TeacherTargets(eval_ds) if eval_ds is not None else None
+    kept = train_ds if isinstance(train_ds, TeacherTargets) else None
 
     rank, world = accelerator.process_index, accelerator.num_processes
     first = plan_epoch(train_ds.lengths, tc.batch_tokens, tc.seed, 0, rank, world)

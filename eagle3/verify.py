@@ -131,6 +131,12 @@ def compare(sample_id: str, ids: list[int], aux: torch.Tensor, final: torch.Tens
     return rep
 
 
+def _cause_summary(cause: str) -> str:
+    if cause.startswith("target_argmax"):
+        return "target_argmax: not the target's own argmax (other weights?)"
+    return cause.split(":")[0] + ": tokens dropped (prefix caching / chunked prefill?)"
+
+
 def format_report(reports: list[SampleReport]) -> str:
     lines = []
     for r in reports:
@@ -141,8 +147,7 @@ def format_report(reports: list[SampleReport]) -> str:
         for cause in r.causes:
             lines.append(f"  FAIL: {cause}")
     causes = sorted({c.verdict for r in reports for c in r.checks if c.verdict}
-                    | {x.split(":")[0] + ": tokens dropped (prefix caching / chunked prefill?)"
-                       for r in reports for x in r.causes})
+                    | {_cause_summary(x) for r in reports for x in r.causes})
     if all(r.ok for r in reports):
         lines.append(f"PASS: {len(reports)} sample(s), every layer cosine >= {COSINE_MIN}, token counts equal")
     else:
@@ -163,8 +168,32 @@ def _states_from_cache(cache_dir: str, prepared_train: Any, n: int) -> tuple[lis
         if item["sample_id"] not in ids_col:
             raise ValueError(f"cache sample {item['sample_id']!r} is not in the prepared data: different data set")
         prompt = prepared_train[ids_col.index(item["sample_id"])]["input_ids"]
-        rows.append((item["sample_id"], prompt, item["aux"], item["final"]))
+        rows.append((item["sample_id"], prompt, item["aux"], item["final"], item.get("target_argmax")))
     return rows, ds.layer_ids
+
+
+ARGMAX_REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+"""How far below the reference's max logit a stored argmax's logit may be: a near-tie that states differing in
+their last bits (batched vs alone) may flip, not a token from other weights."""
+
+
+def check_argmax(report: SampleReport, stored: torch.Tensor, model: torch.nn.Module, reference_final: torch.Tensor,
+                 chunk: int) -> None:
+    """The cache's target_argmax against the target's own lm_head over the reference final state: each stored id
+    must be the reference argmax or tie with it within the dtype's rounding."""
+    from eagle3.loss import lm_head_max
+
+    weight = model.get_output_embeddings().weight
+    x = reference_final.to(weight.device, weight.dtype)
+    top, _ = lm_head_max(weight, x, chunk)
+    n = min(len(stored), len(top))
+    ids = stored[:n].to(weight.device).long()
+    picked = (x[:n] * weight[ids]).sum(-1).float()
+    near = picked >= top[:n] - ARGMAX_REL_TOL.get(weight.dtype, 2e-2) * top[:n].abs().clamp(min=1.0)
+    if not bool(near.all()):
+        bad = int((~near).sum())
+        report.causes.append(f"target_argmax: {bad} of {n} stored ids are not the target lm_head's argmax (nor a "
+                             "near-tie): the cache was extracted with other weights, or its states were changed")
 
 
 def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = None) -> int:
@@ -183,7 +212,8 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
         n = min(num_samples, len(prepared.train))
         sel = prepared.train.select(range(n))
         caps = backend.capture([list(x) for x in sel["input_ids"]])
-        rows = [(sid, ids, c.aux, c.final) for sid, ids, c in zip(sel["id"], sel["input_ids"], caps, strict=True)]
+        rows = [(sid, ids, c.aux, c.final, None) for sid, ids, c in zip(sel["id"], sel["input_ids"], caps,
+                                                                         strict=True)]
         layer_ids = list(backend.layer_ids)
         if isinstance(backend, HFTarget):
             model = backend.model  # output_hidden_states does not go through the capture hooks' results
@@ -195,9 +225,11 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
         model = load_causal_lm(resolve_target_path(cfg.target.path), DTYPES[cfg.target.dtype], cfg.target.device,
                                cfg.target.trust_remote_code, cfg.target.revision)
     reports = []
-    for sid, ids, aux, final in rows:
+    for sid, ids, aux, final, top in rows:
         hs, prenorm = reference(model, list(ids))
         reports.append(compare(sid, list(ids), aux, final, layer_ids, hs, prenorm))
+        if top is not None:
+            check_argmax(reports[-1], top, model, hs[-1], cfg.train.teacher_chunk)
     print(f"verify-extraction: {source} vs HF reference (output_hidden_states), layer ids {layer_ids} "
           f"(eagle3 convention: id k = input of decoder layer k)")
     print(format_report(reports))

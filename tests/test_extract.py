@@ -165,6 +165,7 @@ def test_online_equals_offline(world, tmp_path, dtype, max_batch):
     """Same sample, same states, whichever mode. Bit-exact when both compute one sequence per forward; with
     batching, the trainer's batches differ from the extraction's and CPU GEMMs pick their reduction order by
     shape, so the last bits may differ (same float tolerance as batched-vs-alone)."""
+    from eagle3.loss import ArgmaxHead
     from eagle3.online import OnlineBatches
 
     cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path, shard_samples=4, batch_tokens=80,
@@ -175,15 +176,20 @@ def test_online_equals_offline(world, tmp_path, dtype, max_batch):
     prepared = load_prepared(world["prepared"])
     index_batches = [[7, 0, 3], [9], [1, 2, 4, 5, 6, 8]]  # the trainer's choice, unlike the extraction batches
     seen = 0
-    for idx, items in zip(index_batches, OnlineBatches(HFTarget(cfg), prepared.train, index_batches, prefetch=2),
-                          strict=True):
+    backend = HFTarget(cfg)
+    online = OnlineBatches(backend, prepared.train, index_batches, prefetch=2,
+                           argmax=ArgmaxHead.for_backend(cfg, backend))
+    for idx, items in zip(index_batches, online, strict=True):
         assert [it["sample_id"] for it in items] == [prepared.train[i]["id"] for i in idx]
         for it in items:
             off = cache[cache.index_of(it["sample_id"])]
             assert off.keys() == it.keys()
-            for k in ("input_ids", "loss_mask", "aux", "final"):
+            for k in ("input_ids", "loss_mask", "aux", "final", "target_argmax"):
                 assert it[k].dtype == off[k].dtype and it[k].shape == off[k].shape, (it["sample_id"], k)
-                if max_batch == 1 or k in ("input_ids", "loss_mask"):
+                if k == "target_argmax" and max_batch > 1 and dtype == "bfloat16":
+                    # bf16 states that differ in their last bits may flip a near-tie of the argmax
+                    assert (it[k] == off[k]).float().mean() >= 0.9, it["sample_id"]
+                elif max_batch == 1 or k in ("input_ids", "loss_mask", "target_argmax"):
                     assert torch.equal(it[k], off[k]), (it["sample_id"], k)
                 else:
                     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 1.6e-2, "atol": 5e-2}

@@ -163,6 +163,38 @@ def test_init_from_a_draft_folder_fine_tunes(tiny_cache, tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)  # started from it (lr ~ 0)
 
 
+def test_stored_argmax_is_the_teachers_and_old_caches_train_the_same(tiny_cache, tmp_path, monkeypatch):
+    """Extraction stores the target's full-vocab argmax; it is exactly what the trainer's teacher computes from
+    the stored final states. A cache written before that column existed still trains, to the same losses (the
+    trainer computes the argmax in its first epoch and keeps it), over several epochs."""
+    from eagle3.cache import HiddenStateDataset
+    from eagle3.loss import Teacher
+    from eagle3.targets.weights import load_target_head
+
+    cfg = make_cfg(tiny_cache, tmp_path / "new", max_steps=12, eval_every=6)
+    ds = HiddenStateDataset(tiny_cache["cache"], "train")
+    _, lm_head, _ = load_target_head(cfg)
+    teacher = Teacher(lm_head, torch.arange(64) * 0, torch.arange(256) < 64, cfg.train.teacher_chunk)
+    for i in range(len(ds)):
+        assert torch.equal(ds[i]["target_argmax"], teacher.argmax(ds[i]["final"])), i
+    trainer.run(cfg)
+    real_getitem = HiddenStateDataset.__getitem__
+
+    def without_argmax(self, i):
+        item = real_getitem(self, i)
+        item.pop("target_argmax")
+        return item
+
+    monkeypatch.setattr(HiddenStateDataset, "__getitem__", without_argmax)
+    old = make_cfg(tiny_cache, tmp_path / "old", max_steps=12, eval_every=6)
+    trainer.run(old)
+    a, b = read_log(tmp_path / "new"), read_log(tmp_path / "old")
+    assert max(r["epoch"] for r in a.values()) >= 2
+    for step in a:
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-6), step
+        assert b[step]["acc_0"] == a[step]["acc_0"], step
+
+
 def test_online_mode_matches_offline(tiny_cache, tmp_path):
     """extract.mode=online: the target computes each batch's states; same losses as training from the cache.
 

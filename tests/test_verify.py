@@ -93,3 +93,21 @@ def test_verifies_a_cache(world, tmp_path, capsys):
     extract(bad, backend=Faulty(bad, "shift"))  # an engine cache written with the other convention
     assert verify(bad, str(bad.cache_dir), 2) == 1
     assert "off by one" in capsys.readouterr().out
+
+
+class OtherHead(HFTarget):
+    """Right states, but an argmax from another lm_head (e.g. a cache extracted against another checkpoint)."""
+
+    @property
+    def lm_head_weight(self):
+        g = torch.Generator().manual_seed(0)
+        w = super().lm_head_weight
+        return torch.randn(w.shape, generator=g).to(w)
+
+
+def test_catches_a_stored_argmax_from_another_lm_head(world, tmp_path, capsys):
+    cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path / "other-head")
+    extract(cfg, backend=OtherHead(cfg))
+    assert verify(cfg, str(cfg.cache_dir), 2) == 1
+    out = capsys.readouterr().out
+    assert "stored ids are not the target lm_head's argmax" in out and "other weights?" in out

@@ -113,6 +113,11 @@ class HFTarget:
     def weights_id(self) -> str:
         return weights_id(self.path, self.cfg.target.revision)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The loaded model's lm_head [V, H] (eagle3.loss.ArgmaxHead uses it rather than a second copy)."""
+        return self.model.get_output_embeddings().weight
+
     @torch.inference_mode()
     def _forward(self, seqs: list[list[int]]) -> list[Captured]:
         lengths = [len(s) for s in seqs]

@@ -51,25 +51,41 @@ def _read(folder: Path, names: dict[str, str], name: str) -> torch.Tensor:
         return sf.get_tensor(name)
 
 
+def load_lm_head(path_or_cfg: Any) -> torch.Tensor:
+    """The target's lm_head [V, H] alone (the embeddings when tied), without loading the model."""
+    folder, hf_config, names = _open(path_or_cfg)
+    head_name = _find(names, _LM_HEAD, "lm_head.weight")
+    if head_name is not None and not _tied(hf_config):
+        return _read(folder, names, head_name)
+    return load_target_head(path_or_cfg)[1]
+
+
+def _open(path_or_cfg: Any) -> tuple[Path, dict[str, Any], dict[str, str]]:
+    path = path_or_cfg.target.path if hasattr(path_or_cfg, "target") else str(path_or_cfg)
+    folder = Path(resolve_target_path(path))
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"target.path: no config.json in {folder}")
+    return folder, json.loads(cfg_file.read_text()), _weight_map(folder)
+
+
+def _tied(hf_config: dict[str, Any]) -> bool:
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    return bool(text.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
+
+
 def load_target_head(path_or_cfg: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """(embed [V, H], lm_head [V, H], the target's config.json as a dict) without loading the model.
 
     Accepts a folder path, a `bundled:` name or a Config (uses `target.path`). Tied embeddings (no lm_head
     tensor, or `tie_word_embeddings`) return the embedding matrix as the lm_head too.
     """
-    path = path_or_cfg.target.path if hasattr(path_or_cfg, "target") else str(path_or_cfg)
-    folder = Path(resolve_target_path(path))
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"target.path: no config.json in {folder}")
-    hf_config = json.loads(cfg_file.read_text())
-    names = _weight_map(folder)
+    folder, hf_config, names = _open(path_or_cfg)
     embed_name = _find(names, _EMBED, "embed_tokens.weight")
     if embed_name is None:
         raise KeyError(f"target.path {folder}: no token embedding tensor (looked for {', '.join(_EMBED)})")
     embed = _read(folder, names, embed_name)
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
-    tied = bool(text.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
+    tied = _tied(hf_config)
     head_name = _find(names, _LM_HEAD, "lm_head.weight")
     if head_name is None or tied:
         if head_name is None and not tied:
