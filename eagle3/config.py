@@ -211,8 +211,6 @@ class TrainConfig(Section):
     """Seed of initialisation and batch order."""
     resume: bool = True
     """Continue from the newest checkpoint in `<output_dir>/checkpoints` when there is one."""
-    num_workers: int = Field(0, ge=0)
-    """DataLoader workers for the cache."""
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

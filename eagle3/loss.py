@@ -22,7 +22,7 @@ steps 1..j (its own included), as the engine's KV cache holds them when drafting
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -151,6 +151,18 @@ class Rows:
     @property
     def steps(self) -> int:
         return len(self.keep)
+
+    def scored(self) -> Tensor:
+        """[steps] float: the positions each step scores (the loss's denominators)."""
+        return torch.tensor([float(x.numel()) for x in self.score])
+
+    def to(self, device: torch.device | str) -> Rows:
+        def move(x: Any) -> Any:
+            if isinstance(x, Tensor):
+                return x.to(device, non_blocking=True)
+            return [move(v) for v in x] if isinstance(x, list) else x
+
+        return Rows(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
     def within(self, i: int, j: int) -> Tensor:
         """Where each keep[j] position sits in keep[i], for i <= j."""
@@ -342,6 +354,7 @@ class Teacher:
         to_draft = torch.full((v,), -1, dtype=torch.int64)
         to_draft[target_ids] = torch.arange(d2t.shape[0])
         self.to_draft = to_draft.to(self.weight.device)
+        self.to_draft_host = to_draft  # batches are planned on the host (no device syncs in the step)
         self.draft_weight = self.weight[target_ids.to(self.weight.device)]  # [draft_vocab, H], draft id order
         self.draft_vocab = d2t.shape[0]
 
@@ -382,41 +395,84 @@ class StepStats:
     correct: Tensor  # [steps] draft argmax == target argmax (as draft id), over the positions in the loss
     valid: Tensor  # [steps] positions in the loss (the loss's denominator)
     counted: Tensor  # [steps] positions with a masked-in label, out-of-vocab teachers included (acc's denominator)
+    chain_alive: Tensor  # [steps] positions whose draft chain reaches step j on greedy tokens (see greedy_chain)
+    chain_hit: Tensor  # [steps] ...of which step j's draft token is the target's
 
     @classmethod
     def zeros(cls, steps: int, device: torch.device | str) -> StepStats:
-        return cls(*(torch.zeros(steps, device=device) for _ in range(4)))
+        return cls(*(torch.zeros(steps, device=device) for _ in fields(cls)))
 
     def __add__(self, other: StepStats) -> StepStats:
-        return StepStats(self.loss_sum + other.loss_sum, self.correct + other.correct, self.valid + other.valid,
-                         self.counted + other.counted)
+        return StepStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def packed(self) -> Tensor:
+        """[fields, steps]: one tensor for one all-reduce (StepStats(*packed) rebuilds it)."""
+        return torch.stack([getattr(self, f.name) for f in fields(self)])
 
 
-def ttt_loss(logits: list[Tensor], probs: Tensor, draft_target: Tensor, rows: Rows,
-             decay: float) -> tuple[Tensor, StepStats]:
-    """sum_j decay**j * mean over step j's scored rows of soft-CE(teacher, draft); plus per-step sums.
+def greedy_chain(rows: Rows, hits: list[Tensor], input_ids: Tensor, target_argmax: Tensor,
+                 loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """([steps] alive, [steps] hit): the draft chains of the batch as an engine runs them on greedy text.
+
+    An engine drafts from a context the target produced: the bonus token is the target's argmax, and step j
+    is fed the draft's own token of step j-1, which equals the target's argmax when that step was accepted.
+    Training text (ShareGPT's answers) often is not what the target would have said; at such a position the
+    teacher-forced acc_j measures a context no engine sees. Here a position t starts a chain (alive at step 0)
+    where its label is counted and its bonus token x_{t+1} is the target's argmax at t; it stays alive at step
+    j where steps 0..j-1 hit and the token fed at step j (x_{t+1+j}) is the target's argmax at t+j, i.e. what
+    the accepted draft token was. hit_j / alive_j is then the engine's acceptance rate of step j given the
+    earlier ones, over the contexts where the text agrees with the target.
+    """
+    b, t = rows.shape
+    steps = rows.steps
+    alive_n = torch.zeros(steps, device=input_ids.device)
+    hit_n = torch.zeros(steps, device=input_ids.device)
+    live = torch.ones(b * t, dtype=torch.bool, device=input_ids.device)
+    for j in range(steps):
+        hit = torch.zeros(b * t, dtype=torch.bool, device=input_ids.device)
+        hit[rows.keep[j][rows.score[j]]] = hits[j]
+        fed = shift_tokens(input_ids, 1 + j) == shift_tokens(target_argmax, j)  # x_{t+1+j} == argmax at t+j
+        live = live & fed.flatten() & valid_positions(loss_mask, target_argmax, j, False).flatten()
+        alive_n[j] = live.sum()
+        live = live & hit
+        hit_n[j] = live.sum()
+    return alive_n, hit_n
+
+
+def ttt_loss(logits: list[Tensor], probs: Tensor, draft_target: Tensor, rows: Rows, decay: float,
+             norm: Tensor | None = None, greedy: tuple[Tensor, Tensor, Tensor] | None = None,
+             ) -> tuple[Tensor, StepStats]:
+    """sum_j decay**j * (soft-CE(teacher, draft) summed over step j's scored rows) / norm[j]; plus per-step sums.
 
     logits[j] holds step j's scored rows (ttt_unroll_rows); probs [len(teacher_pos), draft_vocab] and
-    draft_target [len(teacher_pos)] the teacher at rows.teacher_pos.
+    draft_target [len(teacher_pos)] the teacher at rows.teacher_pos. norm [steps]: the scored positions of the
+    whole accumulation group on all ranks, so every position weighs the same whichever micro-batch or rank it
+    fell in; None: this batch's own (a mean per step). greedy: (input_ids, target_argmax, loss_mask) [B, T] of the
+    batch, for the chain counts of greedy_chain (zeros without).
     """
     steps = len(logits)
     device = probs.device
     total = probs.new_zeros((), dtype=torch.float32)
     loss_sum, correct, valid_n = (torch.zeros(steps, device=device) for _ in range(3))
+    hits: list[Tensor] = []
     for j, lg in enumerate(logits):
         count = lg.shape[0]
         if count == 0:
             # Keep every parameter in the graph (DDP expects gradients for all of them each step).
             total = total + lg.sum() * 0.0
+            hits.append(torch.zeros(0, dtype=torch.bool, device=device))
             continue
         p = probs[rows.teacher_row[j]]
-        ce = -(p * torch.log_softmax(lg.float(), dim=-1)).sum(-1)  # [M]
-        total = total + (decay**j) * ce.sum() / count
+        z = lg.float()  # argmax of bf16 logits on a CPU costs 2x a log_softmax of float32 ones
+        ce = -(p * torch.log_softmax(z, dim=-1)).sum(-1)  # [M]
+        total = total + (decay**j) * ce.sum() / (count if norm is None else norm[j])
         with torch.no_grad():
             loss_sum[j] = ce.sum()
-            correct[j] = (lg.argmax(-1) == draft_target[rows.teacher_row[j]]).sum()
+            hits.append(z.argmax(-1) == draft_target[rows.teacher_row[j]])
+            correct[j] = hits[-1].sum()
             valid_n[j] = count
-    return total, StepStats(loss_sum, correct, valid_n, rows.counted.to(device))
+    chain = greedy_chain(rows, hits, *greedy) if greedy is not None else (torch.zeros(steps, device=device),) * 2
+    return total, StepStats(loss_sum, correct, valid_n, rows.counted.to(device), *chain)
 
 
 def acceptance_length(acc: list[float] | Tensor) -> float:
@@ -429,15 +485,22 @@ def acceptance_length(acc: list[float] | Tensor) -> float:
 
 
 def summarise(stats: StepStats) -> dict[str, float]:
-    """loss_j, acc_j per step and the simulated acceptance length (which counts the bonus token).
+    """loss_j, acc_j, chain_acc_j per step and the simulated acceptance lengths (which count the bonus token).
 
-    acc_j counts a position whose target argmax lies outside the draft vocab as a miss, as an engine does (the
-    draft can never propose that token); the loss leaves such positions out when train.mask_out_of_vocab."""
+    acc_j (teacher-forced, every counted position) and chain_acc_j (greedy_chain: step j's acceptance given the
+    earlier steps', on text that agrees with the target) both count a position whose target argmax lies outside
+    the draft vocab as a miss, as an engine does (the draft can never propose that token); the loss leaves such
+    positions out when train.mask_out_of_vocab. sim_accept_len = 1 + sum_k prod_{j<=k} chain_acc_j is what an
+    engine's acceptance length estimates (best-checkpoint selection uses it); sim_accept_len_tf is the same
+    product over acc_j, which treats the steps as independent and every training token as greedy."""
     valid = stats.valid.clamp(min=1)
     acc = (stats.correct / stats.counted.clamp(min=1)).tolist()
+    chain = (stats.chain_hit / stats.chain_alive.clamp(min=1)).tolist()
     out: dict[str, float] = {}
-    for j, (ls, a) in enumerate(zip((stats.loss_sum / valid).tolist(), acc, strict=True)):
+    for j, (ls, a, c) in enumerate(zip((stats.loss_sum / valid).tolist(), acc, chain, strict=True)):
         out[f"loss_{j}"] = ls
         out[f"acc_{j}"] = a
-    out["sim_accept_len"] = acceptance_length(acc)
+        out[f"chain_acc_{j}"] = c
+    out["sim_accept_len_tf"] = acceptance_length(acc)
+    out["sim_accept_len"] = acceptance_length(chain) if float(stats.chain_alive[0]) > 0 else out["sim_accept_len_tf"]
     return out

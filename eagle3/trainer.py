@@ -35,7 +35,7 @@ from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import Progress, setup_logging
-from eagle3.loss import ArgmaxHead, StepStats, Teacher, plan_rows, summarise, ttt_loss
+from eagle3.loss import ArgmaxHead, Rows, StepStats, Teacher, plan_rows, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
@@ -340,27 +340,46 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def forward_loss(model, teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config,
-                 kept: TeacherTargets | None = None, indices: list[int] | None = None) -> tuple[torch.Tensor, StepStats]:
-    """The loss of one micro-batch; the teacher's argmax is computed (and kept, for `indices` of `kept`) when the
-    batch does not carry it yet."""
-    tc = cfg.train
+@dataclass
+class Micro:
+    """A micro-batch on the host with its rows planned (eagle3.loss.Rows): planning needs only the loss mask and
+    the teacher's argmax, so an accumulation group knows its loss denominators before its first backward."""
+
+    batch: dict[str, torch.Tensor]
+    rows: Rows
+    top: torch.Tensor
+    """[B, T] the teacher's full-vocab argmax (target ids)."""
+    target: torch.Tensor
+    """[B, T] the same as draft ids (-1 out of vocab)."""
+
+
+def plan_micro(teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config, device: torch.device,
+               kept: TeacherTargets | None = None, indices: list[int] | None = None) -> Micro:
+    """Plan a host batch; its argmax is computed on `device` (and kept, for `indices` of `kept`) when the batch
+    does not carry it."""
     top = batch.get("target_argmax")
     if top is None:
-        top = teacher.argmax(batch["final"])
+        top = teacher.argmax(batch["final"].to(device)).cpu()
         if kept is not None and indices is not None:
             kept.remember(indices, top, batch["lengths"])
-    target = teacher.to_draft[top]
-    rows = plan_rows(batch["loss_mask"], target, tc.ttt_steps, tc.mask_out_of_vocab)
+    target = teacher.to_draft_host[top]
+    return Micro(batch, plan_rows(batch["loss_mask"], target, cfg.train.ttt_steps, cfg.train.mask_out_of_vocab),
+                 top, target)
+
+
+def forward_loss(model, teacher: Teacher, micro: Micro, cfg: Config, device: torch.device,
+                 norm: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
+    """The loss of one planned micro-batch (eagle3.loss.ttt_loss; `norm` as there)."""
+    batch, rows = to_device(micro.batch, device), micro.rows.to(device)
+    target = micro.target.to(device, non_blocking=True)
     logits = model(batch["aux"], batch["input_ids"], rows)
     probs = teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
-    return ttt_loss(logits, probs, target.flatten()[rows.teacher_pos], rows, tc.step_decay)
+    greedy = (batch["input_ids"], micro.top.to(device, non_blocking=True), batch["loss_mask"])
+    return ttt_loss(logits, probs, target.flatten()[rows.teacher_pos], rows, cfg.train.step_decay, norm, greedy)
 
 
 def _reduce(accelerator, stats: StepStats) -> StepStats:
-    packed = torch.stack([stats.loss_sum, stats.correct, stats.valid, stats.counted])
-    packed = accelerator.reduce(packed, reduction="sum")
-    return StepStats(packed[0], packed[1], packed[2], packed[3])
+    return StepStats(*accelerator.reduce(stats.packed(), reduction="sum"))
 
 
 @torch.no_grad()
@@ -376,7 +395,8 @@ def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) ->
     model.eval()
     with closing(batch_iter(dataset, plan.batches)) as batches:
         for indices, batch in zip(plan.batches, batches):
-            _, st = forward_loss(model, teacher, to_device(batch, accelerator.device), cfg, kept, indices)
+            micro = plan_micro(teacher, batch, cfg, accelerator.device, kept, indices)
+            _, st = forward_loss(model, teacher, micro, cfg, accelerator.device)
             total = total + st
     model.train()
     return summarise(_reduce(accelerator, total))
@@ -443,8 +463,9 @@ def run(cfg: Config) -> dict[str, Any]:
         log.info("train: %d samples, %d steps (%d per epoch), %d process(es), mixed precision %s, padding %.1f%%",
                  len(train_ds), total_steps, steps_per_epoch, world, accelerator.mixed_precision,
                  100 * first.padding_share)
-        log.info("metrics: acc_j = draft argmax == target argmax at TTT step j; sim_accept_len = "
-                 "1 + sum_k prod_{j<=k} acc_j (counts the bonus token, like SGLang/vLLM)")
+        log.info("metrics: acc_j = draft argmax == target argmax at TTT step j (out-of-vocab = miss); "
+                 "sim_accept_len = 1 + sum_k prod_{j<=k} chain_acc_j, chain_acc_j = step j's hit rate given "
+                 "steps < j hit, on text the target agrees with (counts the bonus token, like SGLang/vLLM)")
     loss_log = Path(cfg.output_dir) / LOSS_LOG
 
     progress = Progress(total_steps, "train", unit="step", initial=state.step, disable=not main)
@@ -464,18 +485,24 @@ def run(cfg: Config) -> dict[str, Any]:
                 tokens = 0
                 stats = StepStats.zeros(tc.ttt_steps, accelerator.device)
                 loss_total = 0.0
+                group = []
                 for micro in range(tc.grad_accum):
                     tw = time.perf_counter()
-                    batch = to_device(next(batches), accelerator.device)
+                    batch = next(batches)
                     wait += time.perf_counter() - tw
                     tokens += int(batch["lengths"].sum())
+                    group.append(plan_micro(teacher, batch, cfg, accelerator.device, kept,
+                                            plan.batches[state.batch_index + micro]))
+                # Each step's loss is a mean over the scored positions of the whole group on every rank; DDP
+                # averages gradients over ranks, hence the factor `world`.
+                norm = accelerator.reduce(sum(m.rows.scored() for m in group).to(accelerator.device), "sum")
+                for micro, m in enumerate(group):
                     sync = micro == tc.grad_accum - 1
                     # Gradients are all-reduced only on the last micro-batch of an accumulation group.
                     with accelerator.no_sync(model) if not sync else nullcontext():
-                        loss, st = forward_loss(model, teacher, batch, cfg, kept,
-                                                plan.batches[state.batch_index + micro])
-                        accelerator.backward(loss / tc.grad_accum)
-                    loss_total += float(loss.detach()) / tc.grad_accum
+                        loss, st = forward_loss(model, teacher, m, cfg, accelerator.device, norm)
+                        accelerator.backward(loss * world)
+                    loss_total += float(loss.detach())
                     stats = stats + st
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
                 optimizer.step()
@@ -485,7 +512,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 state.batch_index += tc.grad_accum
                 dt = time.perf_counter() - t0
 
-                loss_mean = float(accelerator.reduce(torch.tensor(loss_total, device=accelerator.device), "mean"))
+                loss_mean = float(accelerator.reduce(torch.tensor(loss_total, device=accelerator.device), "sum"))
                 tok_all = int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), "sum"))
                 metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
                            "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt, "step_s": dt,
@@ -509,7 +536,8 @@ def run(cfg: Config) -> dict[str, Any]:
                     ev = evaluate(accelerator, model, teacher, eval_ds, cfg)
                     accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
                     if main:
-                        log.info("eval @ step %d: sim_accept_len %.3f, %s", state.step, ev["sim_accept_len"],
+                        log.info("eval @ step %d: sim_accept_len %.3f (teacher-forced %.3f), %s", state.step,
+                                 ev["sim_accept_len"], ev["sim_accept_len_tf"],
                                  " ".join(f"acc_{j}={ev[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps)))
                         with loss_log.open("a") as f:
                             f.write(json.dumps({"step": state.step, "eval": ev}) + "\n")

@@ -81,6 +81,22 @@ def test_two_process_ddp_ranks_agree(tiny_cache, tmp_path):  # noqa: F811
     assert state["step"] == 3
     assert (cfg.checkpoint_dir / "best" / "model.safetensors").is_file()
 
+    # Rank r runs micro-batches r, r+2, ...; one process accumulating 2 micro-batches per step runs the same
+    # pairs, under the same objective (a mean over the scored positions of the whole group, on all ranks:
+    # test_loss.test_group_normalised_micro_batches_add_up_to_one_batch), so it reaches the same weights.
+    from safetensors.torch import load_file
+
+    from eagle3 import trainer
+
+    one = make_cfg(tiny_cache, tmp_path / "accum", max_steps=3, save_every=3, eval_every=3, grad_accum=2)
+    trainer.run(one)
+    w = load_file(one.checkpoint_dir / "step_3" / "model.safetensors")
+    for k in w:
+        torch.testing.assert_close(w[k], w0[k], atol=2e-5, rtol=1e-4, msg=k)
+    single, two = read_log(tmp_path / "accum"), read_log(out)
+    for step in (1, 2, 3):
+        assert single[step]["loss"] == pytest.approx(two[step]["loss"], rel=1e-5), step
+
 
 @pytest.mark.slow
 def test_train_py_with_the_cpu_recipe(tiny_cache, tmp_path):  # noqa: F811

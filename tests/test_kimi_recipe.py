@@ -33,7 +33,7 @@ def recipe_cfg(root: Path, target: Path, data: Path) -> Config:
         "draft.num_key_value_heads=null", "draft.head_dim=null", "draft.intermediate_size=null",
         "extract.shard_samples=8",
         "train.max_steps=4", "train.batch_tokens=512", "train.grad_accum=1", "train.mixed_precision='no'",
-        "train.num_workers=0", "train.eval_every=2", "train.save_every=2", "train.log_every=1", "train.lr=3e-3",
+        "train.eval_every=2", "train.save_every=2", "train.log_every=1", "train.lr=3e-3",
         "eval.prompt_sets=[eval-split]", "eval.max_prompts=2", "eval.max_new_tokens=12", "eval.engine=builtin", "eval.builtin=true",
     ])
 

@@ -226,9 +226,32 @@ def test_acceptance_length_counts_bonus_token():
     assert acceptance_length([0.0, 1.0]) == 1.0
     assert abs(acceptance_length([0.5, 0.5]) - 1.75) < 1e-12
     s = summarise(StepStats(torch.tensor([2.0, 4.0]), torch.tensor([1.0, 1.0]), torch.tensor([2.0, 4.0]),
-                            torch.tensor([2.0, 4.0])))
+                            torch.tensor([2.0, 4.0]), torch.zeros(2), torch.zeros(2)))
     assert s["acc_0"] == 0.5 and s["acc_1"] == 0.25 and s["loss_1"] == 1.0
+    # no chain counts (nothing greedy-consistent): the teacher-forced figure stands in
     assert abs(s["sim_accept_len"] - (1 + 0.5 + 0.125)) < 1e-9
+    assert abs(s["sim_accept_len_tf"] - 1.625) < 1e-9
+
+
+def test_greedy_chain_golden():
+    """Chains start where the bonus token is the target's argmax and go on while every draft token hits and the
+    text keeps agreeing with the target (what an engine, feeding its accepted draft tokens, would see)."""
+    from eagle3.loss import greedy_chain
+
+    x = torch.tensor([[5, 1, 2, 3, 4, 6, 7, 8]])
+    top = torch.tensor([[1, 2, 9, 4, 6, 6, 8, 0]])  # x_{t+1} == top_t at t = 0, 1, 3, 4, 6
+    mask = torch.ones(1, 8, dtype=torch.long)
+    rows = plan_rows(mask, top, 2, False)
+    assert rows.keep[0][rows.score[0]].tolist() == [0, 1, 2, 3, 4, 5]
+    assert rows.keep[1][rows.score[1]].tolist() == [0, 1, 2, 3, 4]
+    hits = [torch.tensor([1, 1, 1, 1, 0, 0]).bool(), torch.tensor([1, 1, 1, 0, 1]).bool()]
+    alive, hit = greedy_chain(rows, hits, x, top, mask)
+    # step 0: alive where the bonus token agrees (t = 0, 1, 3, 4; t = 6 has no label), hit at 0, 1, 3
+    # step 1: of those, the fed x_{t+2} agrees with top_{t+1} at t = 0, 3; the draft hits at t = 0 only
+    assert alive.tolist() == [4, 2] and hit.tolist() == [3, 1]
+    s = summarise(StepStats(torch.ones(2), torch.ones(2), torch.ones(2), torch.ones(2), alive, hit))
+    assert s["chain_acc_0"] == 0.75 and s["chain_acc_1"] == 0.5
+    assert s["sim_accept_len"] == pytest.approx(1 + 0.75 + 0.75 * 0.5)
 
 
 # ------------------------------------------------------------------------------------------------- teacher
@@ -317,3 +340,38 @@ def test_teacher_probs_are_a_distribution_over_the_draft_vocab():
     out = Teacher(w, torch.zeros(10, dtype=torch.long), t2d, 32)(torch.randn(5, 16))
     torch.testing.assert_close(out.probs.sum(-1), torch.ones(5))
     assert F.one_hot(out.draft_target.clamp(min=0), 10).shape == (5, 10)
+
+
+def test_group_normalised_micro_batches_add_up_to_one_batch():
+    """Normalised by the whole group's scored positions, two micro-batches' losses (and so their accumulated
+    gradients) add up to the loss of one batch holding both; per-micro-batch means would not, whenever the two
+    score different numbers of positions."""
+    m = draft(5)
+    h = 48
+    torch.manual_seed(5)
+    teacher = Teacher(torch.randn(200, h), m.d2t, m.t2d, 64)
+    parts = []
+    for b, share in ((2, 0.8), (1, 0.3)):
+        parts.append({"aux": torch.randn(b, 15, 3 * h), "ids": torch.randint(0, 200, (b, 15)),
+                      "mask": (torch.rand(b, 15) < share).long(), "final": torch.randn(b, 15, h)})
+
+    def loss_of(p, norm=None):
+        target = teacher.targets(p["final"])
+        rows = plan_rows(p["mask"], target, 3, True)
+        logits = m(p["aux"], p["ids"], rows)
+        loss, _ = ttt_loss(logits, teacher.probs(p["final"].flatten(0, 1)[rows.teacher_pos]),
+                           target.flatten()[rows.teacher_pos], rows, 0.8, norm)
+        return loss, rows
+
+    rows = [plan_rows(p["mask"], teacher.targets(p["final"]), 3, True) for p in parts]
+    norm = rows[0].scored() + rows[1].scored()
+    assert rows[0].scored()[0] != rows[1].scored()[0]
+    group = loss_of(parts[0], norm)[0] + loss_of(parts[1], norm)[0]
+    whole = loss_of({k: torch.cat([parts[0][k], parts[1][k]]) for k in parts[0]})[0]
+    torch.testing.assert_close(group, whole, atol=1e-6, rtol=1e-6)
+    per_micro = (loss_of(parts[0])[0] + loss_of(parts[1])[0]) / 2
+    assert abs(float((per_micro - whole).detach())) > 1e-3
+    g_group = torch.autograd.grad(group, list(m.parameters()))
+    g_whole = torch.autograd.grad(whole, list(m.parameters()))
+    for a, b_ in zip(g_group, g_whole, strict=True):
+        torch.testing.assert_close(a, b_, atol=1e-6, rtol=1e-5)
