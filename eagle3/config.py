@@ -193,7 +193,8 @@ class TrainConfig(Section):
     mask_out_of_vocab: bool = True
     """Drop positions whose target argmax is outside the draft vocab (EAGLE's rule)."""
     teacher_chunk: int = Field(8192, ge=1)
-    """Vocab rows per chunk when computing teacher probabilities (bounds memory for big vocabularies)."""
+    """Vocab rows per chunk of the teacher's full-vocab argmax (extraction; the trainer for caches without it):
+    bounds memory for big vocabularies."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 where the training device runs it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else
     float32 (`no`)."""

@@ -14,7 +14,9 @@ predicts x_{p+2}, feeds its hidden back, and so on, each step one position furth
 A position counts at step j when its *label* token x_{t+2+j} is an assistant token (loss_mask shifted WITH the
 labels, so the first assistant token is learned too), exists (t+2+j < T), and, if `mask_out_of_vocab`, the
 target's full-vocab argmax at t+1+j lies in the draft vocab. The loss of step j is averaged over its valid
-positions (not over all positions) and weighted decay**j.
+positions (not over all positions; over those of the whole accumulation group on all ranks in training) and
+weighted decay**j. Only those positions are computed at all (Rows): the layer, norm, lm_head and teacher of a
+step run on the rows that reach the loss, now or at a later step.
 
 Attention at step j: the causal prefix of step-0 keys (positions 0..t) plus the same position's keys from
 steps 1..j (its own included), as the engine's KV cache holds them when drafting j tokens ahead.

@@ -149,11 +149,12 @@ class TeacherTargets:
             self._kept[i] = rows[row, :n].clone()
 
 
-def batch_iter(source: Any, index_batches: list[list[int]]):
-    """Collated batches of an offline cache split (prefetched) or an online source (target-computed)."""
+def batch_iter(source: Any, index_batches: list[list[int]], device: torch.device | None = None):
+    """Collated batches of an offline cache split (prefetched; pinned for a CUDA device) or an online source
+    (target-computed)."""
     if isinstance(source, OnlineSource):
         return source.iter_collated(index_batches)
-    return iter_batches(source, index_batches)
+    return iter_batches(source, index_batches, pin=device is not None and device.type == "cuda")
 
 
 def _wandb_reachable(timeout_s: float = 5.0) -> bool:
@@ -393,7 +394,7 @@ def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) ->
     total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
     kept = dataset if isinstance(dataset, TeacherTargets) else None
     model.eval()
-    with closing(batch_iter(dataset, plan.batches)) as batches:
+    with closing(batch_iter(dataset, plan.batches, accelerator.device)) as batches:
         for indices, batch in zip(plan.batches, batches):
             micro = plan_micro(teacher, batch, cfg, accelerator.device, kept, indices)
             _, st = forward_loss(model, teacher, micro, cfg, accelerator.device)
@@ -478,7 +479,7 @@ def run(cfg: Config) -> dict[str, Any]:
             state.epoch, state.batch_index = state.epoch + 1, 0
             continue
         # closing() stops and joins the prefetch thread however the loop ends (max_steps may end an epoch early)
-        with closing(batch_iter(train_ds, plan.batches[state.batch_index:usable])) as batches:
+        with closing(batch_iter(train_ds, plan.batches[state.batch_index:usable], accelerator.device)) as batches:
             while state.step < total_steps and state.batch_index + tc.grad_accum <= usable:
                 t0 = time.perf_counter()
                 wait = 0.0
