@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bash recipes/smollm2-135m/run.sh [key=value ...]      (the full CPU run, configs/smollm2-135m.yaml, 78 min measured on 2 cores)
+# bash recipes/smollm2-135m/run.sh [key=value ...]      (the full CPU run, configs/smollm2-135m.yaml; its time on 2 cores: BENCHMARKS.md "Full CPU run")
 #   CONFIG=<yaml>   another config (quickstart.sh sets configs/smollm2-135m-quickstart.yaml)
 #   STAGES="..."    a subset, in order, of: prepare extract train export eval eval_tree (default: all)
 #   key=value ...   dotted overrides passed to every stage, e.g. output_dir=/tmp/x train.max_steps=20
