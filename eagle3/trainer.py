@@ -350,8 +350,6 @@ class Micro:
     rows: Rows
     top: torch.Tensor
     """[B, T] the teacher's full-vocab argmax (target ids)."""
-    target: torch.Tensor
-    """[B, T] the same as draft ids (-1 out of vocab)."""
 
 
 def plan_micro(teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config, device: torch.device,
@@ -363,19 +361,19 @@ def plan_micro(teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config, de
         top = teacher.argmax(batch["final"].to(device)).cpu()
         if kept is not None and indices is not None:
             kept.remember(indices, top, batch["lengths"])
-    target = teacher.to_draft_host[top]
-    return Micro(batch, plan_rows(batch["loss_mask"], target, cfg.train.ttt_steps, cfg.train.mask_out_of_vocab),
-                 top, target)
+    rows = plan_rows(batch["loss_mask"], teacher.to_draft_host[top], cfg.train.ttt_steps, cfg.train.mask_out_of_vocab)
+    return Micro(batch, rows, top)
 
 
 def forward_loss(model, teacher: Teacher, micro: Micro, cfg: Config, device: torch.device,
                  norm: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
     """The loss of one planned micro-batch (eagle3.loss.ttt_loss; `norm` as there)."""
     batch, rows = to_device(micro.batch, device), micro.rows.to(device)
-    target = micro.target.to(device, non_blocking=True)
+    top = micro.top.to(device, non_blocking=True)
+    target = teacher.to_draft[top]
     logits = model(batch["aux"], batch["input_ids"], rows)
     probs = teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
-    greedy = (batch["input_ids"], micro.top.to(device, non_blocking=True), batch["loss_mask"])
+    greedy = (batch["input_ids"], top, batch["loss_mask"])
     return ttt_loss(logits, probs, target.flatten()[rows.teacher_pos], rows, cfg.train.step_decay, norm, greedy)
 
 
