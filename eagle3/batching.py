@@ -70,17 +70,18 @@ def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, ep
 
 def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest item: ids 0, loss_mask 0, states 0 (padded positions are never valid and,
-    being to the right, never attended to by real positions under causal attention)."""
+    being to the right, never attended to by real positions under causal attention). fp8 states stay fp8 with
+    their scales (padded with scale 0); the trainer dequantises them on its device (eagle3.storage)."""
     t = max(len(it["input_ids"]) for it in items)
     b = len(items)
-    aux0, fin0 = items[0]["aux"], items[0]["final"]
     out = {
         "input_ids": torch.zeros(b, t, dtype=torch.int64),
         "loss_mask": torch.zeros(b, t, dtype=torch.int64),
-        "aux": torch.zeros(b, t, aux0.shape[-1], dtype=aux0.dtype),
-        "final": torch.zeros(b, t, fin0.shape[-1], dtype=fin0.dtype),
         "lengths": torch.tensor([len(it["input_ids"]) for it in items], dtype=torch.int64),
     }
+    states = [k for k in ("aux", "final", "aux_scale", "final_scale") if k in items[0]]
+    for k in states:
+        out[k] = torch.zeros(b, t, items[0][k].shape[-1], dtype=items[0][k].dtype)
     if all("target_argmax" in it for it in items):  # stored at extraction, or kept by the trainer
         out["target_argmax"] = torch.zeros(b, t, dtype=torch.int64)
         for i, it in enumerate(items):
@@ -89,8 +90,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         n = len(it["input_ids"])
         out["input_ids"][i, :n] = it["input_ids"]
         out["loss_mask"][i, :n] = torch.as_tensor(it["loss_mask"]).to(torch.int64)
-        out["aux"][i, :n] = it["aux"]
-        out["final"][i, :n] = it["final"]
+        for k in states:
+            out[k][i, :n] = it[k]
     return out
 
 

@@ -11,8 +11,13 @@ Layout (one folder per prepared split; every rank of a scaled-out extraction wri
 Each shard is an Arrow IPC stream (what `datasets.Dataset.from_file` reads) with columns sample_id (string),
 input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32), aux (list<fixed_size_list<H3>>), final
 (list<fixed_size_list<H>>) and target_argmax (list<int32>: the target's full-vocab argmax at each position, so
-the trainer never reads the whole lm_head; shards written before it existed lack it and still load). bf16/fp16 states are stored as their raw 16-bit patterns (uint16), so they round-trip
-bit-exactly (subnormals, -0.0, inf included) through a format that has no bfloat16 type; float32 stays float32.
+the trainer never reads the whole lm_head; shards written before it existed lack it and still load).
+
+`extract.storage` (eagle3.storage) decides how states are kept. `exact`: bf16/fp16 states as their raw 16-bit
+patterns (uint16), so they round-trip bit-exactly (subnormals, -0.0, inf included) through a format that has no
+bfloat16 type; float32 stays float32. `fp8` / `fp8-aux`: the fp8 states as their bytes (uint8) with an
+`aux_scale` (list<fixed_size_list<float32, 3>>) / `final_scale` (<..., 1>) column beside them. The storage is part
+of the fingerprint and of every shard's schema metadata, so shards of two storages are never read as one cache.
 
 A cache is only valid for the exact target weights, dtype, layer ids (and their meaning) and prepared data it was
 extracted from; `meta.json` records all of them and `check_fingerprint` refuses a mismatch instead of letting a
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +39,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from eagle3.fsutil import replace_dir, tmp_sibling
 from eagle3.layer_ids import LAYER_ID_CONVENTION
 from eagle3.logs import UserError
 from eagle3.precision import DTYPES
+from eagle3.storage import fp8_states, quantize, state_bytes_per_token
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
@@ -47,7 +55,10 @@ _LABELS = {
     "weights_id": "target weights id", "target_path": "target path", "revision": "target revision",
     "prepared_fingerprint": "prepared samples fingerprint", "max_length": "max_length", "hidden_size": "hidden size",
     "num_layers": "number of target layers", "architectures": "target architectures", "format": "cache format",
+    "storage": "storage (extract.storage)",
 }
+_LEGACY = {"storage": "exact"}
+"""Fingerprint fields added after caches were written without them, with the value those caches have."""
 
 
 class CacheError(UserError, RuntimeError):
@@ -126,12 +137,14 @@ def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) 
         # The samples, not the draft vocab: states do not depend on it (older prepared folders lack the field).
         "prepared_fingerprint": prepared_meta.get("samples_fingerprint", prepared_meta.get("fingerprint")),
         "max_length": prepared_meta.get("max_length", cfg.data.max_length),
+        "storage": cfg.extract.storage,
     }
 
 
 def fingerprint_diff(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     """One readable line per differing field."""
     out = []
+    found, expected = {**_LEGACY, **found}, {**_LEGACY, **expected}
     for key in sorted(set(found) | set(expected)):
         if found.get(key) != expected.get(key):
             label = _LABELS.get(key, key)
@@ -230,19 +243,25 @@ def storage_type(dtype: torch.dtype) -> pa.DataType:
     return _STORAGE[dtype]
 
 
-def schema(hidden_size: int, dtype: torch.dtype, target_argmax: bool = False) -> pa.Schema:
+def schema(hidden_size: int, dtype: torch.dtype, target_argmax: bool = False, storage: str = "exact") -> pa.Schema:
     st = storage_type(dtype)
+    aux8, final8 = fp8_states(storage)
     fields = [
         ("sample_id", pa.string()),
         ("input_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.int8())),
         ("num_tokens", pa.int32()),
-        ("aux", pa.list_(pa.list_(st, 3 * hidden_size))),
-        ("final", pa.list_(pa.list_(st, hidden_size))),
+        ("aux", pa.list_(pa.list_(pa.uint8() if aux8 else st, 3 * hidden_size))),
+        ("final", pa.list_(pa.list_(pa.uint8() if final8 else st, hidden_size))),
     ]
+    if aux8:
+        fields.append(("aux_scale", pa.list_(pa.list_(pa.float32(), 3))))
+    if final8:
+        fields.append(("final_scale", pa.list_(pa.list_(pa.float32(), 1))))
     if target_argmax:  # optional: shards written before it existed load without it (the trainer computes it)
         fields.append(("target_argmax", pa.list_(pa.int32())))
-    return pa.schema(fields, metadata={"eagle3_dtype": str(dtype).removeprefix("torch.")})
+    meta = {"eagle3_dtype": str(dtype).removeprefix("torch."), "eagle3_storage": storage}
+    return pa.schema(fields, metadata=meta)
 
 
 def _to_storage_np(t: torch.Tensor) -> np.ndarray:
@@ -250,16 +269,20 @@ def _to_storage_np(t: torch.Tensor) -> np.ndarray:
     t = t.detach().to("cpu").contiguous()
     if t.dtype in (torch.bfloat16, torch.float16):
         return t.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().reshape(-1)
     if t.dtype == torch.float32:
         return t.numpy().reshape(-1)
     raise CacheError(f"cannot store hidden states of dtype {t.dtype}")
 
 
 def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtype,
-                 target_argmax: bool = False) -> pa.RecordBatch:
+                 target_argmax: bool = False, storage: str = "exact") -> pa.RecordBatch:
     """Rows {sample_id, input_ids, loss_mask, aux [T,3H], final [T,H][, target_argmax [T]]} -> one Arrow record
-    batch. target_argmax is the target's full-vocab argmax at each position (a target token id)."""
-    sch = schema(hidden_size, dtype, target_argmax)
+    batch, the states quantised here when `storage` asks for fp8. target_argmax is the target's full-vocab argmax
+    at each position (a target token id)."""
+    sch = schema(hidden_size, dtype, target_argmax, storage)
+    aux8, final8 = fp8_states(storage)
     lengths = np.array([len(r["input_ids"]) for r in rows], dtype=np.int32)
     for r, t in zip(rows, lengths, strict=True):
         if tuple(r["aux"].shape) != (t, 3 * hidden_size) or tuple(r["final"].shape) != (t, hidden_size):
@@ -269,10 +292,23 @@ def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtyp
             raise CacheError(f"sample {r['sample_id']}: states are {r['aux'].dtype}, the cache stores {dtype}")
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     st = storage_type(dtype)
+    scales: dict[str, list[torch.Tensor]] = {"aux": [], "final": []}
 
-    def states(key: str, width: int) -> pa.Array:
-        flat = np.concatenate([_to_storage_np(r[key]) for r in rows])
-        return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(pa.array(flat, type=st), width))
+    def flat(key: str, fp8: bool, parts: int) -> np.ndarray:
+        out = []
+        for r in rows:
+            x = r[key]
+            if fp8:
+                try:
+                    x, scale = quantize(x, parts)
+                except ValueError as e:
+                    raise CacheError(f"sample {r['sample_id']}: {e}") from e
+                scales[key].append(scale)
+            out.append(_to_storage_np(x))
+        return np.concatenate(out)
+
+    def nested(values: np.ndarray, typ: pa.DataType, width: int) -> pa.Array:
+        return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(pa.array(values, type=typ), width))
 
     ids = np.concatenate([np.asarray(r["input_ids"], dtype=np.int32) for r in rows])
     mask = np.concatenate([np.asarray(r["loss_mask"], dtype=np.int8) for r in rows])
@@ -281,9 +317,12 @@ def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtyp
         pa.ListArray.from_arrays(offsets, pa.array(ids, type=pa.int32())),
         pa.ListArray.from_arrays(offsets, pa.array(mask, type=pa.int8())),
         pa.array(lengths, type=pa.int32()),
-        states("aux", 3 * hidden_size),
-        states("final", hidden_size),
+        nested(flat("aux", aux8, 3), pa.uint8() if aux8 else st, 3 * hidden_size),
+        nested(flat("final", final8, 1), pa.uint8() if final8 else st, hidden_size),
     ]
+    for key, parts in (("aux", 3), ("final", 1)):
+        if scales[key]:
+            cols.append(nested(torch.cat(scales[key]).numpy().reshape(-1), pa.float32(), parts))
     if target_argmax:
         for r, t in zip(rows, lengths, strict=True):
             if len(r["target_argmax"]) != t:
@@ -297,18 +336,20 @@ class ShardWriter:
     """Streams record batches into `<final>.tmp` and renames it into place on `commit()`, so a shard file that
     exists is always whole (a kill at any moment leaves at most a stale .tmp, removed on restart)."""
 
-    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype, target_argmax: bool = False):
+    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype, target_argmax: bool = False,
+                 storage: str = "exact"):
         self.path, self.hidden_size, self.dtype, self.target_argmax = path, hidden_size, dtype, target_argmax
+        self.storage = storage
         self.tmp = path.with_name(path.name + ".tmp")
         self._sink = pa.OSFile(str(self.tmp), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, schema(hidden_size, dtype, target_argmax))
+        self._writer = pa.ipc.new_stream(self._sink, schema(hidden_size, dtype, target_argmax, storage))
         self.num_samples = 0
         self.num_tokens = 0
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        rb = record_batch(rows, self.hidden_size, self.dtype, self.target_argmax)
+        rb = record_batch(rows, self.hidden_size, self.dtype, self.target_argmax, self.storage)
         self._writer.write_batch(rb)
         self.num_samples += len(rows)
         self.num_tokens += int(sum(len(r["input_ids"]) for r in rows))
@@ -356,6 +397,12 @@ def _np(arr: pa.Array) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=True)
 
 
+def shard_storage(sch: pa.Schema) -> tuple[str, str | None]:
+    """(storage, dtype) a shard's schema metadata says it holds (shards from before `storage` are exact)."""
+    meta = {k.decode(): v.decode() for k, v in (sch.metadata or {}).items()}
+    return meta.get("eagle3_storage", "exact"), meta.get("eagle3_dtype")
+
+
 class _Batch:
     """Zero-copy numpy views of one record batch's columns (offsets + flat values)."""
 
@@ -372,11 +419,33 @@ class _Batch:
         self.sample_ids = rb.column("sample_id")
         has_top = "target_argmax" in rb.schema.names
         self.top = _np(rb.column("target_argmax").values) if has_top else None
+        names = rb.schema.names
+        self.scales = {k: _np(rb.column(f"{k}_scale").values.values) for k in ("aux", "final") if f"{k}_scale" in names}
+
+    def item(self, r: int) -> dict[str, Any]:
+        """Row `r` as tensors viewing the mapped record batch (see HiddenStateDataset)."""
+        s, e = int(self.offsets[r]), int(self.offsets[r + 1])
+        t = e - s
+        item = {
+            "sample_id": self.sample_ids[r].as_py(),
+            "input_ids": torch.from_numpy(self.ids[s:e].astype(np.int64)),
+            "loss_mask": _tensor(self.mask[s:e], torch.int8),
+            "aux": _tensor(self.aux[s * self.width_aux:e * self.width_aux], self.dtype).view(t, self.width_aux),
+            "final": _tensor(self.final[s * self.width_final:e * self.width_final], self.dtype).view(t, self.width_final),
+        }
+        for key, flat in self.scales.items():
+            parts = 3 if key == "aux" else 1
+            item[f"{key}_scale"] = torch.from_numpy(flat[s * parts:e * parts]).view(t, parts)
+        if self.top is not None:
+            item["target_argmax"] = torch.from_numpy(self.top[s:e].astype(np.int64))
+        return item
 
 
 def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only mmap: the tensors are views, never written
+        if a.dtype == np.uint8:  # fp8 storage: the bytes of float8_e4m3fn values
+            return torch.from_numpy(a).view(torch.float8_e4m3fn)
         if dtype in (torch.bfloat16, torch.float16):
             return torch.from_numpy(a.view(np.int16)).view(dtype)
         return torch.from_numpy(a)
@@ -387,7 +456,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     `item["aux"]` is [T, 3H] and `item["final"]` [T, H] in the target dtype; `input_ids` int64 [T];
     `loss_mask` int8 [T]; `target_argmax` int64 [T] (the target's full-vocab argmax, a target token id) where the
-    shard stores it. The tensors share memory with the file mapping: copy before writing into them.
+    shard stores it. In an fp8 cache the fp8 states come as float8_e4m3fn with `aux_scale` [T, 3] / `final_scale`
+    [T, 1] float32 beside them: `eagle3.storage.dense(item, ds.dtype)` dequantises (the trainer does it on its
+    device, after collation). The tensors share memory with the file mapping: copy before writing into them.
     """
 
     def __init__(self, cache_dir: str | Path, split: str = "train", allow_incomplete: bool = False,
@@ -400,6 +471,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.dtype = DTYPES[self.fingerprint["dtype"]]
         self.hidden_size = int(self.fingerprint["hidden_size"])
         self.layer_ids = list(self.fingerprint["layer_ids"])
+        self.storage = self.fingerprint.get("storage", "exact")
         found, incomplete = manifests(cache_dir, split)
         if incomplete and not allow_incomplete:
             raise CacheError(f"cache {cache_dir} split {split!r} is incomplete: rank(s) {incomplete} have not "
@@ -411,7 +483,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             for s in sorted(m.shards, key=lambda s: s.index):
                 mm = pa.memory_map(str(self.cache_dir / split / s.file), "r")
                 self._maps.append(mm)
-                for rb in pa.ipc.open_stream(mm):
+                stream = pa.ipc.open_stream(mm)
+                self._check_shard(split, s.file, stream.schema)
+                for rb in stream:
                     self._batches.append(_Batch(rb, self.dtype))
                     n = rb.num_rows
                     where_b.append(np.full(n, len(self._batches) - 1, dtype=np.int64))
@@ -423,6 +497,16 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._where_b, self._where_r = cat(where_b, np.int64), cat(where_r, np.int64)
         self.num_tokens: np.ndarray = cat(lengths, np.int32)
         self._index: dict[str, int] | None = None
+
+    def _check_shard(self, split: str, file: str, sch: pa.Schema) -> None:
+        """Every shard must hold what meta.json says: a shard copied in from a cache of another storage or dtype
+        would otherwise be read with the wrong layout or trained on beside states of another precision."""
+        storage, dtype = shard_storage(sch)
+        want = str(self.dtype).removeprefix("torch.")
+        if storage != self.storage or (dtype is not None and dtype != want):
+            raise CacheError(f"cache {self.cache_dir}: shard {split}/{file} stores {dtype} states as {storage!r}, but "
+                             f"the cache (meta.json) is {want} as {self.storage!r}; shards of different storage or "
+                             "dtype are never mixed: extract it again into its own extract.cache_dir")
 
     def __len__(self) -> int:
         return len(self._where_b)
@@ -446,27 +530,64 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for a cache split of {len(self)} samples")
-        b = self._batches[int(self._where_b[i])]
-        r = int(self._where_r[i])
-        s, e = int(b.offsets[r]), int(b.offsets[r + 1])
-        t = e - s
-        item = {
-            "sample_id": b.sample_ids[r].as_py(),
-            "input_ids": torch.from_numpy(b.ids[s:e].astype(np.int64)),
-            "loss_mask": _tensor(b.mask[s:e], torch.int8),
-            "aux": _tensor(b.aux[s * b.width_aux:e * b.width_aux], self.dtype).view(t, b.width_aux),
-            "final": _tensor(b.final[s * b.width_final:e * b.width_final], self.dtype).view(t, b.width_final),
-        }
-        if b.top is not None:
-            item["target_argmax"] = torch.from_numpy(b.top[s:e].astype(np.int64))
-        return item
+        return self._batches[int(self._where_b[i])].item(int(self._where_r[i]))
+
+
+# ---------------------------------------------------------------------------------------------------- convert
+def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
+    """Re-store a complete exact cache as `storage` into a new folder, shard by shard and record batch by record
+    batch, so the result is byte-identical to extracting with `extract.storage=<storage>` (same batches, same
+    quantiser) without running the target again. Built in a hidden sibling and renamed into place when whole.
+
+        eagle3 cache convert runs/smollm2-135m/cache runs/smollm2-135m/cache-fp8 --storage fp8
+    """
+    src, dst = Path(src), Path(dst)
+    meta = read_meta(src)
+    fp = {**_LEGACY, **meta["fingerprint"]}
+    if fp["storage"] != "exact":
+        raise CacheError(f"cache {src} is stored as {fp['storage']!r}; only an exact cache can be converted (a "
+                         "lossy one would pass its rounding off as the target's states)")
+    fp8_states(storage)
+    if dst.exists():
+        raise CacheError(f"{dst} already exists: convert writes a new cache folder")
+    dtype, hidden = DTYPES[fp["dtype"]], int(fp["hidden_size"])
+    tmp = tmp_sibling(dst, "convert")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokens = 0
+    try:
+        for split in SPLITS:
+            found, incomplete = manifests(src, split)
+            if incomplete:
+                raise CacheError(f"cache {src} split {split!r} is incomplete (ranks {incomplete}): finish the "
+                                 "extraction first")
+            (tmp / split).mkdir(parents=True)
+            for m in found:
+                entries = []
+                for e in sorted(m.shards, key=lambda s: s.index):
+                    with pa.memory_map(str(src / split / e.file), "r") as mm:
+                        stream = pa.ipc.open_stream(mm)
+                        has_top = "target_argmax" in stream.schema.names
+                        w = ShardWriter(tmp / split / e.file, hidden, dtype, target_argmax=has_top, storage=storage)
+                        for rb in stream:
+                            b = _Batch(rb, dtype)
+                            w.write([b.item(r) for r in range(rb.num_rows)])
+                        size = w.commit()
+                    tokens += w.num_tokens
+                    entries.append(ShardEntry(e.index, e.file, e.num_samples, e.num_tokens, size, e.skipped_nonfinite))
+                Manifest(split, m.rank, m.world_size, m.planned_samples, m.planned_shards, entries).save(tmp)
+        write_json_atomic(tmp / "meta.json", {**meta, "fingerprint": {**fp, "storage": storage}})
+        replace_dir(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"tokens": tokens, "bytes": sum(p.stat().st_size for p in dst.rglob("*.arrow"))}
 
 
 # ------------------------------------------------------------------------------------------------------- info
-def payload_bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """The least any format can store per token: aux + final states, an int32 id and an int8 mask."""
+def payload_bytes_per_token(hidden_size: int, dtype: str, storage: str = "exact") -> int:
+    """The least a cache of `storage` can take per token: aux + final states (with their fp8 scales), an int32
+    id and an int8 mask."""
     item = torch.empty(0, dtype=DTYPES[dtype]).element_size()
-    return 4 * hidden_size * item + 4 + 1
+    return state_bytes_per_token(hidden_size, item, storage) + 4 + 1
 
 
 def summary(cache_dir: str | Path) -> dict[str, Any]:
@@ -493,14 +614,20 @@ def _has_argmax(shard: Path) -> bool:
 def print_info(cache_dir: str | Path) -> None:
     s = summary(cache_dir)
     fp = s["fingerprint"]
-    payload = payload_bytes_per_token(fp["hidden_size"], fp["dtype"])
+    storage = fp.get("storage", "exact")
+    payload = payload_bytes_per_token(fp["hidden_size"], fp["dtype"], storage)
+    exact = payload_bytes_per_token(fp["hidden_size"], fp["dtype"])
     print(f"cache {cache_dir}")
+    print(f"  storage: {storage} ({fp['dtype']} target; payload {payload} bytes/token = {payload / exact:.3f}x the "
+          f"exact {fp['dtype']} payload of {exact})")
     for split, d in s["splits"].items():
         bpt = d["bytes"] / d["tokens"] if d["tokens"] else 0.0
         state = "complete" if not d["incomplete_ranks"] else f"INCOMPLETE (ranks {d['incomplete_ranks']} not done)"
         print(f"  {split}: {d['samples']} samples, {d['tokens']} tokens, {d['bytes'] / 1e6:.1f} MB in "
               f"{d['shards']} shards, {bpt:.1f} bytes/token (payload minimum {payload}: "
-              f"{bpt / payload if payload else 0:.3f}x), {state}"
+              f"{bpt / payload if payload else 0:.3f}x"
+              + (f"; {bpt / exact:.3f}x the exact {fp['dtype']} payload" if storage != "exact" else "")
+              + f"), {state}"
               + (f", {d['skipped_nonfinite']} samples skipped (non-finite states)" if d["skipped_nonfinite"] else "")
               + f"; target argmax stored in {d['argmax_shards']}/{d['shards']} shards (4 bytes/token; the "
               "trainer computes it for the others)")

@@ -7,6 +7,7 @@
     eagle3 eval --config configs/smollm2-135m.yaml
     eagle3 export --to sglang runs/smollm2/checkpoints/best runs/smollm2/export/sglang
     eagle3 sglang serve --config configs/kimi-k2.5.yaml     # the capturing SGLang server for extraction
+    eagle3 cache convert runs/smollm2/cache runs/smollm2/cache-fp8 --storage fp8
 
 Each stage's work lives in its module; this file only parses arguments and hands over a validated Config.
 """
@@ -87,6 +88,18 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_convert(args: argparse.Namespace) -> int:
+    from eagle3.cache import convert, payload_bytes_per_token, print_info, read_meta
+
+    fp = read_meta(args.src)["fingerprint"]
+    out = convert(args.src, args.dst, args.storage)
+    exact = payload_bytes_per_token(fp["hidden_size"], fp["dtype"])
+    print(f"converted {out['tokens']} tokens to {args.storage}: {out['bytes'] / max(out['tokens'], 1):.1f} bytes/token "
+          f"(exact {fp['dtype']} payload {exact}); train with extract.cache_dir={args.dst} extract.storage={args.storage}")
+    print_info(args.dst)
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from eagle3.verify import run
 
@@ -143,11 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("--host", default="127.0.0.1")
         a.set_defaults(fn=cmd_sglang)
 
-    cache_p = sub.add_parser("cache", help="inspect a hidden-state cache")
+    cache_p = sub.add_parser("cache", help="inspect or convert a hidden-state cache")
     cache_sub = cache_p.add_subparsers(dest="action", required=True)
     info = cache_sub.add_parser("info", help="samples, tokens, bytes per token, layer ids, fingerprint")
     info.add_argument("dir")
     info.set_defaults(fn=cmd_cache_info)
+    conv = cache_sub.add_parser("convert", help="re-store an exact cache as fp8 into a new folder (no target run)")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.add_argument("--storage", required=True, choices=["fp8", "fp8-aux"])
+    conv.set_defaults(fn=cmd_cache_convert)
     return parser
 
 

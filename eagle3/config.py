@@ -20,6 +20,9 @@ from pydantic_core import to_jsonable_python
 from eagle3.layer_ids import default_layer_ids, validate_layer_ids
 from eagle3.logs import UserError
 
+Storage = Literal["exact", "fp8", "fp8-aux"]
+"""extract.storage: how the offline cache keeps hidden states (eagle3/storage.py)."""
+
 
 class ConfigError(UserError, ValueError):
     """A config problem, already phrased for the user (dotted path + what is allowed)."""
@@ -56,9 +59,9 @@ class TargetConfig(Section):
     revision: str | None = None
     """Model revision recorded in the cache fingerprint (None: weights are identified by their files)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Dtype of the target forward, also the cache's storage dtype (stored bit-exactly). `auto`: bfloat16 where the
-    device runs it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else float32 (eagle3.precision);
-    resolved when the config loads, so the cache records the concrete dtype."""
+    """Dtype of the target forward, also the cache's dtype (stored bit-exactly unless `extract.storage` is fp8).
+    `auto`: bfloat16 where the device runs it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else
+    float32 (eagle3.precision); resolved when the config loads, so the cache records the concrete dtype."""
     device: str = "cpu"
     """`cpu`, `cuda`, `cuda:N` or `auto` (accelerate's device map)."""
     backend: Literal["hf", "sglang"] = "hf"
@@ -164,6 +167,10 @@ class ExtractConfig(Section):
     """Before extracting: disk estimate vs free space, target loads, one sample's token count matches."""
     max_samples: int | None = Field(None, ge=1)
     """Extract at most this many train samples (the eval split is always extracted whole)."""
+    storage: Storage = "exact"
+    """How the offline cache keeps states (eagle3/storage.py): `exact` (the target dtype's bits, lossless), `fp8`
+    (float8_e4m3fn + a float32 scale per token and state: ~0.5x the bytes), `fp8-aux` (aux in fp8, the final
+    state exact: ~0.63x). Online mode never stores states and ignores it. Measured: BENCHMARKS.md "fp8 cache"."""
 
 
 # ----------------------------------------------------------------------------------------------------- train

@@ -142,17 +142,19 @@ def _remaining_tokens(cache_dir: Path, world: int, lengths: dict[str, np.ndarray
     return total
 
 
-def preflight_disk(cache_dir: Path, tokens: int, hidden_size: int, dtype: str, margin: float = 0.10) -> None:
-    need = tokens * payload_bytes_per_token(hidden_size, dtype)
+def preflight_disk(cache_dir: Path, tokens: int, hidden_size: int, dtype: str, margin: float = 0.10,
+                   storage: str = "exact") -> None:
+    per_token = payload_bytes_per_token(hidden_size, dtype, storage)
+    need = tokens * per_token
     free = shutil.disk_usage(cache_dir).free
     log.info("preflight: %d tokens to extract, about %.2f GB; %.2f GB free on %s", tokens, need / 1e9, free / 1e9,
              cache_dir)
     if need * (1 + margin) > free:
         raise CacheError(
             f"not enough disk for the hidden-state cache: about {need / 1e9:.2f} GB needed (+{margin:.0%} margin) "
-            f"for {tokens} tokens x {payload_bytes_per_token(hidden_size, dtype)} bytes/token, but only "
+            f"for {tokens} tokens x {per_token} bytes/token ({storage} storage), but only "
             f"{free / 1e9:.2f} GB is free on {cache_dir}. Point extract.cache_dir at a bigger disk, extract fewer "
-            f"samples (extract.max_samples=N), or use extract.mode=online."
+            f"samples (extract.max_samples=N), store fp8 (extract.storage=fp8: ~0.5x), or use extract.mode=online."
         )
 
 
@@ -182,15 +184,16 @@ def finite(c: Any) -> bool:
 
 
 def _disk_full(e: BaseException, path: Path, cache_dir: Path, tokens_left: int, hidden: int, dtype: str,
-               committed: int) -> CacheError:
-    need = tokens_left * payload_bytes_per_token(hidden, dtype)
+               committed: int, storage: str = "exact") -> CacheError:
+    per_token = payload_bytes_per_token(hidden, dtype, storage)
+    need = tokens_left * per_token
     try:
         free = f"{shutil.disk_usage(cache_dir).free / 1e9:.3f} GB"
     except OSError:
         free = "unknown"
     return CacheError(
         f"disk full while writing {path}: about {need / 1e9:.3f} GB is still needed for the {tokens_left} tokens "
-        f"left to extract ({payload_bytes_per_token(hidden, dtype)} bytes/token), {free} free on {cache_dir}. "
+        f"left to extract ({per_token} bytes/token), {free} free on {cache_dir}. "
         f"The {committed} shard(s) committed before are intact and the partial shard was removed; free space "
         f"(or set extract.cache_dir to a bigger disk) and re-run the same command: it resumes. ({e})")
 
@@ -238,7 +241,8 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     log.info("rank %d/%d: %d shard(s), %d samples, %d tokens to extract into %s", rank, world, len(jobs),
              todo_samples, todo_tokens, cache_dir)
     if cfg.extract.preflight:
-        preflight_disk(cache_dir, _remaining_tokens(cache_dir, world, lengths, S), fp["hidden_size"], fp["dtype"])
+        preflight_disk(cache_dir, _remaining_tokens(cache_dir, world, lengths, S), fp["hidden_size"], fp["dtype"],
+                       storage=fp["storage"])
 
     if backend is None:
         from eagle3.targets.hf import make_backend
@@ -264,7 +268,8 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
             tokens_at_start = tokens_done
             committed = sum(len(m.shards) for m in manifests.values())
             try:
-                writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], dtype, target_argmax=True)
+                writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], dtype, target_argmax=True,
+                                     storage=fp["storage"])
                 for batch in plan_batches([int(lens[i]) for i in job.rows], cfg.extract.batch_tokens,
                                           cfg.extract.max_batch_size):
                     rows = ds[[job.rows[b] for b in batch]]
@@ -293,7 +298,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
                     writer.abort()
                 if disk_full_error(e) is not None:
                     raise _disk_full(e, cache_dir / job.split / name, cache_dir, todo_tokens - tokens_at_start,
-                                     fp["hidden_size"], fp["dtype"], committed) from e
+                                     fp["hidden_size"], fp["dtype"], committed, fp["storage"]) from e
                 raise
             nonfinite += len(skipped)
             _kill_hook("SHARDS", shards_done)

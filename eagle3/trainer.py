@@ -39,6 +39,7 @@ from eagle3.loss import ArgmaxHead, Rows, StepStats, Teacher, plan_rows, summari
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
+from eagle3.storage import dense
 from eagle3.targets.weights import load_target_head
 
 log = logging.getLogger("eagle3")
@@ -337,8 +338,10 @@ def export_best(cfg: Config, best: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- one step
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The batch on `device`, its fp8 states (eagle3.storage) dequantised to `dtype` there: a GPU copies half the
+    bytes and the host never holds a dequantised copy."""
+    return dense({k: v.to(device, non_blocking=True) for k, v in batch.items()}, dtype)
 
 
 @dataclass
@@ -358,7 +361,8 @@ def plan_micro(teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config, de
     does not carry it."""
     top = batch.get("target_argmax")
     if top is None:
-        top = teacher.argmax(batch["final"].to(device)).cpu()
+        final = {k: v for k, v in batch.items() if k.startswith("final")}
+        top = teacher.argmax(to_device(final, device, teacher.weight.dtype)["final"]).cpu()
         if kept is not None and indices is not None:
             kept.remember(indices, top, batch["lengths"])
     rows = plan_rows(batch["loss_mask"], teacher.to_draft_host[top], cfg.train.ttt_steps, cfg.train.mask_out_of_vocab)
@@ -368,7 +372,7 @@ def plan_micro(teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config, de
 def forward_loss(model, teacher: Teacher, micro: Micro, cfg: Config, device: torch.device,
                  norm: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
     """The loss of one planned micro-batch (eagle3.loss.ttt_loss; `norm` as there)."""
-    batch, rows = to_device(micro.batch, device), micro.rows.to(device)
+    batch, rows = to_device(micro.batch, device, teacher.weight.dtype), micro.rows.to(device)
     top = micro.top.to(device, non_blocking=True)
     target = teacher.to_draft[top]
     logits = model(batch["aux"], batch["input_ids"], rows)

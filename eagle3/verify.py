@@ -10,7 +10,9 @@ chunked prefill). This compares each sample with HF's own `output_hidden_states`
 a layer does not match, tries the neighbouring layers and the pre-norm state to say which mistake it is.
 
 PASS: every layer's mean per-token cosine >= 0.99, no neighbouring layer matches better, final within 10% of the
-reference scale, and equal token counts. Exit code 0 on PASS, 1 on FAIL.
+reference scale, and equal token counts. Exit code 0 on PASS, 1 on FAIL. The same bar holds an fp8 cache
+(extract.storage): e4m3 with a scale per token keeps a token's cosine near 0.9995, an adjacent layer's state is
+further from the right one than that, and the neighbour test does not depend on the bar (BENCHMARKS.md "fp8 cache").
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ def format_report(reports: list[SampleReport]) -> str:
 
 def _states_from_cache(cache_dir: str, prepared_train: Any, n: int) -> tuple[list, list[int]]:
     from eagle3.cache import HiddenStateDataset
+    from eagle3.storage import dense
 
     ds = HiddenStateDataset(cache_dir, "train", allow_incomplete=True)
     if len(ds) == 0:
@@ -164,24 +167,28 @@ def _states_from_cache(cache_dir: str, prepared_train: Any, n: int) -> tuple[lis
     ids_col = prepared_train["id"]
     rows = []
     for i in range(min(n, len(ds))):
-        item = ds[i]
+        item = dense(ds[i], ds.dtype)
         if item["sample_id"] not in ids_col:
             raise ValueError(f"cache sample {item['sample_id']!r} is not in the prepared data: different data set")
         prompt = prepared_train[ids_col.index(item["sample_id"])]["input_ids"]
         rows.append((item["sample_id"], prompt, item["aux"], item["final"], item.get("target_argmax")))
-    return rows, ds.layer_ids
+    return rows, ds.layer_ids, ds.storage
 
 
 ARGMAX_REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """How far below the max logit a stored argmax's logit may be: a near-tie that another matmul shape may flip, not
 a token from other weights."""
+FP8_ARGMAX_REL_TOL = 0.1
+"""The same for a cache whose final states are fp8: the stored argmax was taken over the exact states, the check
+reads the dequantised ones (a few % per element), so the margin is wider; a random lm_head's pick still falls far
+below it (tests/test_verify.py)."""
 
 
 def check_argmax(report: SampleReport, stored: torch.Tensor, model: torch.nn.Module, final: torch.Tensor,
-                 chunk: int) -> None:
+                 chunk: int, rel_tol: float | None = None) -> None:
     """The cache's target_argmax against the target's own lm_head over the cache's own final states (which the
-    layer checks compare with HF's): each stored id must be their argmax, or tie with it within the dtype's
-    rounding."""
+    layer checks compare with HF's): each stored id must be their argmax, or tie with it within `rel_tol` (by
+    default the dtype's rounding)."""
     from eagle3.loss import lm_head_max
 
     weight = model.get_output_embeddings().weight
@@ -190,7 +197,8 @@ def check_argmax(report: SampleReport, stored: torch.Tensor, model: torch.nn.Mod
     n = min(len(stored), len(top))
     ids = stored[:n].to(weight.device).long()
     picked = (x[:n] * weight[ids]).sum(-1).float()
-    near = picked >= top[:n] - ARGMAX_REL_TOL.get(weight.dtype, 2e-2) * top[:n].abs().clamp(min=1.0)
+    tol = rel_tol if rel_tol is not None else ARGMAX_REL_TOL.get(weight.dtype, 2e-2)
+    near = picked >= top[:n] - tol * top[:n].abs().clamp(min=1.0)
     if not bool(near.all()):
         bad = int((~near).sum())
         report.causes.append(f"target_argmax: {bad} of {n} stored ids are not the target lm_head's argmax (nor a "
@@ -205,6 +213,7 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
 
     prepared = load_prepared(cfg.prepared_dir)
     model = None
+    storage = "exact"
     if source == "backend":
         if backend is None:
             from eagle3.targets.hf import make_backend
@@ -221,7 +230,7 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
     else:
         if not Path(source).is_dir():
             raise FileNotFoundError(f"--source {source}: not 'backend' and not a cache folder")
-        rows, layer_ids = _states_from_cache(source, prepared.train, num_samples)
+        rows, layer_ids, storage = _states_from_cache(source, prepared.train, num_samples)
     if model is None:
         model = load_causal_lm(resolve_target_path(cfg.target.path), DTYPES[cfg.target.dtype], cfg.target.device,
                                cfg.target.trust_remote_code, cfg.target.revision)
@@ -230,8 +239,10 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
         hs, prenorm = reference(model, list(ids))
         reports.append(compare(sid, list(ids), aux, final, layer_ids, hs, prenorm))
         if top is not None:
-            check_argmax(reports[-1], top, model, final, cfg.train.teacher_chunk)
+            check_argmax(reports[-1], top, model, final, cfg.train.teacher_chunk,
+                         FP8_ARGMAX_REL_TOL if storage == "fp8" else None)
     print(f"verify-extraction: {source} vs HF reference (output_hidden_states), layer ids {layer_ids} "
-          f"(eagle3 convention: id k = input of decoder layer k)")
+          f"(eagle3 convention: id k = input of decoder layer k)" + (f", {storage} storage" if storage != "exact"
+                                                                      else ""))
     print(format_report(reports))
     return 0 if all(r.ok for r in reports) else 1

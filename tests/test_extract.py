@@ -100,11 +100,12 @@ def _cfg_at(world, out: Path, **extract):
                            max_batch_size=2, **extract)
 
 
-def test_sigkill_then_resume_is_byte_identical(world, tmp_path):
+@pytest.mark.parametrize("storage", ["exact", "fp8"])
+def test_sigkill_then_resume_is_byte_identical(world, tmp_path, storage):
     # Reference: one uninterrupted run (in-process; same thread count and batches as the subprocess).
-    run(_cfg_at(world, tmp_path / "ref"))
+    run(_cfg_at(world, tmp_path / "ref", storage=storage))
     # A real SIGKILL after 3 forward batches: shard 0 (2 batches) committed, shard 1 half written.
-    cfg_path = _write_cfg(world, tmp_path / "run")
+    cfg_path = _write_cfg(world, tmp_path / "run", storage=storage)
     r = _extract(cfg_path, EAGLE3_TEST_KILL_AFTER_BATCHES=3)
     assert r.returncode == -signal.SIGKILL, r.stderr
     cache = tmp_path / "run" / "cache"
@@ -114,7 +115,7 @@ def test_sigkill_then_resume_is_byte_identical(world, tmp_path):
     with pytest.raises(CacheError, match="incomplete"):
         HiddenStateDataset(cache, "train")
     # The same job again finishes it.
-    out = run(_cfg_at(world, tmp_path / "run"))
+    out = run(_cfg_at(world, tmp_path / "run", storage=storage))
     assert out["samples"] == 10 - 3 + 3  # train shards 1..3 (3+3+1 samples) and the eval shard (3)
     assert not list(cache.rglob("*.tmp"))
     ref, got = _files(tmp_path / "ref" / "cache"), _files(cache)

@@ -231,6 +231,30 @@ def test_killed_extraction_resumes_to_the_same_bytes(case):
     assert not list(dump.glob("*.safetensors")) and not list(dump.glob(".*.tmp-*"))
 
 
+def test_fp8_extraction_through_sglang(case):
+    """extract.storage=fp8 through the real server: the same bytes as converting the exact cache of the first test
+    (the quantiser sees SGLang's states, nothing else changes), and verify-extraction still passes against HF."""
+    from eagle3.cache import convert
+
+    cfg, root = case["cfg"], case["root"]
+    if not (cfg.cache_dir / "meta.json").is_file():
+        pytest.skip("needs the uninterrupted cache of test_extract_then_verify_against_hf")
+    fp8 = cfg.model_copy(deep=True)
+    fp8.extract.cache_dir, fp8.extract.storage = str(root / "cache-fp8"), "fp8"
+    fp8_file = write_cfg(fp8, root / "fp8.yaml")
+    r = eagle3_cli("extract", "--config", str(fp8_file))
+    assert r.returncode == 0, r.stderr[-4000:]
+    convert(cfg.cache_dir, root / "cache-converted", "fp8")
+    a, b = root / "cache-converted", Path(fp8.extract.cache_dir)
+    files = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    _, mismatch, errors = filecmp.cmpfiles(a, b, files, shallow=False)
+    assert not mismatch and not errors, (mismatch, errors)
+    r = eagle3_cli("verify-extraction", "--config", str(fp8_file), "--source", str(b), "--num-samples", "4")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    assert "fp8 storage" in r.stdout and "PASS: 4 sample(s)" in r.stdout
+
+
 def test_online_training_through_sglang(case):
     """extract.mode: online: the trainer asks the server for every batch's states while the head trains."""
     from eagle3 import trainer
