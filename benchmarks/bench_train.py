@@ -22,6 +22,12 @@ alternating, on the same cache and config, for each TTT depth and precision: tok
 over all counted steps and over the steps after the first epoch (this trainer computes the teacher's
 full-vocab argmax the first time it sees a sample and keeps it), and the loss of both after the same steps.
 bf16 is skipped where the CPU has no native bf16 (emulated bf16 measures the emulation).
+
+    python benchmarks/bench_train.py --config configs/smollm2-135m.yaml --precision bf16 --steps 40 --rounds 2 \
+        --variant "exact:extract.cache_dir=runs/smollm2-135m/cache" \
+        --variant "fp8:extract.cache_dir=runs/smollm2-135m/cache-fp8 extract.storage=fp8" -- [same overrides]
+
+runs this tree on each variant's overrides (here: the same data stored exact and fp8), alternating.
 """
 
 from __future__ import annotations
@@ -129,6 +135,27 @@ def compare(a: argparse.Namespace) -> dict:
     return results
 
 
+def variants(a: argparse.Namespace) -> dict:
+    """This tree's trainer on each `--variant NAME:OVERRIDES` (e.g. two caches of other storage), alternating run
+    by run, on the same config, steps and precision: tokens/s of each and the ratio to the first."""
+    named = [(v.split(":", 1)[0], v.split(":", 1)[1].split()) for v in a.variant]
+    results: dict = {"cpu": cpu_model(), "runs": {}}
+    for prec in a.precision:
+        got: dict[str, list[dict]] = {name: [] for name, _ in named}
+        for _ in range(a.rounds):
+            for name, over in named:
+                got[name].append(run_one(REPO, a.config, [*a.overrides, *over], a.steps, prec, a.warmup))
+        rows = {name: _mean(rs) for name, rs in got.items()}
+        first = rows[named[0][0]]
+        for name, row in rows.items():
+            row["ratio"] = row["tokens_per_s"] / first["tokens_per_s"]
+            print(f"{name}, mixed_precision={prec}: {row['tokens_per_s']:.0f} tokens/s ({row['ratio']:.3f}x of "
+                  f"{named[0][0]}), data wait {row['data_wait_share']:.1%}, loss at step {row['last_step']}: "
+                  f"{row['last_loss']:.6f}", flush=True)
+        results["runs"][prec] = rows
+    return results
+
+
 def _mean(rs: list[dict]) -> dict:
     out = dict(rs[-1])
     for k in ("tokens_per_s", "tokens_per_s_after_epoch_0", "step_s"):
@@ -186,6 +213,8 @@ def main() -> int:
     p.add_argument("--against", metavar="REV", help="compare with the trainer of this git revision")
     p.add_argument("--ttt", type=int, nargs="+", default=[3], help="TTT depths to compare (with --against)")
     p.add_argument("--rounds", type=int, default=1, help="alternating runs of each side (with --against)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
+                   help="compare this tree on several override sets (repeat; with --rounds)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one precision in this process
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*")
@@ -195,6 +224,9 @@ def main() -> int:
         return 0
     if a.one:
         one(a.config, a.overrides, a.out, a.steps, a.one)
+        return 0
+    if a.variant:
+        print(json.dumps(variants(a), indent=2))
         return 0
     if a.against:
         print(json.dumps(compare(a), indent=2))
