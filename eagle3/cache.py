@@ -44,6 +44,7 @@ from eagle3.layer_ids import LAYER_ID_CONVENTION
 from eagle3.logs import UserError
 from eagle3.precision import DTYPES
 from eagle3.storage import fp8_states, quantize, state_bytes_per_token
+from eagle3.targets.info import read_target_info
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
@@ -66,19 +67,6 @@ class CacheError(UserError, RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ fingerprint
-def read_target_config(folder: str | Path) -> dict[str, Any]:
-    """The target's config.json; for wrapped multimodal models (Kimi-K2.5) the LLM's `text_config`, with the
-    wrapper's architectures/model_type kept under `wrapper_*` keys."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"target.path: no config.json in {folder}")
-    cfg = json.loads(path.read_text())
-    text = cfg.get("text_config")
-    if isinstance(text, dict) and "num_hidden_layers" in text:
-        return {**text, "wrapper_architectures": cfg.get("architectures"), "wrapper_model_type": cfg.get("model_type")}
-    return cfg
-
-
 _SAMPLE_BYTES = 1 << 16
 
 
@@ -118,8 +106,8 @@ def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) 
     from eagle3.bundled import resolve_target_path
 
     folder = resolve_target_path(cfg.target.path)
-    tc = read_target_config(folder)
-    num_layers = int(tc["num_hidden_layers"])
+    info = read_target_info(folder)
+    num_layers = info.num_layers
     if prepared_meta is None:
         meta_file = cfg.prepared_dir / "meta.json"
         prepared_meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
@@ -128,9 +116,9 @@ def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) 
         "target_path": cfg.target.path,
         "revision": cfg.target.revision,
         "weights_id": weights_id(folder, cfg.target.revision),
-        "architectures": tc.get("wrapper_architectures") or tc.get("architectures") or [],
+        "architectures": info.architectures,
         "num_layers": num_layers,
-        "hidden_size": int(tc["hidden_size"]),
+        "hidden_size": info.hidden_size,
         "dtype": cfg.target.dtype,
         "layer_ids": cfg.layer_ids(num_layers),
         "layer_id_convention": LAYER_ID_CONVENTION,

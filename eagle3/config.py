@@ -477,15 +477,12 @@ def target_num_layers(cfg: Config) -> int | None:
     n = bundled_num_layers(cfg.target.path)
     if n is not None:
         return n
-    cfg_file = Path(cfg.target.path) / "config.json"
-    if not cfg_file.is_file():
-        return None
+    from eagle3.targets.info import read_target_info
+
     try:
-        hf = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError):
+        return read_target_info(cfg.target.path).num_layers
+    except (OSError, ValueError):  # no folder here yet (a remote SGLang target), or an unreadable file
         return None
-    text = hf.get("text_config") or {}
-    return text.get("num_hidden_layers") or hf.get("num_hidden_layers")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

@@ -32,6 +32,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eagle3.layer_ids import LAYER_ID_CONVENTION, ArchFamily, Engine, arch_family, from_engine_ids
+from eagle3.targets.info import TargetInfo
 
 log = logging.getLogger("eagle3")
 
@@ -47,14 +48,6 @@ def _as_dict(hf_config: Any) -> dict[str, Any]:
     if isinstance(hf_config, dict):
         return dict(hf_config)
     return hf_config.to_dict()
-
-
-def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal wrappers (Kimi-K2.5) keep the LLM in `text_config`; architectures stay on the outer config."""
-    text = hf.get("text_config")
-    if isinstance(text, dict):
-        return {**text, "architectures": hf.get("architectures") or text.get("architectures")}
-    return hf
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
@@ -109,9 +102,8 @@ class Eagle3DraftConfig:
         than hidden/heads (7168/64 = 112). Their YaRN scaling belongs to MLA's rope sub-dimension, so the draft
         uses its own plain RoPE with the target's rope_theta.
         """
-        outer = _as_dict(target_hf_config)
-        hf = _text_config(outer)
-        family = arch_family(hf.get("architectures"), hf.get("model_type"))
+        info = TargetInfo.of(_as_dict(target_hf_config))
+        hf, family = info.text, info.family
         d = cfg.draft
         hidden = d.hidden_size or hf["hidden_size"]
         heads = d.num_attention_heads or hf["num_attention_heads"]
@@ -140,7 +132,7 @@ class Eagle3DraftConfig:
             aux_layer_ids=cfg.layer_ids(num_layers) if num_layers else cfg.target.aux_layer_ids,
             target={
                 "path": cfg.target.path,
-                "architectures": hf.get("architectures"),
+                "architectures": info.architectures or None,
                 "model_type": hf.get("model_type"),
                 "num_layers": num_layers,
             },

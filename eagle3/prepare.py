@@ -83,15 +83,13 @@ def target_vocab_size(cfg: Config, tokenizer: Any) -> int:
     """The target's vocab (lm_head rows) from its config.json (text_config first), else the tokenizer's length.
 
     A model's vocab is often padded beyond the tokenizer; t2d must cover the model's rows."""
-    from eagle3.bundled import resolve_target_path
+    from eagle3.targets.info import read_target_info
 
-    cfg_file = Path(resolve_target_path(cfg.target.path)) / "config.json"
-    if cfg_file.is_file():
-        hf = json.loads(cfg_file.read_text())
-        size = (hf.get("text_config") or {}).get("vocab_size") or hf.get("vocab_size")
-        if isinstance(size, int) and size > 0:
-            return size
-    return len(tokenizer)
+    try:
+        size = read_target_info(cfg).text.get("vocab_size")
+    except FileNotFoundError:
+        size = None
+    return size if isinstance(size, int) and size > 0 else len(tokenizer)
 
 
 def fingerprint_inputs(cfg: Config, tokenizer: Any, tpl: ChatTemplate, vocab_size: int) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
 from eagle3.storage import dense
+from eagle3.targets.info import TargetInfo
 from eagle3.targets.weights import load_target_head
 
 log = logging.getLogger("eagle3")
@@ -211,10 +212,7 @@ def build_draft(cfg: Config, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: 
         except ValueError as e:
             if "which engine" not in str(e):
                 raise
-            from eagle3.layer_ids import arch_family
-
-            text = hf_config.get("text_config") or hf_config
-            family = arch_family(hf_config.get("architectures"), text.get("model_type"))
+            family = TargetInfo.of(hf_config).family
             draft = Eagle3Draft.from_pretrained(cfg.draft.init_from, embed_weight=embed, engine="sglang", family=family)
         if draft.config.draft_vocab_size != d2t.shape[0] or not torch.equal(draft.d2t.cpu(), d2t.long()):
             raise ValueError(f"draft.init_from={cfg.draft.init_from}: its draft vocab (d2t) differs from the prepared "

@@ -24,7 +24,8 @@ from models import make_prepared, tiny_llama, tiny_target_cfg
 from eagle3.config import Config, load_config
 from eagle3.layer_ids import LAYER_ID_CONVENTION, to_engine_ids
 from eagle3.targets import sglang_capture
-from eagle3.targets.sglang import SGLangTarget, capture_flags, check_launch_args, read_target_info, server_env
+from eagle3.targets.info import read_target_info
+from eagle3.targets.sglang import SGLangTarget, capture_flags, check_launch_args, server_env
 from eagle3.targets.sglang_dump import (
     ENV_DUMP_DIR,
     ENV_FAMILY,

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from eagle3.bundled import resolve_target_path
-from eagle3.cache import read_target_config, weights_id
+from eagle3.cache import weights_id
 from eagle3.precision import DTYPES
 from eagle3.targets.base import Captured
+from eagle3.targets.info import read_target_info
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -46,13 +47,12 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_rem
     """Load a causal LM for inference; a Kimi-style wrapper loads just its `language_model.*` LLM."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    raw = read_target_config(path)
+    info = read_target_info(path)
     kw: dict[str, Any] = {"dtype": dtype, "revision": revision}
     if device == "auto":
         kw["device_map"] = "auto"
-    if raw.get("wrapper_model_type") is not None:
-        text = {k: v for k, v in raw.items() if not k.startswith("wrapper_")}
-        config = AutoConfig.for_model(**text)
+    if info.wrapped:
+        config = AutoConfig.for_model(**info.text)
         model_cls = AutoModelForCausalLM._model_mapping[type(config)]
         model = model_cls.from_pretrained(path, config=config, key_mapping={r"^language_model\.": ""}, **kw)
     else:
@@ -84,9 +84,9 @@ class HFTarget:
         self.model = load_causal_lm(self.path, self.dtype, cfg.target.device, cfg.target.trust_remote_code,
                                     cfg.target.revision)
         self.config = self.model.config
-        raw = read_target_config(self.path)
-        self.architectures: list[str] = raw.get("wrapper_architectures") or raw.get("architectures") or []
-        self.model_type: str = raw.get("wrapper_model_type") or raw.get("model_type") or ""
+        info = read_target_info(self.path)
+        self.architectures: list[str] = info.architectures
+        self.model_type: str = info.model_type
         self.base, self.layers, self.norm = decoder_parts(self.model)
         self.num_layers = len(self.layers)
         self.hidden_size = int(self.config.hidden_size)

@@ -45,16 +45,16 @@ import logging
 import os
 import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagle3.config import Config
-from eagle3.layer_ids import ArchFamily, arch_family, validate_layer_ids
+from eagle3.layer_ids import ArchFamily, validate_layer_ids
 from eagle3.precision import DTYPES
 from eagle3.targets.base import Captured
+from eagle3.targets.info import TargetInfo, read_target_info
 from eagle3.targets.sglang_dump import (
     ENV_DUMP_DIR,
     ENV_FAMILY,
@@ -100,39 +100,14 @@ _REFUSED_FLAGS = {
 }
 
 
-@dataclass
-class TargetInfo:
-    """What the client needs to know about the target without loading it (read from config.json)."""
-
-    model_path: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    family: ArchFamily
-    architectures: list[str]
-
-
-def read_target_info(cfg: Config) -> TargetInfo:
-    """Depth, width, vocab and SGLang layer-id family from the target's config.json (Kimi: `text_config`)."""
-    from eagle3.bundled import resolve_target_path
-
-    path = resolve_target_path(cfg.target.path)
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(
-            f"target.path={cfg.target.path!r}: no config.json at {cfg_file}; the SGLang backend reads the target's "
-            f"shape from it, so the model folder must be visible on this machine"
-        )
-    hf = json.loads(cfg_file.read_text())
-    text = hf.get("text_config") or hf
-    archs = list(hf.get("architectures") or []) + list(text.get("architectures") or [])
+def _target_info(cfg: Config) -> TargetInfo:
+    """The target's config.json (eagle3.targets.info), with what to do when this machine cannot see it."""
     try:
-        num_layers = int(cfg.target.num_layers or text["num_hidden_layers"])
-        hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
-    except KeyError as e:
-        raise ValueError(f"{cfg_file}: missing {e.args[0]!r} (looked at the top level and in text_config)") from None
-    family = arch_family(archs, f"{hf.get('model_type', '')} {text.get('model_type', '')}")
-    return TargetInfo(str(path), num_layers, hidden, vocab, family, archs)
+        return read_target_info(cfg)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"target.path={cfg.target.path!r}: no config.json there; the SGLang backend reads the target's shape "
+            "from it, so the model folder must be visible on this machine") from None
 
 
 # ----------------------------------------------------------------------------------------------- the server
@@ -190,8 +165,8 @@ class SGLangTarget:
                  info: TargetInfo | None = None):
         s = cfg.target.sglang
         self.cfg = cfg
-        self.info = info or read_target_info(cfg)
-        self.num_layers = self.info.num_layers
+        self.info = info or _target_info(cfg)
+        self.num_layers = cfg.target.num_layers or self.info.num_layers
         self.hidden_size = self.info.hidden_size
         self.vocab_size = self.info.vocab_size
         self.family: ArchFamily = self.info.family
@@ -230,7 +205,7 @@ class SGLangTarget:
         self._own_dump_dir = True  # our own server: the folder is ours alone, removed on close
         check_plugin(sglang_python())
         self.log_file = Path(self.cfg.output_dir) / "logs" / f"sglang-capture-{os.getpid()}.log"
-        self.server = SGLangServer(capture_flags(self.cfg, self.info.model_path),
+        self.server = SGLangServer(capture_flags(self.cfg, str(self.info.folder)),
                                    server_env(self.dump_dir, self.layer_ids, self.family), self.log_file,
                                    startup_timeout_s, what=f"the SGLang capture server (TP={self.cfg.target.sglang.tp_size})")
         self.url = self.server.url
@@ -372,11 +347,11 @@ def serve(cfg: Config, port: int | None, host: str, dry_run: bool) -> int:
 
         url = cfg.target.sglang.url
         port = (urlparse(url).port if url else None) or DEFAULT_PORT
-    info = read_target_info(cfg)
-    layer_ids = cfg.layer_ids(info.num_layers)
+    info = _target_info(cfg)
+    layer_ids = cfg.layer_ids(cfg.target.num_layers or info.num_layers)
     s = cfg.target.sglang
     python = sglang_python()
-    cmd = [python, "-m", "sglang.launch_server", *capture_flags(cfg, info.model_path), "--host", host,
+    cmd = [python, "-m", "sglang.launch_server", *capture_flags(cfg, str(info.folder)), "--host", host,
            "--port", str(port)]
     env = server_env(s.dump_dir, layer_ids, info.family)
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)

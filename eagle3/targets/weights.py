@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagle3.bundled import resolve_target_path
+from eagle3.targets.info import TargetInfo, read_target_info
 
 _EMBED = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
           "model.language_model.embed_tokens.weight", "embed_tokens.weight")
@@ -53,25 +53,16 @@ def _read(folder: Path, names: dict[str, str], name: str) -> torch.Tensor:
 
 def load_lm_head(path_or_cfg: Any) -> torch.Tensor:
     """The target's lm_head [V, H] alone (the embeddings when tied), without loading the model."""
-    folder, hf_config, names = _open(path_or_cfg)
+    info, names = _open(path_or_cfg)
     head_name = _find(names, _LM_HEAD, "lm_head.weight")
-    if head_name is not None and not _tied(hf_config):
-        return _read(folder, names, head_name)
+    if head_name is not None and not info.tied:
+        return _read(info.folder, names, head_name)
     return load_target_head(path_or_cfg)[1]
 
 
-def _open(path_or_cfg: Any) -> tuple[Path, dict[str, Any], dict[str, str]]:
-    path = path_or_cfg.target.path if hasattr(path_or_cfg, "target") else str(path_or_cfg)
-    folder = Path(resolve_target_path(path))
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"target.path: no config.json in {folder}")
-    return folder, json.loads(cfg_file.read_text()), _weight_map(folder)
-
-
-def _tied(hf_config: dict[str, Any]) -> bool:
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
-    return bool(text.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
+def _open(path_or_cfg: Any) -> tuple[TargetInfo, dict[str, str]]:
+    info = read_target_info(path_or_cfg)
+    return info, _weight_map(info.folder)
 
 
 def load_target_head(path_or_cfg: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -80,12 +71,13 @@ def load_target_head(path_or_cfg: Any) -> tuple[torch.Tensor, torch.Tensor, dict
     Accepts a folder path, a `bundled:` name or a Config (uses `target.path`). Tied embeddings (no lm_head
     tensor, or `tie_word_embeddings`) return the embedding matrix as the lm_head too.
     """
-    folder, hf_config, names = _open(path_or_cfg)
+    info, names = _open(path_or_cfg)
+    folder = info.folder
     embed_name = _find(names, _EMBED, "embed_tokens.weight")
     if embed_name is None:
         raise KeyError(f"target.path {folder}: no token embedding tensor (looked for {', '.join(_EMBED)})")
     embed = _read(folder, names, embed_name)
-    tied = _tied(hf_config)
+    tied = info.tied
     head_name = _find(names, _LM_HEAD, "lm_head.weight")
     if head_name is None or tied:
         if head_name is None and not tied:
@@ -96,4 +88,4 @@ def load_target_head(path_or_cfg: Any) -> tuple[torch.Tensor, torch.Tensor, dict
     if lm_head.shape != embed.shape:
         raise ValueError(f"target.path {folder}: lm_head {tuple(lm_head.shape)} and embeddings "
                          f"{tuple(embed.shape)} differ in shape")
-    return embed, lm_head, hf_config
+    return embed, lm_head, info.config

@@ -1,0 +1,92 @@
+"""The target's `config.json`, read in one place, without loading the model.
+
+    from eagle3.targets.info import read_target_info
+    info = read_target_info("bundled:smollm2-135m-instruct")     # or a folder, or a Config (uses target.path)
+    info.num_layers, info.hidden_size, info.vocab_size, info.family, info.tied
+
+Kimi-K2.5 ships as a multimodal wrapper: its LLM's config sits in `text_config` while the model's own
+`architectures` / `model_type` (`KimiK25ForConditionalGeneration`, `kimi_k25`) stay on the outer config. Every
+stage needs a different part of that file (prepare the vocab, extraction the depth, the cache fingerprint the
+architectures, the trainer the head's dimensions, SGLang the layer-id family); reading it with one rule here is
+what keeps a wrapped target from being read five ways.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.layer_ids import ArchFamily, arch_family
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    folder: Path
+    config: dict[str, Any]
+    """config.json as written."""
+    text: dict[str, Any]
+    """The LLM's config: `text_config` of a multimodal wrapper, else `config` itself."""
+
+    @property
+    def wrapped(self) -> bool:
+        return self.text is not self.config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._need("num_hidden_layers"))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self._need("hidden_size"))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._need("vocab_size"))
+
+    @property
+    def architectures(self) -> list[str]:
+        """The model's own class names (the wrapper's for Kimi-K2.5): what the cache fingerprint records."""
+        return list(self.config.get("architectures") or self.text.get("architectures") or [])
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type") or self.text.get("model_type") or "")
+
+    @property
+    def family(self) -> ArchFamily:
+        """The layer-id spelling family (eagle3.layer_ids), from every name the file gives."""
+        names = list(self.config.get("architectures") or []) + list(self.text.get("architectures") or [])
+        return arch_family(names, f"{self.config.get('model_type', '')} {self.text.get('model_type', '')}")
+
+    @property
+    def tied(self) -> bool:
+        """Whether the lm_head is the embedding matrix."""
+        return bool(self.text.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
+
+    @classmethod
+    def of(cls, config: dict[str, Any], folder: str | Path = ".") -> TargetInfo:
+        """The one unwrapping rule: a `text_config` that describes a decoder (has its depth) is the LLM."""
+        text = config.get("text_config")
+        wrapped = isinstance(text, dict) and "num_hidden_layers" in text
+        return cls(Path(folder), config, text if wrapped else config)
+
+    def _need(self, key: str) -> Any:
+        if key not in self.text:
+            where = "text_config" if self.wrapped else "the top level"
+            raise ValueError(f"{self.folder / 'config.json'}: missing {key!r} (looked in {where})")
+        return self.text[key]
+
+
+def read_target_info(path_or_cfg: Any) -> TargetInfo:
+    """The TargetInfo of a model folder, a `bundled:` name or a Config's `target.path`; FileNotFoundError when
+    the folder has no config.json."""
+    from eagle3.bundled import resolve_target_path
+
+    where = path_or_cfg.target.path if hasattr(path_or_cfg, "target") else str(path_or_cfg)
+    folder = resolve_target_path(where)
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"target.path: no config.json in {folder}")
+    return TargetInfo.of(json.loads(path.read_text()), folder)

@@ -1,0 +1,60 @@
+"""eagle3.targets.info: the one reader of the target's config.json, plain and Kimi-wrapped."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from models import kimi_wrapped, tiny_llama
+
+from eagle3.cache import expected_fingerprint
+from eagle3.config import Config
+from eagle3.targets.info import TargetInfo, read_target_info
+
+PKG = Path(__file__).resolve().parent.parent / "eagle3"
+
+
+def test_plain_and_wrapped_targets_read_alike(tmp_path):
+    llama = read_target_info(tiny_llama(tmp_path / "llama", layers=6))
+    assert not llama.wrapped and (llama.num_layers, llama.hidden_size, llama.vocab_size) == (6, 64, 256)
+    assert llama.family == "llama" and llama.architectures == ["LlamaForCausalLM"]
+    kimi = read_target_info(kimi_wrapped(tmp_path / "kimi"))
+    assert kimi.wrapped and (kimi.num_layers, kimi.hidden_size, kimi.vocab_size) == (4, 64, 256)
+    assert kimi.family == "deepseek" and kimi.architectures == kimi.config["architectures"]
+    assert kimi.model_type == kimi.config["model_type"] and kimi.text["model_type"] == "deepseek_v3"
+    cfg = Config()
+    cfg.target.path = str(tmp_path / "kimi")
+    assert read_target_info(cfg) == kimi  # a Config reads its target.path
+
+
+def test_tied_and_missing_fields(tmp_path):
+    assert TargetInfo.of({"num_hidden_layers": 2, "tie_word_embeddings": True}).tied
+    assert TargetInfo.of({"text_config": {"num_hidden_layers": 2}, "tie_word_embeddings": True}).tied
+    assert not TargetInfo.of({"text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+                              "tie_word_embeddings": True}).tied
+    with pytest.raises(ValueError, match="missing 'hidden_size' \\(looked in text_config\\)"):
+        _ = TargetInfo.of({"text_config": {"num_hidden_layers": 2}}).hidden_size
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_target_info(tmp_path)
+
+
+def test_the_fingerprint_records_the_wrappers_architectures(tmp_path):
+    cfg = Config()
+    cfg.target.path = str(kimi_wrapped(tmp_path / "kimi"))
+    fp = expected_fingerprint(cfg, {"samples_fingerprint": "p", "max_length": 64})
+    assert fp["architectures"] == json.loads((tmp_path / "kimi" / "config.json").read_text())["architectures"]
+    assert (fp["num_layers"], fp["hidden_size"]) == (4, 64)
+
+
+def test_only_the_info_module_reads_a_targets_config_json():
+    """Other modules read a *draft's* config.json (export, model, evaluation engines) but never open the
+    target's: every `text_config` lookup lives in eagle3/targets/info.py."""
+    readers = []
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value == "text_config":
+                readers.append(str(path.relative_to(PKG)))
+    assert sorted(set(readers)) == ["targets/info.py"]
