@@ -26,7 +26,6 @@ trainer learn from the wrong states (the seed's drafter trained on mismatched st
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -44,7 +43,7 @@ from eagle3.layer_ids import LAYER_ID_CONVENTION
 from eagle3.logs import UserError
 from eagle3.precision import DTYPES
 from eagle3.storage import fp8_states, quantize, state_bytes_per_token
-from eagle3.targets.info import read_target_info
+from eagle3.targets.info import read_target_info, weights_id
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
@@ -67,39 +66,6 @@ class CacheError(UserError, RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ fingerprint
-_SAMPLE_BYTES = 1 << 16
-
-
-def _sample_file(path: Path, h: Any) -> None:
-    """Feed 64 KiB from the start, the middle and the end of a file into `h`: the start of a safetensors file
-    is its header (names, shapes), the middle and end are tensor values."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        for off in sorted({0, max(size // 2 - _SAMPLE_BYTES // 2, 0), max(size - _SAMPLE_BYTES, 0)}):
-            f.seek(off)
-            h.update(f.read(_SAMPLE_BYTES))
-
-
-def weights_id(folder: str | Path, revision: str | None = None) -> str:
-    """A cheap identity of the target weights: names and sizes of the weight files, 192 KiB sampled from each
-    (start, middle, end), and the safetensors index when there is one. Hashing 554 GB of Kimi weights is not an
-    option, but names and sizes alone cannot tell a fine-tune (or a re-download into the same folder) from the
-    model it came from: same shapes, other values; the samples can (reading ~12 MB for Kimi's 64 files)."""
-    d = Path(folder)
-    h = hashlib.sha256()
-    files = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
-    for p in files:
-        h.update(f"{p.name}:{p.stat().st_size}\n".encode())
-        _sample_file(p, h)
-    for idx in sorted(d.glob("*.index.json")):
-        h.update(idx.read_bytes())
-    if revision:
-        h.update(f"revision:{revision}".encode())
-    if not files:
-        raise FileNotFoundError(f"target.path: no weight files (*.safetensors) in {folder}")
-    return h.hexdigest()[:16]
-
-
 def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a cache for `cfg` must have been extracted with; computed from config.json and the weight file
     listing, without loading the model (the trainer calls this before training)."""

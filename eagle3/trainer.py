@@ -178,7 +178,7 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     Items are dicts {input_ids, loss_mask, aux, final, sample_id}; both kinds have `.lengths`."""
     if cfg.extract.mode == "online":
         from eagle3.data.prepared import load_prepared
-        from eagle3.targets.hf import make_backend
+        from eagle3.targets.base import make_backend
 
         prepared = load_prepared(cfg.prepared_dir)
         backend = make_backend(cfg)

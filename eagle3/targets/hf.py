@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from eagle3.bundled import resolve_target_path
-from eagle3.cache import weights_id
 from eagle3.precision import DTYPES
 from eagle3.targets.base import Captured
 from eagle3.targets.info import read_target_info
@@ -110,9 +109,6 @@ class HFTarget:
     def _norm_hook(self, _module, _args, output):
         self._captured["final"] = output
 
-    def weights_id(self) -> str:
-        return weights_id(self.path, self.cfg.target.revision)
-
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The loaded model's lm_head [V, H] (eagle3.loss.ArgmaxHead uses it rather than a second copy)."""
@@ -158,12 +154,3 @@ class HFTarget:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-
-def make_backend(cfg: Any):
-    """The configured target backend (HF in-process, or SGLang when its backend module is present)."""
-    if cfg.target.backend == "hf":
-        return HFTarget(cfg)
-    from eagle3.targets.sglang import SGLangTarget  # provided by the SGLang backend stage
-
-    return SGLangTarget(cfg)

@@ -1,4 +1,5 @@
-"""The target's `config.json`, read in one place, without loading the model.
+"""What eagle3 knows about a target without loading it: its `config.json`, read in one place, and a cheap
+identity of its weight files (`weights_id`, recorded in every cache fingerprint).
 
     from eagle3.targets.info import read_target_info
     info = read_target_info("bundled:smollm2-135m-instruct")     # or a folder, or a Config (uses target.path)
@@ -13,6 +14,7 @@ what keeps a wrapped target from being read five ways.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,3 +92,36 @@ def read_target_info(path_or_cfg: Any) -> TargetInfo:
     if not path.is_file():
         raise FileNotFoundError(f"target.path: no config.json in {folder}")
     return TargetInfo.of(json.loads(path.read_text()), folder)
+
+
+_SAMPLE_BYTES = 1 << 16
+
+
+def _sample_file(path: Path, h: Any) -> None:
+    """Feed 64 KiB from the start, the middle and the end of a file into `h`: the start of a safetensors file
+    is its header (names, shapes), the middle and end are tensor values."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        for off in sorted({0, max(size // 2 - _SAMPLE_BYTES // 2, 0), max(size - _SAMPLE_BYTES, 0)}):
+            f.seek(off)
+            h.update(f.read(_SAMPLE_BYTES))
+
+
+def weights_id(folder: str | Path, revision: str | None = None) -> str:
+    """A cheap identity of the target weights: names and sizes of the weight files, 192 KiB sampled from each
+    (start, middle, end), and the safetensors index when there is one. Hashing 554 GB of Kimi weights is not an
+    option, but names and sizes alone cannot tell a fine-tune (or a re-download into the same folder) from the
+    model it came from: same shapes, other values; the samples can (reading ~12 MB for Kimi's 64 files)."""
+    d = Path(folder)
+    h = hashlib.sha256()
+    files = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
+    for p in files:
+        h.update(f"{p.name}:{p.stat().st_size}\n".encode())
+        _sample_file(p, h)
+    for idx in sorted(d.glob("*.index.json")):
+        h.update(idx.read_bytes())
+    if revision:
+        h.update(f"revision:{revision}".encode())
+    if not files:
+        raise FileNotFoundError(f"target.path: no weight files (*.safetensors) in {folder}")
+    return h.hexdigest()[:16]
