@@ -178,7 +178,8 @@ def unigram_baseline(config: str, overrides: list[str]) -> dict[str, float]:
     from eagle3.cache import HiddenStateDataset
     from eagle3.config import load_config
     from eagle3.data.prepared import load_vocab
-    from eagle3.loss import Teacher, valid_positions
+    from eagle3.loss import Teacher
+    from eagle3.rows import valid_positions
     from eagle3.targets.weights import load_target_head
 
     cfg = load_config(config, overrides)

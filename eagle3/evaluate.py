@@ -26,9 +26,9 @@ import torch
 
 from eagle3.config import Config
 from eagle3.logs import Progress, setup_logging
-from eagle3.precision import DTYPES
 from eagle3.prompts import Prompt, PromptSet, load_prompt_set
 from eagle3.specdec import AcceptanceStats, HFTargetDecoder, SpecSettings, SpeculativeDecoder
+from eagle3.targets.hf import eos_ids, load_target
 
 log = logging.getLogger("eagle3")
 
@@ -53,18 +53,6 @@ def resolve_checkpoint(cfg: Config) -> Path:
     )
 
 
-def load_target(cfg: Config) -> tuple[torch.nn.Module, Any]:
-    """The HF target (Kimi-style wrappers included) and its tokenizer."""
-    from eagle3.bundled import resolve_target_path
-    from eagle3.data.templates import load_tokenizer
-    from eagle3.targets.hf import load_causal_lm
-
-    path = resolve_target_path(cfg.target.path)
-    model = load_causal_lm(path, DTYPES[cfg.target.dtype], cfg.target.device, cfg.target.trust_remote_code,
-                           cfg.target.revision)
-    return model, load_tokenizer(cfg)
-
-
 def load_draft(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
     """The head, on the target's device and dtype, with the target's embeddings; ids checked against the target."""
     from eagle3.layer_ids import validate_layer_ids
@@ -84,16 +72,6 @@ def load_draft(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
         raise ValueError(f"target.aux_layer_ids={cfg.target.aux_layer_ids} but the head {folder} was trained on "
                          f"ids {c.aux_layer_ids} (eagle3 convention); evaluate it with its own ids")
     return draft
-
-
-def eos_ids(tokenizer: Any, model: torch.nn.Module) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, list | tuple):
-            ids.update(int(x) for x in src)
-    return ids
 
 
 def settings_from(cfg: Config) -> SpecSettings:
@@ -194,7 +172,7 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     ids = list(draft.config.aux_layer_ids)
     target = HFTargetDecoder(model, ids)
     settings = settings_from(cfg)
-    eos = eos_ids(tokenizer, model)
+    eos = set(eos_ids(tokenizer, model.generation_config))
     dec = SpeculativeDecoder(target, draft, settings, eos)
     render = PromptRenderer(tokenizer, cfg)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]

@@ -245,7 +245,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
                        storage=fp["storage"])
 
     if backend is None:
-        from eagle3.targets.base import make_backend
+        from eagle3.targets import make_backend
 
         backend = make_backend(cfg)
     _check_backend(backend, fp)

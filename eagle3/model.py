@@ -9,9 +9,14 @@
 
 Parameter names are the engines' own, so `save_pretrained` writes a folder an engine could read as-is (the
 export only adds the engine's config spelling). The attention pieces are exposed separately
-(`attention_inputs` / `after_attention`) because the training-time test (eagle3.loss) attends over keys from
-several unrolled steps with its own fast kernel, while `decode` is the incremental KV-cache path that the
-evaluator uses for chain and tree drafting.
+(`attention_inputs` / `after_attention`) because the training-time test attends over keys from several
+unrolled steps with its own fast kernel (`ttt_unroll_rows`, at the end of this file), while `decode` is the
+incremental KV-cache path that the evaluator uses for chain and tree drafting.
+
+Training-time test: step j's input at position t is (the step j-1 output hidden, token x_{t+1+j}) at RoPE
+position t+j (the alignment and which positions are computed: eagle3.rows). Attention at step j: the causal
+prefix of step-0 keys (positions 0..t) plus the same position's keys from steps 1..j (its own included), as the
+engine's KV cache holds them when drafting j tokens ahead.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +37,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eagle3.layer_ids import LAYER_ID_CONVENTION, ArchFamily, Engine, arch_family, from_engine_ids
+from eagle3.rows import Rows, every_row, shift_tokens
 from eagle3.targets.info import TargetInfo
 
 log = logging.getLogger("eagle3")
@@ -40,6 +46,7 @@ FORMAT = "eagle3-draft"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 KV = tuple[Tensor, Tensor]
+Attention = Literal["fast", "dense"]
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:
@@ -297,13 +304,11 @@ class Eagle3Draft(nn.Module):
     def logits(self, out_hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(out_hidden))
 
-    def forward(self, aux: Tensor, input_ids: Tensor, rows: Any, attention: str = "fast") -> list[Tensor]:
-        """Training: the TTT unroll over `rows` (eagle3.loss.ttt_unroll_rows) -> logits of each step's scored
+    def forward(self, aux: Tensor, input_ids: Tensor, rows: Rows, attention: Attention = "fast") -> list[Tensor]:
+        """Training: the TTT unroll over `rows` (`ttt_unroll_rows` below) -> logits of each step's scored
         rows. Lives in `forward` so that DDP/FSDP wrappers see the whole computation (their gradient hooks need
         the call to go through them)."""
-        from eagle3.loss import ttt_unroll_rows
-
-        return ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention)  # type: ignore[arg-type]
+        return ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention)
 
     def decode(
         self,
@@ -491,3 +496,110 @@ def _config_from_json(raw: dict[str, Any], where: Path, *, engine: Engine | None
         aux_layer_ids=ids,
         hidden_act=llama.get("hidden_act") or "silu",
     )
+
+
+# ---------------------------------------------------------------------------- training-time test
+def _prefix_mask(q_pos: Tensor, t: int, sinks: int) -> Tensor:
+    """Bool [B, 1, M, sinks + T]: query m (at position q_pos[b, m]) sees every sink and the keys 0..q_pos."""
+    causal = torch.arange(t, device=q_pos.device) <= q_pos[..., None]  # [B, M, T]
+    return F.pad(causal, (sinks, 0), value=True)[:, None]
+
+
+def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
+                       q_pos: Tensor | None = None) -> Tensor:
+    """Exact TTT attention without a [T, (j+1)T] mask: one SDPA over the step-0 keys plus j "sink" keys.
+
+    The j same-position scores d_i(t) = q_t . k_i,t are computed elementwise and appended to each query as
+    extra channels; j shared sink keys (one-hot in those channels) then score exactly d_i(t) for query t, and
+    their one-hot values report the softmax weight p_i(t) each sink received, normalised jointly with the
+    step-0 causal keys. The output is SDPA's step-0 part plus sum_i p_i(t) v_i,t.
+    q [B, nh, M, D]; k0, v0 [B, nkv, T, D]; each ks[i], vs[i] [B, nkv, M, D], aligned with q. q_pos [B, M]: the
+    position of each query; None when the queries are positions 0..T-1 in order, which SDPA takes as a
+    lower-right causal mask (sinks first, visible to every query) so flash kernels apply.
+    """
+    b, nh, m, d = q.shape
+    t = k0.shape[2]
+    n = len(ks)
+    n_rep = nh // k0.shape[1]
+    if n == 0:
+        k, v = repeat_kv(k0, n_rep), repeat_kv(v0, n_rep)
+        if q_pos is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_prefix_mask(q_pos, t, 0))
+    dp = -(-(d + n) // 8) * 8  # padded head dim (kernels like multiples of 8)
+    diag = torch.stack([(q * repeat_kv(k, n_rep)).sum(-1) for k in ks], dim=-1)  # [B, nh, M, n]
+    q_aug = torch.cat([q, diag, q.new_zeros(b, nh, m, dp - d - n)], dim=-1)
+    sinks = torch.zeros(n, dp, dtype=q.dtype, device=q.device)
+    sinks[torch.arange(n), d + torch.arange(n)] = 1.0
+    sinks = sinks.expand(b, k0.shape[1], n, dp)
+    pad = (0, dp - d)
+    k_aug = torch.cat([sinks, F.pad(k0, pad)], dim=2)
+    v_aug = torch.cat([sinks, F.pad(v0, pad)], dim=2)
+    mask = causal_lower_right(m, t + n) if q_pos is None else _prefix_mask(q_pos, t, n)
+    out = F.scaled_dot_product_attention(q_aug, repeat_kv(k_aug, n_rep), repeat_kv(v_aug, n_rep), attn_mask=mask,
+                                         scale=d**-0.5)
+    result = out[..., :d]
+    for i, v in enumerate(vs):
+        result = result + out[..., d + i : d + i + 1] * repeat_kv(v, n_rep)
+    return result
+
+
+def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
+                        q_pos: Tensor | None = None) -> Tensor:
+    """Reference: all keys concatenated with an explicit [M, T + jM] mask (causal block + diagonal blocks)."""
+    b, _, m, _ = q.shape
+    t = k0.shape[2]
+    n_rep = q.shape[1] // k0.shape[1]
+    if q_pos is None:
+        q_pos = torch.arange(m, device=q.device).expand(b, m)
+    keys = torch.cat([k0, *ks], dim=2)
+    values = torch.cat([v0, *vs], dim=2)
+    eye = torch.eye(m, dtype=torch.bool, device=q.device).expand(b, 1, m, m)
+    mask = torch.cat([_prefix_mask(q_pos, t, 0), *([eye] * len(ks))], dim=-1)
+    return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """[B, heads, T, D] -> [B*T, heads, D]."""
+    return x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])
+
+
+def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows: Rows,
+                    attention: Attention = "fast") -> list[Tensor]:
+    """Logits [len(score[j]), draft_vocab] of the scored rows of each unrolled step (see the module docstring).
+
+    Step 0 computes keys and values at every position (they are every later query's prefix); everything else
+    (queries, attention, the layer after it, norm and lm_head) runs only on the rows in `rows`, each batch row's
+    kept queries packed to the left and masked by their own positions.
+    """
+    attend = ttt_attention_fast if attention == "fast" else ttt_attention_dense
+    b, t = input_ids.shape
+    flat_pos = torch.arange(t, device=input_ids.device).repeat(b)
+    keep = rows.keep[0]
+    q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1), hidden0, flat_pos.view(b, t))
+    out = attend(rows.pack(0, _rows(q)[keep]), k0, v0, [], [], rows.q_pos[0])
+    hidden = draft.block(hidden0.reshape(b * t, -1)[keep], rows.unpack(0, out))  # [M0, H]
+    logits = [draft.logits(hidden[rows.score[0]])]
+    ks: list[Tensor] = []  # step i's keys and values at the rows of keep[i] (i = 1, 2, ...)
+    vs: list[Tensor] = []
+    for j in range(1, rows.steps):
+        keep = rows.keep[j]
+        hidden = hidden[rows.parent[j]]
+        ids = shift_tokens(input_ids, 1 + j).flatten()[keep]
+        q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
+        ks.append(k[0].transpose(0, 1))
+        vs.append(v[0].transpose(0, 1))
+        at = [rows.within(i + 1, j) for i in range(len(ks))]
+        out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0, [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
+                     [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)], rows.q_pos[j])
+        hidden = draft.block(hidden, rows.unpack(j, out))
+        logits.append(draft.logits(hidden[rows.score[j]]))
+    return logits
+
+
+def ttt_unroll(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, steps: int,
+               attention: Attention = "fast") -> list[Tensor]:
+    """Logits [B, T, draft_vocab] of every position at each of `steps` unrolled steps (the reference)."""
+    b, t = input_ids.shape
+    rows = every_row(b, t, steps, input_ids.device)
+    return [x.view(b, t, -1) for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention)]

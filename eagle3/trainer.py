@@ -35,10 +35,11 @@ from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import Progress, setup_logging
-from eagle3.loss import ArgmaxHead, Rows, StepStats, Teacher, plan_rows, summarise, ttt_loss
+from eagle3.loss import ArgmaxHead, StepStats, Teacher, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
+from eagle3.rows import Rows, plan_rows
 from eagle3.storage import dense
 from eagle3.targets.info import TargetInfo
 from eagle3.targets.weights import load_target_head
@@ -178,7 +179,7 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     Items are dicts {input_ids, loss_mask, aux, final, sample_id}; both kinds have `.lengths`."""
     if cfg.extract.mode == "online":
         from eagle3.data.prepared import load_prepared
-        from eagle3.targets.base import make_backend
+        from eagle3.targets import make_backend
 
         prepared = load_prepared(cfg.prepared_dir)
         backend = make_backend(cfg)
@@ -344,7 +345,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch
 
 @dataclass
 class Micro:
-    """A micro-batch on the host with its rows planned (eagle3.loss.Rows): planning needs only the loss mask and
+    """A micro-batch on the host with its rows planned (eagle3.rows.Rows): planning needs only the loss mask and
     the teacher's argmax, so an accumulation group knows its loss denominators before its first backward."""
 
     batch: dict[str, torch.Tensor]

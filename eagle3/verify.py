@@ -216,7 +216,7 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
     storage = "exact"
     if source == "backend":
         if backend is None:
-            from eagle3.targets.base import make_backend
+            from eagle3.targets import make_backend
 
             backend = make_backend(cfg)
         n = min(num_samples, len(prepared.train))

@@ -137,7 +137,8 @@ def test_checkpoint_resolution(tmp_path):
 
 
 def test_draft_trained_on_other_ids_is_refused(tmp_path):
-    from eagle3.evaluate import load_draft, load_target
+    from eagle3.evaluate import load_draft
+    from eagle3.targets.hf import load_target
 
     cfg = _setup(tmp_path)
     model, _ = load_target(cfg)

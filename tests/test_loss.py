@@ -6,20 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.loss import (
-    StepStats,
-    Teacher,
-    TeacherOutput,
-    acceptance_length,
-    plan_rows,
-    summarise,
-    ttt_attention_dense,
-    ttt_attention_fast,
-    ttt_loss,
-    ttt_unroll,
-    valid_positions,
-)
-from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from eagle3.loss import StepStats, Teacher, TeacherOutput, acceptance_length, summarise, ttt_loss
+from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_attention_dense, ttt_attention_fast, ttt_unroll
+from eagle3.rows import plan_rows, valid_positions
 
 
 def draft(seed: int = 0) -> Eagle3Draft:

@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import Config
-from eagle3.loss import ttt_unroll
-from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_unroll
 from eagle3.targets.weights import load_target_head
 
 sys.path.append(str(Path(__file__).parent))  # tests/models.py (appended: never shadow installed packages)

@@ -103,27 +103,21 @@ def stop_token_ids(cfg: Any) -> list[int]:
 
     from eagle3.bundled import resolve_target_path
     from eagle3.data.templates import load_tokenizer
+    from eagle3.targets.hf import eos_ids
 
-    ids: set[int] = set()
-    sources: list[Any] = [getattr(load_tokenizer(cfg), "eos_token_id", None)]
     try:
-        sources.append(GenerationConfig.from_pretrained(resolve_target_path(cfg.target.path)).eos_token_id)
+        generation = GenerationConfig.from_pretrained(resolve_target_path(cfg.target.path))
     except OSError:  # no generation_config.json
-        pass
-    for src in sources:
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, list | tuple):
-            ids.update(int(x) for x in src)
-    return sorted(ids)
+        generation = None
+    return eos_ids(load_tokenizer(cfg), generation)
 
 
 def hf_greedy(cfg: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int]) -> list[list[int]]:
     """Plain HF greedy decoding of every prompt (the reference vLLM's speculative output must reproduce)."""
     import torch
 
-    from eagle3.evaluate import load_target
     from eagle3.logs import Progress
+    from eagle3.targets.hf import load_target
 
     model, _ = load_target(cfg)
     device = next(model.parameters()).device

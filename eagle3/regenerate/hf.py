@@ -13,8 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from eagle3.config import Config
-from eagle3.data.templates import load_tokenizer, render_prompt
-from eagle3.precision import DTYPES
+from eagle3.data.templates import render_prompt
 from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, split_reasoning
 
 log = logging.getLogger("eagle3")
@@ -24,24 +23,13 @@ class HFBackend:
     """Generates answers with an AutoModelForCausalLM loaded from `target.path`."""
 
     def __init__(self, cfg: Config, model: Any = None, tokenizer: Any = None):
-        from transformers import AutoModelForCausalLM
-
-        from eagle3.bundled import resolve_target_path
+        from eagle3.targets.hf import load_target
 
         self.cfg = cfg
         self.rcfg = cfg.regenerate
         if model is None or tokenizer is None:
-            path = resolve_target_path(cfg.target.path)
-            t = cfg.target
-            tokenizer = load_tokenizer(cfg)
-            kwargs: dict[str, Any] = {"dtype": DTYPES[t.dtype], "revision": t.revision,
-                                      "trust_remote_code": t.trust_remote_code}
-            if t.device == "auto":
-                kwargs["device_map"] = "auto"
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            if t.device != "auto":
-                model = model.to(t.device)
-            log.info("regenerate: loaded %s (%s, %s)", path, t.dtype, t.device)
+            model, tokenizer = load_target(cfg)
+            log.info("regenerate: loaded %s (%s, %s)", cfg.target.path, cfg.target.dtype, cfg.target.device)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -50,10 +38,9 @@ class HFBackend:
         self._specials = [s for s in tokenizer.all_special_tokens if s not in ("<think>", "</think>")]
 
     def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
-            v = getattr(src, "eos_token_id", None)
-            ids.update(v if isinstance(v, list) else [] if v is None else [v])
+        from eagle3.targets.hf import eos_ids
+
+        ids = set(eos_ids(self.tokenizer, getattr(self.model, "generation_config", None)))
         if not ids:
             raise RuntimeError("regenerate: the target defines no eos_token_id; generation could never stop")
         return ids

@@ -7,7 +7,7 @@ SGLang backend are interchangeable and write the same cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -36,13 +36,3 @@ class TargetBackend(Protocol):
 
     def close(self) -> None: ...
 
-
-def make_backend(cfg: Any) -> TargetBackend:
-    """The configured target backend: HF in-process (`target.backend: hf`) or an SGLang server."""
-    if cfg.target.backend == "hf":
-        from eagle3.targets.hf import HFTarget
-
-        return HFTarget(cfg)
-    from eagle3.targets.sglang import SGLangTarget
-
-    return SGLangTarget(cfg)

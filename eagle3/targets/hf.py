@@ -61,6 +61,29 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_rem
     return model.eval().requires_grad_(False)
 
 
+def load_target(cfg: Any) -> tuple[torch.nn.Module, Any]:
+    """The configured HF target (Kimi-style wrappers included) and its tokenizer: the one way every stage that
+    runs the target in this process (evaluation, regeneration, the vLLM reference) loads it."""
+    from eagle3.data.templates import load_tokenizer
+
+    t = cfg.target
+    model = load_causal_lm(resolve_target_path(t.path), DTYPES[t.dtype], t.device, t.trust_remote_code, t.revision)
+    return model, load_tokenizer(cfg)
+
+
+def eos_ids(tokenizer: Any, generation_config: Any) -> list[int]:
+    """The ids decoding stops at: the tokenizer's eos plus the generation config's (SmolLM2's differ, and vLLM by
+    itself uses only the tokenizer's). The built-in evaluator, regeneration and the vLLM/SGLang checks all stop at
+    this set, or their τ would not compare."""
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(x) for x in src)
+    return sorted(ids)
+
+
 def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
     """(base model, decoder layers, final norm) of a CausalLM; the common HF layout `model.model.{layers,norm}`."""
     base = getattr(model, "model", None) or model.base_model

@@ -234,7 +234,7 @@ def test_online_nan_samples_are_blanked_never_trained_on(world, tmp_path, monkey
 
     The NaN is injected after the real target's forward (a NaN embedding row would also poison the draft, which
     shares the target's embeddings), as an fp16 overflow deep in the target would produce it."""
-    import eagle3.targets.base as hf
+    import eagle3.targets as hf
     from eagle3.data.prepared import load_prepared
     from eagle3.targets.base import Captured
     from eagle3.trainer import run as train
