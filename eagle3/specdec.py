@@ -44,6 +44,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from eagle3.targets.hf import LayerTap, decoder_parts
+
 
 # ---------------------------------------------------------------------------------------------------- draft API
 class DraftHead(Protocol):
@@ -147,52 +149,24 @@ class AcceptanceStats:
 
 
 # ---------------------------------------------------------------------------------------------------- target
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of an HF causal LM (Llama, DeepSeek-V3, and `language_model` wrappers)."""
-    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers"):
-        obj: Any = model
-        for name in path.split("."):
-            obj = getattr(obj, name, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList):
-            return obj
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for model.layers)")
-
-
 class HFTargetDecoder:
     """An HF causal LM with a KV cache, returning logits and the aux states (eagle3 ids) of the new tokens.
 
-    Aux states come from forward PRE-hooks on decoder layer k for id k (eagle3's convention: id k = input of
+    Aux states come from the same forward pre-hooks extraction uses (eagle3.targets.hf.LayerTap: id k = input of
     layer k = HF hidden_states[k]), so nothing beyond the three tensors is kept.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
         self.model = model.eval()
         self.layer_ids = list(layer_ids)
-        layers = decoder_layers(model)
-        bad = [k for k in layer_ids if not 0 <= k < len(layers)]
-        if bad:
-            raise ValueError(f"aux layer ids {bad} outside the target's {len(layers)} decoder layers")
-        self._captured: dict[int, torch.Tensor] = {}
-        self.capture = True
-        self._handles = [layers[k].register_forward_pre_hook(self._hook(k), with_kwargs=True) for k in layer_ids]
+        self.tap = LayerTap(decoder_parts(model)[1], self.layer_ids)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
-    def _hook(self, k: int):
-        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self.capture:
-                self._captured[k] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.tap.close()
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -214,14 +188,14 @@ class HFTargetDecoder:
                                  tree_mask.to(self.device)], dim=1)
             mask = torch.zeros(1, 1, s, past + s, dtype=self.dtype, device=self.device)
             mask.masked_fill_(~allowed[None, None], torch.finfo(self.dtype).min)
-        self.capture = aux
-        self._captured.clear()
+        self.tap.active = aux
+        self.tap.states.clear()
         out = self.model(input_ids=input_ids.view(1, s).to(self.device), position_ids=position_ids.view(1, s).to(
             self.device), attention_mask=mask, use_cache=True, **{self._cache_kw: cache})
         feats = None
         if aux:
-            feats = torch.cat([self._captured[k][0] for k in self.layer_ids], dim=-1)
-            self._captured.clear()
+            feats = self.tap.aux()[0]
+            self.tap.states.clear()
         return out.logits[0].float(), feats
 
 

@@ -58,3 +58,27 @@ def test_only_the_info_module_reads_a_targets_config_json():
             if isinstance(node, ast.Constant) and node.value == "text_config":
                 readers.append(str(path.relative_to(PKG)))
     assert sorted(set(readers)) == ["targets/info.py"]
+
+
+def _calls(attr: str) -> set[str]:
+    """Modules of the package that call `<something>.<attr>(...)`."""
+    out = set()
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr:
+                out.add(str(path.relative_to(PKG)))
+    return out
+
+
+def test_one_capture_hook_and_one_eos_rule():
+    """The layer hooks extraction and evaluation read states through are one helper (targets/hf.LayerTap);
+    verify-extraction keeps its own norm hook on purpose (the independent witness), and reads layers through
+    output_hidden_states, not hooks."""
+    assert _calls("register_forward_pre_hook") == {"targets/hf.py"}
+    assert _calls("register_forward_hook") == {"targets/hf.py", "verify.py"}
+    readers = set()
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value == "eos_token_id":
+                readers.add(str(path.relative_to(PKG)))
+    assert readers == {"targets/hf.py"}

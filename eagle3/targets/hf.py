@@ -85,13 +85,62 @@ def eos_ids(tokenizer: Any, generation_config: Any) -> list[int]:
 
 
 def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
-    """(base model, decoder layers, final norm) of a CausalLM; the common HF layout `model.model.{layers,norm}`."""
-    base = getattr(model, "model", None) or model.base_model
-    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
-    if layers is None or norm is None:
-        raise ValueError(f"{type(model).__name__}: expected the base model to expose `.layers` and `.norm` "
-                         "(the usual HF decoder layout); this architecture is not supported by the HF backend")
-    return base, layers, norm
+    """(base model, decoder layers, final norm) of a CausalLM: the usual HF layout `model.model.{layers,norm}`,
+    or a multimodal wrapper's `language_model` holding it. Extraction and evaluation both hook these."""
+    inner = getattr(model, "model", None)
+    wrapped = getattr(model, "language_model", None)
+    for base in (inner, getattr(inner, "language_model", None), getattr(wrapped, "model", None), model.base_model):
+        layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+        if isinstance(layers, torch.nn.ModuleList) and norm is not None:
+            return base, layers, norm
+    raise ValueError(f"{type(model).__name__}: expected the base model to expose `.layers` and `.norm` "
+                     "(the usual HF decoder layout); this architecture is not supported")
+
+
+class LayerTap:
+    """Forward pre-hooks on the decoder layers of `layer_ids`, keeping each layer's *input* (eagle3's id k = the
+    input of layer k = HF hidden_states[k]), and a forward hook on the final norm when given (the post-norm state
+    the lm_head reads). The hooks keep references, not copies: each layer returns a new residual tensor and
+    nothing writes in place. `active = False` lets forwards run without keeping anything."""
+
+    def __init__(self, layers: torch.nn.ModuleList, layer_ids: list[int], norm: torch.nn.Module | None = None):
+        bad = [k for k in layer_ids if not 0 <= k < len(layers)]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} outside the target's {len(layers)} decoder layers")
+        self.layer_ids = list(layer_ids)
+        self.states: dict[int | str, torch.Tensor] = {}
+        self.active = True
+        self._handles = [layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True) for k in layer_ids]
+        if norm is not None:
+            self._handles.append(norm.register_forward_hook(self._norm_hook))
+
+    def _pre_hook(self, k: int):
+        def hook(_module, args, kwargs):
+            if self.active:
+                self.states[k] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _norm_hook(self, _module, _args, output):
+        if self.active:
+            self.states["final"] = output
+
+    def aux(self) -> torch.Tensor:
+        """[..., 3H]: the kept layer inputs concatenated in `layer_ids` order."""
+        missing = [k for k in self.layer_ids if k not in self.states]
+        if missing:
+            raise RuntimeError(f"hooks did not fire for layers {missing}: the model skipped those modules")
+        return torch.cat([self.states[k] for k in self.layer_ids], dim=-1)
+
+    def final(self) -> torch.Tensor:
+        if "final" not in self.states:
+            raise RuntimeError("the final norm's hook did not fire: the model skipped it")
+        return self.states["final"]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 class HFTarget:
@@ -117,20 +166,7 @@ class HFTarget:
         self.batch_tokens = cfg.extract.batch_tokens
         self.max_batch_size = cfg.extract.max_batch_size
         self.device = next(self.model.parameters()).device
-        self._captured: dict[int | str, torch.Tensor] = {}
-        self._hooks = [self.layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True)
-                       for k in self.layer_ids]
-        self._hooks.append(self.norm.register_forward_hook(self._norm_hook))
-
-    # Hooks store references, not copies: each layer returns a new residual tensor, nothing writes in place.
-    def _pre_hook(self, k: int):
-        def hook(_module, args, kwargs):
-            self._captured[k] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    def _norm_hook(self, _module, _args, output):
-        self._captured["final"] = output
+        self.tap = LayerTap(self.layers, self.layer_ids, self.norm)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -148,18 +184,14 @@ class HFTarget:
             mask[j, : len(s)] = 1
         # Right padding + causal attention: real tokens never see pads; pads are cut off below.
         attn = None if min(lengths) == T else mask.to(self.device)
-        self._captured.clear()
+        self.tap.states.clear()
         try:
             self.base(input_ids=ids.to(self.device), attention_mask=attn, use_cache=False)
-            missing = [k for k in [*self.layer_ids, "final"] if k not in self._captured]
-            if missing:
-                raise RuntimeError(f"hooks did not fire for {missing}: the model skipped those modules")
-            aux = torch.cat([self._captured[k] for k in self.layer_ids], dim=-1)
-            final = self._captured["final"]
+            aux, final = self.tap.aux(), self.tap.final()
             return [Captured(aux=aux[j, :n].to("cpu", copy=True), final=final[j, :n].to("cpu", copy=True))
                     for j, n in enumerate(lengths)]
         finally:
-            self._captured.clear()
+            self.tap.states.clear()
 
     def capture(self, sequences: list[list[int]]) -> list[Captured]:
         """States for every token of every sequence, in input order, computed in length-sorted batches."""
@@ -174,6 +206,4 @@ class HFTarget:
         return out  # type: ignore[return-value]
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self.tap.close()
