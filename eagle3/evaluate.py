@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.logs import Progress, setup_logging
 from eagle3.prompts import Prompt, PromptSet, load_prompt_set
@@ -34,25 +35,6 @@ log = logging.getLogger("eagle3")
 
 
 # ------------------------------------------------------------------------------------------------- loading
-def resolve_checkpoint(cfg: Config) -> Path:
-    """eval.checkpoint, else the trainer's best head, else its newest step, else an SGLang export."""
-    from eagle3.export import resolve_draft_folder
-
-    if cfg.eval.checkpoint:
-        return resolve_draft_folder(cfg.eval.checkpoint)
-    tried = [cfg.checkpoint_dir / "best"]
-    steps = sorted(cfg.checkpoint_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[-1]) if
-                   p.name.split("_")[-1].isdigit() else -1)
-    tried += steps[::-1] + [cfg.export_dir / "sglang"]
-    for cand in tried:
-        if (cand / "config.json").is_file() or (cand / "draft" / "config.json").is_file():
-            return resolve_draft_folder(cand)
-    raise FileNotFoundError(
-        "no draft to evaluate: set eval.checkpoint=<draft folder> or train first; looked in "
-        + ", ".join(str(t) for t in tried[:3])
-    )
-
-
 def load_draft(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
     """The head, on the target's device and dtype, with the target's embeddings; ids checked against the target."""
     from eagle3.layer_ids import validate_layer_ids

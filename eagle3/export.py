@@ -39,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3.checkpoints import resolve_draft_folder
 from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import LAYER_ID_CONVENTION, arch_family, to_engine_ids
 from eagle3.model import CONFIG_NAME, FORMAT, WEIGHTS_NAME, Eagle3DraftConfig
@@ -58,18 +59,6 @@ class ExportError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------------- reading
-def resolve_draft_folder(checkpoint: str | Path) -> Path:
-    """A draft folder, a training step folder (its `draft/`), or an existing export -> the folder to read."""
-    p = Path(checkpoint)
-    if not p.exists():
-        raise ExportError(f"{p}: does not exist")
-    if (p / CONFIG_NAME).is_file():
-        return p
-    if (p / "draft" / CONFIG_NAME).is_file():
-        return p / "draft"
-    raise ExportError(f"{p}: neither a draft folder (config.json + model.safetensors) nor a checkpoint with draft/")
-
-
 def read_draft(folder: Path) -> tuple[Eagle3DraftConfig, dict[str, torch.Tensor]]:
     """eagle3's config and `midlayer.*`-named tensors of an eagle3 draft folder or of an eagle3 export."""
     raw = json.loads((folder / CONFIG_NAME).read_text())

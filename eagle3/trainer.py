@@ -16,24 +16,20 @@ continues with the same losses an uninterrupted run would have had.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import re
-import shutil
 import time
 from contextlib import closing, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagle3.batching import iter_batches, plan_epoch
+from eagle3.checkpoints import resume, save_best, save_checkpoint
 from eagle3.config import Config
-from eagle3.data.prepared import load_vocab, save_vocab
-from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
+from eagle3.data.prepared import load_vocab
 from eagle3.logs import Progress, setup_logging
 from eagle3.loss import ArgmaxHead, StepStats, Teacher, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -43,24 +39,9 @@ from eagle3.rows import Rows, plan_rows
 from eagle3.storage import dense
 from eagle3.targets.info import TargetInfo
 from eagle3.targets.weights import load_target_head
+from eagle3.tracking import Tracker
 
 log = logging.getLogger("eagle3")
-
-STATE_FILE = "trainer_state.json"
-LOSS_LOG = "train_log.jsonl"
-
-
-@dataclass
-class TrainState:
-    """Where the loop is; saved with every checkpoint (the data position makes resume exact)."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_index: int = 0
-    """Micro-batches of `epoch` already consumed by this rank's plan."""
-    best_accept_len: float = -1.0
-    best_step: int = -1
-
 
 # ---------------------------------------------------------------------------------------------------- setup
 def resolve_mixed_precision(cfg: Config) -> str:
@@ -83,42 +64,6 @@ def make_accelerator(cfg: Config):
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[ddp],
     )
-
-
-def init_tracking(accelerator, cfg: Config) -> None:
-    """wandb through accelerate on the main process; offline fallback; never stops training."""
-    if cfg.tracking.backend != "wandb":
-        return
-    kwargs = {"wandb": {k: v for k, v in {"name": cfg.tracking.run_name, "entity": cfg.tracking.entity,
-                                          "dir": cfg.output_dir}.items() if v}}
-    attempts = ["as configured", "offline"]
-    if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun") and not _wandb_reachable():
-        log.warning("wandb: %s is not reachable; logging offline", os.environ.get("WANDB_BASE_URL", "api.wandb.ai"))
-        attempts = ["offline"]
-    for attempt in attempts:
-        if attempt == "offline":
-            # wandb ignores WANDB_MODE changes once its session started: say it in the init kwargs, and drop a key
-            # that broke the online attempt (offline needs none, but wandb keeps a bad one in its session).
-            kwargs["wandb"]["mode"] = "offline"
-            os.environ["WANDB_MODE"] = "offline"
-            os.environ.pop("WANDB_API_KEY", None)
-            try:
-                import wandb
-
-                wandb.teardown()
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-        try:
-            accelerator.init_trackers(cfg.tracking.project, config=cfg.model_dump(mode="json"), init_kwargs=kwargs)
-            if attempt == "offline":
-                log.warning("wandb: online init failed; logging offline (sync later with `wandb sync`)")
-            return
-        except Exception as e:  # noqa: BLE001 - tracking must never stop training
-            log.warning("wandb init failed (%s): %s", attempt, e)
-            os.environ["WANDB_MODE"] = "offline"
-    log.warning("wandb unavailable; training continues without tracking")
-    accelerator.log_with = []
-    accelerator.trackers = []
 
 
 class TeacherTargets:
@@ -158,20 +103,6 @@ def batch_iter(source: Any, index_batches: list[list[int]], device: torch.device
     if isinstance(source, OnlineSource):
         return source.iter_collated(index_batches)
     return iter_batches(source, index_batches, pin=device is not None and device.type == "cuda")
-
-
-def _wandb_reachable(timeout_s: float = 5.0) -> bool:
-    """A TCP connect to the wandb server, so an offline machine does not wait out wandb's own 90 s timeout."""
-    import socket
-    from urllib.parse import urlparse
-
-    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
-    try:
-        socket.create_connection((url.hostname or "api.wandb.ai", url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
 
 
 def open_datasets(cfg: Config) -> tuple[Any, Any]:
@@ -224,105 +155,6 @@ def build_draft(cfg: Config, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: 
     draft.set_vocab(d2t, t2d)
     draft.init_from_target(lm_head, embed)
     return draft
-
-
-# ----------------------------------------------------------------------------------------------- checkpoints
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first (a folder only gets its final name once fully written)."""
-    if not ckpt_dir.is_dir():
-        return []
-    out = []
-    for p in ckpt_dir.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and (p / STATE_FILE).is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
-
-
-def _tmp_dir(final: Path) -> Path:
-    """An empty hidden sibling of `final` to build it in; every rank writes its part of the accelerate state into
-    it, so the name is fixed (`tmp_sibling`)."""
-    tmp = tmp_sibling(final, "ckpt")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-    """step_N/: accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json + vocab + draft/."""
-    ckpt_dir = cfg.checkpoint_dir
-    final = ckpt_dir / f"step_{state.step}"
-    tmp = tmp_sibling(final, "ckpt")
-    previous = list_checkpoints(ckpt_dir)
-    try:
-        if accelerator.is_main_process:
-            _tmp_dir(final)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        sd = accelerator.get_state_dict(model)
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(tmp / "draft", state_dict=sd)
-            save_vocab(tmp / "vocab.safetensors", d2t, t2d)
-            (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
-            replace_dir(tmp, final)
-            for _, old in list_checkpoints(ckpt_dir)[: -cfg.train.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-            log.info("checkpoint: %s", final)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _raise_if_disk_full(e, final, ckpt_dir, previous)
-        raise
-    accelerator.wait_for_everyone()
-    return final
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _raise_if_disk_full(e: BaseException, final: Path, ckpt_dir: Path, previous: list[tuple[int, Path]]) -> None:
-    """torch.save / safetensors report a full disk without naming the folder; say which checkpoint and how much."""
-    from eagle3.logs import UserError, disk_full_error
-
-    need = _dir_bytes(previous[-1][1]) if previous else 0
-    try:
-        free = shutil.disk_usage(ckpt_dir).free
-    except OSError:
-        free = -1
-    if disk_full_error(e) is None and not (previous and 0 <= free < need):
-        return
-    intact = f"{previous[-1][1]} is intact" if previous else "no earlier checkpoint exists"
-    raise UserError(
-        f"disk full while writing checkpoint {final}: about {need / 2**20:.0f} MB needed, {max(free, 0) / 2**20:.0f} MB "
-        f"free; {intact}; free space and re-run the same command (it resumes)") from e
-
-
-def _check_same_draft(path: Path, current: Eagle3DraftConfig) -> None:
-    """Refuse to resume into a head of other dimensions (torch would fail with a bare size mismatch)."""
-    saved_file = path / "draft" / "config.json"
-    if not saved_file.is_file():
-        return
-    saved = json.loads(saved_file.read_text())
-    now = current.to_json()
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids"):
-        if saved.get(key) != now.get(key):
-            raise ValueError(f"checkpoint {path} was trained with draft.{key}={saved.get(key)}, the config asks for "
-                             f"{now.get(key)}; use a new output_dir or train.resume=false")
-
-
-def save_best(accelerator, model, cfg: Config) -> Path:
-    best = cfg.checkpoint_dir / "best"
-    sd = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        tmp = _tmp_dir(best)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=sd)
-        replace_dir(tmp, best)
-    accelerator.wait_for_everyone()
-    return best
 
 
 def export_best(cfg: Config, best: Path) -> None:
@@ -412,7 +244,6 @@ def run(cfg: Config) -> dict[str, Any]:
 
     setup_logging()
     accelerator = make_accelerator(cfg)
-    main = accelerator.is_main_process
     set_seed(cfg.train.seed)
     tc = cfg.train
 
@@ -442,35 +273,16 @@ def run(cfg: Config) -> dict[str, Any]:
     model, optimizer = accelerator.prepare(draft, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
-    state = TrainState()
-    ckpts = list_checkpoints(cfg.checkpoint_dir)
-    if tc.resume and ckpts:
-        step, path = ckpts[-1]
-        saved_d2t, _ = load_vocab(path / "vocab.safetensors")
-        if not torch.equal(saved_d2t, d2t):
-            raise ValueError(f"checkpoint {path} was trained with another draft vocab than {cfg.prepared_dir}; "
-                             "use a new output_dir or train.resume=false")
-        _check_same_draft(path, accelerator.unwrap_model(model).config)
-        accelerator.load_state(str(path))
-        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
-        log.info("resumed from %s (step %d, epoch %d, batch %d)", path, state.step, state.epoch, state.batch_index)
-    if main and cfg.checkpoint_dir.is_dir():  # leftovers of a save that was killed
-        remove_stale_in(cfg.checkpoint_dir)
-        for stale in [*cfg.checkpoint_dir.glob(".tmp-*"), *cfg.checkpoint_dir.glob(".old-*")]:  # older runs' names
-            shutil.rmtree(stale, ignore_errors=True)
-
-    init_tracking(accelerator, cfg)
-    if main:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        log.info("train: %d samples, %d steps (%d per epoch), %d process(es), mixed precision %s, padding %.1f%%",
+    state = resume(accelerator, model, cfg, d2t)
+    tracker = Tracker(accelerator, cfg)
+    tracker.info("train: %d samples, %d steps (%d per epoch), %d process(es), mixed precision %s, padding %.1f%%",
                  len(train_ds), total_steps, steps_per_epoch, world, accelerator.mixed_precision,
                  100 * first.padding_share)
-        log.info("metrics: acc_j = draft argmax == target argmax at TTT step j (out-of-vocab = miss); "
+    tracker.info("metrics: acc_j = draft argmax == target argmax at TTT step j (out-of-vocab = miss); "
                  "sim_accept_len = 1 + sum_k prod_{j<=k} chain_acc_j, chain_acc_j = step j's hit rate given "
                  "steps < j hit, on text the target agrees with (counts the bonus token, like SGLang/vLLM)")
-    loss_log = Path(cfg.output_dir) / LOSS_LOG
 
-    progress = Progress(total_steps, "train", unit="step", initial=state.step, disable=not main)
+    progress = Progress(total_steps, "train", unit="step", initial=state.step, disable=not tracker.main)
     metrics: dict[str, Any] = {}
     model.train()
     while state.step < total_steps:
@@ -519,16 +331,13 @@ def run(cfg: Config) -> dict[str, Any]:
                 metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
                            "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt, "step_s": dt,
                            "data_wait_share": wait / dt, "padding_share": plan.padding_share, "epoch": state.epoch}
-                if main:
-                    with loss_log.open("a") as f:
-                        f.write(json.dumps(metrics) + "\n")
+                tracker.record(metrics)
                 progress.update(1, loss=f"{loss_mean:.4f}", acc0=f"{metrics['acc_0']:.3f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 if state.step % tc.log_every == 0 or state.step == total_steps:
-                    accelerator.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=state.step)
-                    if main:
-                        accs = " ".join(f"{metrics[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps))
-                        log.info("step %d/%d loss %.4f acc_j [%s] sim_accept_len %.3f lr %.2e grad_norm %.3f "
+                    tracker.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=state.step)
+                    accs = " ".join(f"{metrics[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps))
+                    tracker.info("step %d/%d loss %.4f acc_j [%s] sim_accept_len %.3f lr %.2e grad_norm %.3f "
                                  "%.0f tok/s data wait %.1f%% padding %.1f%%", state.step, total_steps, loss_mean, accs,
                                  metrics["sim_accept_len"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
                                  100 * metrics["data_wait_share"], 100 * plan.padding_share)
@@ -536,13 +345,11 @@ def run(cfg: Config) -> dict[str, Any]:
                 last = state.step == total_steps
                 if eval_ds is not None and len(eval_ds) and (state.step % tc.eval_every == 0 or last):
                     ev = evaluate(accelerator, model, teacher, eval_ds, cfg)
-                    accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
-                    if main:
-                        log.info("eval @ step %d: sim_accept_len %.3f (teacher-forced %.3f), %s", state.step,
+                    tracker.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
+                    tracker.info("eval @ step %d: sim_accept_len %.3f (teacher-forced %.3f), %s", state.step,
                                  ev["sim_accept_len"], ev["sim_accept_len_tf"],
                                  " ".join(f"acc_{j}={ev[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps)))
-                        with loss_log.open("a") as f:
-                            f.write(json.dumps({"step": state.step, "eval": ev}) + "\n")
+                    tracker.record({"step": state.step, "eval": ev})
                     if ev["sim_accept_len"] > state.best_accept_len:
                         state.best_accept_len, state.best_step = ev["sim_accept_len"], state.step
                         save_best(accelerator, model, cfg)
@@ -554,7 +361,7 @@ def run(cfg: Config) -> dict[str, Any]:
     best = cfg.checkpoint_dir / "best"
     if not (best / "config.json").is_file():
         save_best(accelerator, model, cfg)  # no eval split: the last weights are the best we know
-    if main:
+    if tracker.main:
         export_best(cfg, best)
     accelerator.wait_for_everyone()
     accelerator.end_training()

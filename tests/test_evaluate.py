@@ -116,7 +116,7 @@ def test_run_writes_report_and_is_lossless(tmp_path, shape, capsys):
 def test_checkpoint_resolution(tmp_path):
     import shutil
 
-    from eagle3.evaluate import resolve_checkpoint
+    from eagle3.checkpoints import resolve_checkpoint
 
     cfg = _setup(tmp_path)
     ck = cfg.checkpoint_dir

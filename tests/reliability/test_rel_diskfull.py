@@ -143,8 +143,8 @@ def full_checkpoint_run(world, tmp_path_factory):
 
 
 def test_checkpoint_disk_full_keeps_the_last_checkpoint_and_resumes(full_checkpoint_run):
+    from eagle3.checkpoints import STATE_FILE, list_checkpoints
     from eagle3.model import Eagle3Draft
-    from eagle3.trainer import STATE_FILE, list_checkpoints
 
     f = full_checkpoint_run
     assert f["first"].returncode == 1, f["first"].stderr[-3000:]

@@ -71,7 +71,7 @@ def test_training_completes_and_says_tracking_failed(runs, case):
 
 
 BOGUS_KEY_OFFLINE = pytest.mark.xfail(strict=True, reason=(
-    "eagle3/trainer.py init_tracking now drops the malformed WANDB_API_KEY and tears wandb down before the offline "
+    "eagle3/tracking.py init_tracking now drops the malformed WANDB_API_KEY and tears wandb down before the offline "
     "attempt, so the offline run logs (a .wandb file is written); but wandb leaves a second, empty offline-run "
     "folder behind after the failed online attempt, so `wandb sync` would see two runs. Not yet understood which "
     "init creates which folder."))

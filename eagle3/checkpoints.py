@@ -1,0 +1,195 @@
+"""The trainer's checkpoint folder, `<output_dir>/checkpoints/`, and finding the draft to evaluate or export.
+
+    checkpoints/step_N/    accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json (TrainState)
+                           + vocab.safetensors + draft/ (the head as eagle3.model saves it)
+    checkpoints/best/      the head with the best held-out simulated acceptance (a draft folder)
+
+A folder gets its final name only once whole (built in a hidden sibling and renamed), so a listed checkpoint is
+always complete; a save killed half-way leaves a hidden leftover, removed at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.config import Config
+from eagle3.data.prepared import load_vocab, save_vocab
+from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
+from eagle3.model import CONFIG_NAME, Eagle3DraftConfig
+
+log = logging.getLogger("eagle3")
+
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainState:
+    """Where the loop is; saved with every checkpoint (the data position makes resume exact)."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0
+    """Micro-batches of `epoch` already consumed by this rank's plan."""
+    best_accept_len: float = -1.0
+    best_step: int = -1
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first (a folder only gets its final name once fully written)."""
+    if not ckpt_dir.is_dir():
+        return []
+    out = []
+    for p in ckpt_dir.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / STATE_FILE).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def _tmp_dir(final: Path) -> Path:
+    """An empty hidden sibling of `final` to build it in; every rank writes its part of the accelerate state into
+    it, so the name is fixed (`tmp_sibling`)."""
+    tmp = tmp_sibling(final, "ckpt")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
+    """step_N/: accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json + vocab + draft/."""
+    ckpt_dir = cfg.checkpoint_dir
+    final = ckpt_dir / f"step_{state.step}"
+    tmp = tmp_sibling(final, "ckpt")
+    previous = list_checkpoints(ckpt_dir)
+    try:
+        if accelerator.is_main_process:
+            _tmp_dir(final)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        sd = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(tmp / "draft", state_dict=sd)
+            save_vocab(tmp / "vocab.safetensors", d2t, t2d)
+            (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+            replace_dir(tmp, final)
+            for _, old in list_checkpoints(ckpt_dir)[: -cfg.train.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+            log.info("checkpoint: %s", final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _raise_if_disk_full(e, final, ckpt_dir, previous)
+        raise
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _raise_if_disk_full(e: BaseException, final: Path, ckpt_dir: Path, previous: list[tuple[int, Path]]) -> None:
+    """torch.save / safetensors report a full disk without naming the folder; say which checkpoint and how much."""
+    from eagle3.logs import UserError, disk_full_error
+
+    need = _dir_bytes(previous[-1][1]) if previous else 0
+    try:
+        free = shutil.disk_usage(ckpt_dir).free
+    except OSError:
+        free = -1
+    if disk_full_error(e) is None and not (previous and 0 <= free < need):
+        return
+    intact = f"{previous[-1][1]} is intact" if previous else "no earlier checkpoint exists"
+    raise UserError(
+        f"disk full while writing checkpoint {final}: about {need / 2**20:.0f} MB needed, {max(free, 0) / 2**20:.0f} MB "
+        f"free; {intact}; free space and re-run the same command (it resumes)") from e
+
+
+def check_same_draft(path: Path, current: Eagle3DraftConfig) -> None:
+    """Refuse to resume into a head of other dimensions (torch would fail with a bare size mismatch)."""
+    saved_file = path / "draft" / "config.json"
+    if not saved_file.is_file():
+        return
+    saved = json.loads(saved_file.read_text())
+    now = current.to_json()
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids"):
+        if saved.get(key) != now.get(key):
+            raise ValueError(f"checkpoint {path} was trained with draft.{key}={saved.get(key)}, the config asks for "
+                             f"{now.get(key)}; use a new output_dir or train.resume=false")
+
+
+def save_best(accelerator, model, cfg: Config) -> Path:
+    best = cfg.checkpoint_dir / "best"
+    sd = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        tmp = _tmp_dir(best)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=sd)
+        replace_dir(tmp, best)
+    accelerator.wait_for_everyone()
+    return best
+
+
+def resume(accelerator: Any, model: Any, cfg: Config, d2t: torch.Tensor) -> TrainState:
+    """Load the newest checkpoint into `model` and the accelerator's registered objects when `train.resume` and
+    there is one (after checking it was trained with the same draft vocab and dimensions); the loop's state."""
+    state = TrainState()
+    ckpts = list_checkpoints(cfg.checkpoint_dir)
+    if cfg.train.resume and ckpts:
+        _, path = ckpts[-1]
+        saved_d2t, _ = load_vocab(path / "vocab.safetensors")
+        if not torch.equal(saved_d2t, d2t):
+            raise ValueError(f"checkpoint {path} was trained with another draft vocab than {cfg.prepared_dir}; "
+                             "use a new output_dir or train.resume=false")
+        check_same_draft(path, accelerator.unwrap_model(model).config)
+        accelerator.load_state(str(path))
+        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        log.info("resumed from %s (step %d, epoch %d, batch %d)", path, state.step, state.epoch, state.batch_index)
+    if accelerator.is_main_process and cfg.checkpoint_dir.is_dir():  # leftovers of a save that was killed
+        remove_stale_in(cfg.checkpoint_dir)
+    return state
+
+
+# ------------------------------------------------------------------------------------------ the draft to use
+class CheckpointError(ValueError):
+    """No usable draft where one was asked for; the message names the folder."""
+
+
+def resolve_draft_folder(checkpoint: str | Path) -> Path:
+    """A draft folder, a training step folder (its `draft/`), or an existing export -> the folder to read."""
+    p = Path(checkpoint)
+    if not p.exists():
+        raise CheckpointError(f"{p}: does not exist")
+    if (p / CONFIG_NAME).is_file():
+        return p
+    if (p / "draft" / CONFIG_NAME).is_file():
+        return p / "draft"
+    raise CheckpointError(f"{p}: neither a draft folder (config.json + model.safetensors) nor a checkpoint with "
+                          "draft/")
+
+
+def resolve_checkpoint(cfg: Config) -> Path:
+    """The draft to evaluate: eval.checkpoint, else the trainer's best head, else its newest step, else an SGLang
+    export."""
+    if cfg.eval.checkpoint:
+        return resolve_draft_folder(cfg.eval.checkpoint)
+    d = cfg.checkpoint_dir
+    steps = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_DIR.match(p.name))) if d.is_dir() else []
+    tried = [d / "best", *[p for _, p in steps][::-1], cfg.export_dir / "sglang"]
+    for cand in tried:
+        if (cand / CONFIG_NAME).is_file() or (cand / "draft" / CONFIG_NAME).is_file():
+            return resolve_draft_folder(cand)
+    raise FileNotFoundError(
+        "no draft to evaluate: set eval.checkpoint=<draft folder> or train first; looked in "
+        + ", ".join(str(t) for t in tried[:3])
+    )
