@@ -88,8 +88,8 @@ def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) 
         "dtype": cfg.target.dtype,
         "layer_ids": cfg.layer_ids(num_layers),
         "layer_id_convention": LAYER_ID_CONVENTION,
-        # The samples, not the draft vocab: states do not depend on it (older prepared folders lack the field).
-        "prepared_fingerprint": prepared_meta.get("samples_fingerprint", prepared_meta.get("fingerprint")),
+        # The samples, not the draft vocab: states do not depend on it.
+        "prepared_fingerprint": prepared_meta.get("samples_fingerprint"),
         "max_length": prepared_meta.get("max_length", cfg.data.max_length),
         "storage": cfg.extract.storage,
     }
@@ -450,7 +450,6 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
         self._where_b, self._where_r = cat(where_b, np.int64), cat(where_r, np.int64)
         self.num_tokens: np.ndarray = cat(lengths, np.int32)
-        self._index: dict[str, int] | None = None
 
     def _check_shard(self, split: str, file: str, sch: pa.Schema) -> None:
         """Every shard must hold what meta.json says: a shard copied in from a cache of another storage or dtype
@@ -469,17 +468,6 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def lengths(self) -> list[int]:
         """Token count of every item (for token-budget batching), in index order."""
         return self.num_tokens.tolist()
-
-    def index_of(self, sample_id: str) -> int:
-        if self._index is None:
-            self._index = {}
-            for bi, b in enumerate(self._batches):
-                base = int(np.searchsorted(self._where_b, bi))
-                for r, sid in enumerate(b.sample_ids.to_pylist()):
-                    self._index[sid] = base + r
-        if sample_id not in self._index:
-            raise KeyError(f"sample {sample_id!r} is not in cache {self.cache_dir}")
-        return self._index[sample_id]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):

@@ -1,4 +1,4 @@
-"""Write a trained head as SGLang or vLLM load it (REFERENCE.md section 3).
+"""Write a trained head as SGLang or vLLM load it (the fields each engine reads: below).
 
     eagle3 export --to sglang runs/smollm2/checkpoints/best runs/smollm2/export/sglang
     eagle3 export --to vllm   runs/smollm2/checkpoints/best runs/smollm2/export/vllm

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,10 +15,39 @@ from tokenizer_builders import llama_test_tokenizer
 
 from eagle3.config import Config
 from eagle3.engines.sglang_check import parse_sglang_meta
-from eagle3.engines.vllm_check import parse_prometheus_text, parse_vllm_metrics
+from eagle3.engines.vllm_check import PREFIX, parse_vllm_metrics
 from eagle3.prompts import load_prompt_set, mt_bench, read_jsonl_prompts
 
 VOCAB = 512
+
+
+_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+
+
+def parse_prometheus_text(text: str) -> list[dict[str, Any]]:
+    """A vLLM OpenAI server's `/metrics` page -> the records `parse_vllm_metrics` reads (what the engine hands
+    over from its stat loggers); `position` labels become a per-position vector."""
+    records: list[dict[str, Any]] = []
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if not m or line.startswith("#"):
+            continue
+        name = m["name"].removesuffix("_total")
+        if not name.startswith(PREFIX):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
+        value = float(m["value"])
+        if name.endswith("num_accepted_tokens_per_pos") and "position" in labels:
+            pos = int(labels["position"])
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
+        else:
+            records.append({"name": name, "value": value})
+    if per_pos:
+        n = max(per_pos) + 1
+        records.append({"name": PREFIX + "num_accepted_tokens_per_pos",
+                        "values": [per_pos.get(i, 0.0) for i in range(n)]})
+    return records
 
 
 # ------------------------------------------------------------------------------------------------- prompts

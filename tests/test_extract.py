@@ -180,10 +180,11 @@ def test_online_equals_offline(world, tmp_path, dtype, max_batch):
     backend = HFTarget(cfg)
     online = OnlineBatches(backend, prepared.train, index_batches, prefetch=2,
                            argmax=ArgmaxHead.for_backend(cfg, backend))
+    where = {cache[i]["sample_id"]: i for i in range(len(cache))}
     for idx, items in zip(index_batches, online, strict=True):
         assert [it["sample_id"] for it in items] == [prepared.train[i]["id"] for i in idx]
         for it in items:
-            off = cache[cache.index_of(it["sample_id"])]
+            off = cache[where[it["sample_id"]]]
             assert off.keys() == it.keys()
             for k in ("input_ids", "loss_mask", "aux", "final", "target_argmax"):
                 assert it[k].dtype == off[k].dtype and it[k].shape == off[k].shape, (it["sample_id"], k)

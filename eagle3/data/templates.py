@@ -19,7 +19,7 @@ offsets: a token is in the loss when it overlaps an answer span (the rule transf
 `return_assistant_tokens_mask`). Tokenizers without offsets (slow ones such as Kimi's tiktoken tokenizer) are
 tokenized segment by segment, and the concatenation is checked against the full tokenization.
 
-Kimi-K2.5 think tags (built-in `kimi-k2.5`, REFERENCE.md section 4; no newlines between turns):
+Kimi-K2.5 think tags (built-in `kimi-k2.5`, as the model's own chat template renders them; no newlines between turns):
 - thinking on: the generation prompt ends with `<think>`, so `<think>` is prompt (mask 0) and the final answer
   `{reasoning}</think>{answer}<|im_end|>` is all mask 1, `</think>` included: the model generates it.
 - thinking off: the generation prompt is `...<|im_middle|><think></think>` (what K2.5 renders with

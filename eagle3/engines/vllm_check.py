@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -64,35 +63,6 @@ def parse_vllm_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
         "draft_token_acceptance": (totals["num_accepted_tokens"] / totals["num_draft_tokens"]
                                    if totals["num_draft_tokens"] else float("nan")),
     }
-
-
-_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-
-
-def parse_prometheus_text(text: str) -> list[dict[str, Any]]:
-    """A `/metrics` page (the OpenAI server's) -> records for `parse_vllm_metrics`; `position` labels become a
-    per-position vector."""
-    records: list[dict[str, Any]] = []
-    per_pos: dict[int, float] = {}
-    for line in text.splitlines():
-        m = _LINE.match(line.strip())
-        if not m or line.startswith("#"):
-            continue
-        name = m["name"].removesuffix("_total")
-        if not name.startswith(PREFIX):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-        value = float(m["value"])
-        if name.endswith("num_accepted_tokens_per_pos") and "position" in labels:
-            pos = int(labels["position"])
-            per_pos[pos] = per_pos.get(pos, 0.0) + value
-        else:
-            records.append({"name": name, "value": value})
-    if per_pos:
-        n = max(per_pos) + 1
-        records.append({"name": PREFIX + "num_accepted_tokens_per_pos",
-                        "values": [per_pos.get(i, 0.0) for i in range(n)]})
-    return records
 
 
 # ------------------------------------------------------------------------------------------- parent side
