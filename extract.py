@@ -7,16 +7,9 @@ Each process (rank) extracts its own part of the samples; re-run the same comman
 it resumes where it stopped. Inspect the result with `eagle3 cache info <cache_dir>`.
 """
 
-import argparse
+import sys
 
-from eagle3.config import load_config
-from eagle3.extract import run
-from eagle3.logs import setup_logging
+from eagle3.cli import main
 
-if __name__ == "__main__":
-    setup_logging()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", "-c", required=True, help="the YAML config")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. extract.shard_samples=64")
-    args = parser.parse_args()
-    run(load_config(args.config, args.overrides))
+if __name__ == "__main__":  # the `eagle3 extract` command: one parser, one error path, the same exit codes
+    sys.exit(main(["extract", *sys.argv[1:]]))

@@ -14,28 +14,9 @@ Two processes on CPU (gloo), e.g. to check data-parallel training without a GPU:
 Re-running the same command after a crash resumes from the newest checkpoint in <output_dir>/checkpoints.
 """
 
-import argparse
 import sys
 
-from eagle3.config import ConfigError, load_config
-from eagle3.logs import setup_logging
-from eagle3.trainer import run
+from eagle3.cli import main
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", "-c", required=True, help="the YAML config (one schema for every stage)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=3e-4")
-    args = parser.parse_args()
-    setup_logging()
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    run(cfg)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the `eagle3 train` command: one parser, one error path, the same exit codes
+    sys.exit(main(["train", *sys.argv[1:]]))
