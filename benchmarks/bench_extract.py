@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.batching import collate
+from eagle3.batching import collate, plan_batches
 from eagle3.bundled import SMOLLM2, resolve_target_path, sharegpt_path
 from eagle3.cache import (
     HiddenStateDataset,
@@ -34,7 +34,7 @@ from eagle3.cache import (
 from eagle3.config import Config
 from eagle3.precision import DTYPES
 from eagle3.storage import dense
-from eagle3.targets.hf import HFTarget, load_causal_lm, plan_batches
+from eagle3.targets.hf import HFTarget, load_causal_lm
 
 
 def load_samples(prepared: str | None, n: int, max_tokens: int) -> list[dict]:

@@ -34,9 +34,10 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
+    from eagle3.batching import plan_batches
     from eagle3.config import load_config
     from eagle3.data.prepared import load_prepared
-    from eagle3.targets.hf import HFTarget, plan_batches
+    from eagle3.targets.hf import HFTarget
     from eagle3.targets.sglang import SGLangTarget
 
     py = os.environ.get("EAGLE3_SGLANG_PYTHON") or str(REPO / ".venv-sglang" / "bin" / "python")

@@ -35,6 +35,25 @@ class EpochPlan:
         return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
 
 
+def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Group sequence indices by length so padding stays small: sort longest first, and fill a batch while
+    `longest * count` (padding included) fits `batch_tokens` and count <= max_batch_size. A sequence longer
+    than the budget gets a batch of its own. Deterministic (stable sort), so a resumed run re-forms the same
+    batches and writes the same bytes."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and (longest * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch_size):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, epoch: int, rank: int = 0,
                world_size: int = 1, bucket_batches: int = 64, shuffle: bool = True) -> EpochPlan:
     lens = np.asarray(lengths, dtype=np.int64)
@@ -47,18 +66,7 @@ def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, ep
     batches: list[list[int]] = []
     for b0 in range(0, n, bucket):
         chunk = order[b0 : b0 + bucket]
-        chunk = chunk[np.argsort(-lens[chunk], kind="stable")]
-        cur: list[int] = []
-        longest = 0
-        for i in chunk.tolist():
-            ln = int(lens[i])
-            if cur and max(longest, ln) * (len(cur) + 1) > batch_tokens:
-                batches.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, ln)
-        if cur:
-            batches.append(cur)
+        batches += [chunk[b].tolist() for b in plan_batches(lens[chunk].tolist(), batch_tokens, len(chunk))]
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     per_rank = len(batches) // world_size if world_size > 1 else len(batches)

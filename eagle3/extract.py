@@ -253,7 +253,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
         first = jobs[0]
         _preflight_sample(backend, list(data[first.split][first.rows[0]]["input_ids"]), fp["hidden_size"])
 
-    from eagle3.targets.hf import plan_batches
+    from eagle3.batching import plan_batches
 
     dtype = backend.dtype
     argmax = ArgmaxHead.for_backend(cfg, backend)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from models import kimi_wrapped, tiny_deepseek_v3, tiny_llama, tiny_target_cfg
 
-from eagle3.targets.hf import HFTarget, plan_batches
+from eagle3.batching import plan_batches
+from eagle3.targets.hf import HFTarget
 from eagle3.targets.info import weights_id
 
 

@@ -16,29 +16,11 @@ from typing import Any
 
 import torch
 
+from eagle3.batching import plan_batches
 from eagle3.bundled import resolve_target_path
 from eagle3.precision import DTYPES
 from eagle3.targets.base import Captured
 from eagle3.targets.info import read_target_info
-
-
-def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Group sequence indices by length so padding stays small: sort longest first, and fill a batch while
-    `longest * count` (padding included) fits `batch_tokens` and count <= max_batch_size. A sequence longer
-    than the budget gets a batch of its own. Deterministic (stable sort), so a resumed run re-forms the same
-    batches and writes the same bytes."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and (longest * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch_size):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False,
