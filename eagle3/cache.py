@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from eagle3.fsutil import replace_dir, tmp_sibling
+from eagle3.fsutil import replace_dir, tmp_sibling, write_json_atomic
 from eagle3.layer_ids import LAYER_ID_CONVENTION
 from eagle3.logs import UserError
 from eagle3.precision import DTYPES
@@ -126,18 +126,6 @@ def check_fingerprint(cache_dir: str | Path, expected: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- layout
-def write_json_atomic(path: Path, data: dict[str, Any], tmp_tag: str = "") -> None:
-    """Readers and a resumed run see either the old or the new file, never half of one. `tmp_tag` keeps the
-    temporary names of concurrent writers (ranks writing the same meta.json) apart."""
-    tmp = path.with_name(f"{path.name}{tmp_tag}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # e.g. a full disk: keep the old file, leave no half-written .tmp
-        raise
-
-
 def rank_stem(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}"
 

@@ -42,9 +42,9 @@ from eagle3.cache import (
     rank_stem,
     read_meta,
     shard_name,
-    write_json_atomic,
 )
 from eagle3.data.prepared import load_prepared
+from eagle3.fsutil import write_json_atomic
 from eagle3.logs import Progress, disk_full_error, setup_logging
 from eagle3.loss import ArgmaxHead
 

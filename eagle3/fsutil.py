@@ -9,12 +9,14 @@ only then is the old one deleted. A kill between the two renames leaves no `dest
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def stale_siblings(dest: Path) -> list[Path]:
@@ -83,3 +85,15 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def write_json_atomic(path: Path, data: dict[str, Any], tmp_tag: str = "", default: Any = None) -> None:
+    """Readers and a resumed run see either the old or the new file, never half of one. `tmp_tag` keeps the
+    temporary names of concurrent writers (ranks writing the same meta.json) apart."""
+    tmp = path.with_name(f"{path.name}{tmp_tag}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=default) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: keep the old file, leave no half-written .tmp
+        raise

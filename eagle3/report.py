@@ -6,18 +6,17 @@ acceptance rate at each draft position, and decoding speed with and without spec
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
+
+from eagle3.fsutil import write_json_atomic
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
-    tmp.replace(path)
+    write_json_atomic(path, report, default=_jsonable)
     return path
 
 

@@ -15,8 +15,8 @@ from eagle3.cache import (
     check_fingerprint,
     print_info,
     shard_name,
-    write_json_atomic,
 )
+from eagle3.fsutil import write_json_atomic
 
 H = 8
 
