@@ -92,7 +92,7 @@ def hf_greedy(cfg: Any, prompts: list[list[int]], max_new_tokens: int, stop: lis
     model, _ = load_target(cfg)
     device = next(model.parameters()).device
     outs: list[list[int]] = []
-    # About as long as the built-in's plain baseline (8 min for all of MT-bench on 2 CPU cores): it needs an ETA.
+    # As long as the built-in's plain baseline (minutes on a CPU for all of MT-bench): it needs an ETA.
     with torch.no_grad(), Progress(len(prompts), "hf greedy reference", unit="prompt") as progress:
         for ids in prompts:
             x = torch.tensor([ids], device=device)
