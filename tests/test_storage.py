@@ -243,3 +243,13 @@ def test_verify_passes_fp8_and_still_catches_an_off_by_one_layer(world, caches, 
     extract(bad, backend=Faulty(bad, "shift"))
     assert verify(bad, str(bad.cache_dir), 2) == 1
     assert "FAIL: aux layers off by one" in capsys.readouterr().out
+
+
+def test_cache_convert_command(caches, tmp_path, capsys):
+    from eagle3.cli import main as cli_main
+
+    dst = tmp_path / "cli-fp8"
+    assert cli_main(["cache", "convert", str(caches["exact"].cache_dir), str(dst), "--storage", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "converted" in out and "extract.storage=fp8" in out and "storage: fp8 (float32 target" in out
+    assert _files(dst) == _files(caches["fp8"].cache_dir)
