@@ -87,3 +87,31 @@ def test_plan_batches_budget_and_cover():
         assert len(b) <= 3
         assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 60
     assert [6] in batches  # longer than the budget: alone
+
+
+def test_concurrent_captures_on_one_backend(targets, tmp_path):
+    """Online training captures from two prefetch threads at once (the train batches and, at an eval step, the
+    eval batches) on the one backend: its layer hooks must never hand one thread's states to the other or clear
+    them under it."""
+    import threading
+
+    hf = HFTarget(tiny_target_cfg(targets["llama"], tmp_path, tmp_path))
+    seqs = _seqs()
+    want = [hf.capture([s])[0] for s in seqs]  # one at a time, as the threads ask
+    errors: list[BaseException] = []
+
+    def hammer(order: list[int]) -> None:
+        try:
+            for _ in range(15):
+                for i in order:
+                    got = hf.capture([seqs[i]])[0]
+                    assert torch.equal(got.aux, want[i].aux) and torch.equal(got.final, want[i].final)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(o,)) for o in (list(range(len(seqs))), list(range(len(seqs)))[::-1])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]

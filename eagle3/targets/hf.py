@@ -12,6 +12,7 @@ loaded with the prefix stripped. No remote code is needed for extraction.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -149,6 +150,9 @@ class HFTarget:
         self.max_batch_size = cfg.extract.max_batch_size
         self.device = next(self.model.parameters()).device
         self.tap = LayerTap(self.layers, self.layer_ids, self.norm)
+        # One forward at a time: the hooks keep one set of states, and online training captures from two prefetch
+        # threads at once (train batches, and the eval batches at an eval step).
+        self._lock = threading.Lock()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -181,7 +185,9 @@ class HFTarget:
             raise ValueError("cannot capture states of an empty sequence")
         out: list[Captured | None] = [None] * len(sequences)
         for batch in plan_batches([len(s) for s in sequences], self.batch_tokens, self.max_batch_size):
-            for i, c in zip(batch, self._forward([sequences[i] for i in batch]), strict=True):
+            with self._lock:
+                caps = self._forward([sequences[i] for i in batch])
+            for i, c in zip(batch, caps, strict=True):
                 out[i] = c
         for s, c in zip(sequences, out, strict=True):
             assert c is not None and c.aux.shape[0] == len(s), "token count mismatch in captured states"

@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import shlex
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,9 @@ class SGLangTarget:
         self.server: SGLangServer | None = None
         self._own_dump_dir = False
         self._closed = False
+        # Dumps are named by the prompt's tokens: two threads (online training's train and eval prefetchers) sending
+        # the same prompt at once would read and delete each other's file, so one request is in flight at a time.
+        self._lock = threading.Lock()
         self.log_file: Path | None = None
 
         ensure_dump_dir(self.dump_dir)
@@ -251,21 +255,22 @@ class SGLangTarget:
         body = {"input_ids": [seqs[i] for _, i in order],
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
         out: dict[str, Captured] = {}
-        try:
-            resp = http_json("POST", f"{self.url}/generate", body, timeout=self.timeout_s)
-            if isinstance(resp, dict):
-                resp = [resp]
-            if not isinstance(resp, list) or len(resp) != len(order):
-                raise RuntimeError(f"/generate returned {type(resp).__name__} of length "
-                                   f"{len(resp) if isinstance(resp, list) else '?'} for {len(order)} prompts")
-            for (key, i), r in zip(order, resp, strict=True):
-                self._check_meta(r.get("meta_info") or {}, len(seqs[i]), labels[i])
-                path = self._await_dump(key, labels[i], len(seqs[i]))
-                out[key] = read_dump(path, seqs[i], layer_ids=self.layer_ids, hidden_size=self.hidden_size,
-                                     sample=labels[i], dtype=self.dtype)
-        finally:
-            for key, _ in order:
-                dump_path(self.dump_dir, key).unlink(missing_ok=True)
+        with self._lock:
+            try:
+                resp = http_json("POST", f"{self.url}/generate", body, timeout=self.timeout_s)
+                if isinstance(resp, dict):
+                    resp = [resp]
+                if not isinstance(resp, list) or len(resp) != len(order):
+                    raise RuntimeError(f"/generate returned {type(resp).__name__} of length "
+                                       f"{len(resp) if isinstance(resp, list) else '?'} for {len(order)} prompts")
+                for (key, i), r in zip(order, resp, strict=True):
+                    self._check_meta(r.get("meta_info") or {}, len(seqs[i]), labels[i])
+                    path = self._await_dump(key, labels[i], len(seqs[i]))
+                    out[key] = read_dump(path, seqs[i], layer_ids=self.layer_ids, hidden_size=self.hidden_size,
+                                         sample=labels[i], dtype=self.dtype)
+            finally:
+                for key, _ in order:
+                    dump_path(self.dump_dir, key).unlink(missing_ok=True)
         return [out[k] for k in keys]
 
     def _check_meta(self, meta: dict[str, Any], n: int, label: str) -> None:
