@@ -98,7 +98,7 @@ def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) 
 def fingerprint_diff(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     """One readable line per differing field."""
     out = []
-    found, expected = {**_LEGACY, **found}, {**_LEGACY, **expected}
+    found, expected = {**_LEGACY, **found}, {**_LEGACY, **expected}  # hand-made fingerprints too
     for key in sorted(set(found) | set(expected)):
         if found.get(key) != expected.get(key):
             label = _LABELS.get(key, key)
@@ -110,7 +110,9 @@ def read_meta(cache_dir: str | Path) -> dict[str, Any]:
     path = Path(cache_dir) / "meta.json"
     if not path.is_file():
         raise CacheError(f"{cache_dir} is not a hidden-state cache (no meta.json): run `eagle3 extract` first")
-    return json.loads(path.read_text())
+    meta = json.loads(path.read_text())
+    meta["fingerprint"] = {**_LEGACY, **meta["fingerprint"]}
+    return meta
 
 
 def check_fingerprint(cache_dir: str | Path, expected: dict[str, Any]) -> None:
@@ -413,7 +415,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.dtype = DTYPES[self.fingerprint["dtype"]]
         self.hidden_size = int(self.fingerprint["hidden_size"])
         self.layer_ids = list(self.fingerprint["layer_ids"])
-        self.storage = self.fingerprint.get("storage", "exact")
+        self.storage = self.fingerprint["storage"]
         found, incomplete = manifests(cache_dir, split)
         if incomplete and not allow_incomplete:
             raise CacheError(f"cache {cache_dir} split {split!r} is incomplete: rank(s) {incomplete} have not "
@@ -473,7 +475,7 @@ def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
     """
     src, dst = Path(src), Path(dst)
     meta = read_meta(src)
-    fp = {**_LEGACY, **meta["fingerprint"]}
+    fp = meta["fingerprint"]
     if fp["storage"] != "exact":
         raise CacheError(f"cache {src} is stored as {fp['storage']!r}; only an exact cache can be converted (a "
                          "lossy one would pass its rounding off as the target's states)")
@@ -544,7 +546,7 @@ def _has_argmax(shard: Path) -> bool:
 def print_info(cache_dir: str | Path) -> None:
     s = summary(cache_dir)
     fp = s["fingerprint"]
-    storage = fp.get("storage", "exact")
+    storage = fp["storage"]
     payload = payload_bytes_per_token(fp["hidden_size"], fp["dtype"], storage)
     exact = payload_bytes_per_token(fp["hidden_size"], fp["dtype"])
     print(f"cache {cache_dir}")
