@@ -45,16 +45,16 @@ class TrainState:
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first (a folder only gets its final name once fully written)."""
+def _step_dirs(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Every `step_N` folder, oldest (smallest N) first."""
     if not ckpt_dir.is_dir():
         return []
-    out = []
-    for p in ckpt_dir.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and (p / STATE_FILE).is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
+    return sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first (a folder only gets its final name once fully written)."""
+    return [(n, p) for n, p in _step_dirs(ckpt_dir) if (p / STATE_FILE).is_file()]
 
 
 def _tmp_dir(final: Path) -> Path:
@@ -117,7 +117,7 @@ def _raise_if_disk_full(e: BaseException, final: Path, ckpt_dir: Path, previous:
 
 def check_same_draft(path: Path, current: Eagle3DraftConfig) -> None:
     """Refuse to resume into a head of other dimensions (torch would fail with a bare size mismatch)."""
-    saved_file = path / "draft" / "config.json"
+    saved_file = path / "draft" / CONFIG_NAME
     if not saved_file.is_file():
         return
     saved = json.loads(saved_file.read_text())
@@ -184,8 +184,7 @@ def resolve_checkpoint(cfg: Config) -> Path:
     if cfg.eval.checkpoint:
         return resolve_draft_folder(cfg.eval.checkpoint)
     d = cfg.checkpoint_dir
-    steps = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_DIR.match(p.name))) if d.is_dir() else []
-    tried = [d / "best", *[p for _, p in steps][::-1], cfg.export_dir / "sglang"]
+    tried = [d / "best", *[p for _, p in _step_dirs(d)][::-1], cfg.export_dir / "sglang"]
     for cand in tried:
         if (cand / CONFIG_NAME).is_file() or (cand / "draft" / CONFIG_NAME).is_file():
             return resolve_draft_folder(cand)
