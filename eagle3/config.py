@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -202,6 +204,9 @@ class TrainConfig(Section):
     teacher_chunk: int = Field(8192, ge=1)
     """Vocab rows per chunk of the teacher's full-vocab argmax (extraction; the trainer for caches without it):
     bounds memory for big vocabularies."""
+    loss_chunk_rows: int = Field(4096, ge=1)
+    """Scored rows per chunk of the fused lm_head + soft cross-entropy (eagle3.loss.SoftCE): a TTT step's
+    [rows, draft_vocab] logits exist one chunk at a time (4096 x 32000 float32 = 0.5 GB for Kimi-K2.5's head)."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 where the training device runs it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else
     float32 (`no`)."""
@@ -516,6 +521,8 @@ def dump_config(cfg: Config) -> str:
 
 
 def _type_name(ann: Any) -> str:
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(ann))
     text = getattr(ann, "__name__", None) if isinstance(ann, type) else None
     text = text or str(ann).replace("typing.", "")
     return text.replace("NoneType", "None")

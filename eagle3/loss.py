@@ -2,14 +2,15 @@
 
 The positions each step scores are eagle3.rows (the alignment is explained there); the head's unrolled forward
 is eagle3.model (`ttt_unroll_rows`). Here: the target's distribution over the draft vocab on those rows
-(Teacher), the decayed soft cross-entropy averaged over each step's scored rows (`ttt_loss`), and the accuracies
-and the simulated acceptance length the trainer logs and selects checkpoints by.
+(Teacher), the draft's lm_head fused with the decayed soft cross-entropy averaged over each step's scored rows
+(SoftCE, which the draft's forward calls; `ttt_loss` adds the per-step sums), and the accuracies and the
+simulated acceptance length the trainer logs and selects checkpoints by.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -185,40 +186,119 @@ def greedy_chain(rows: Rows, hits: list[Tensor], input_ids: Tensor, target_argma
     return alive_n, hit_n
 
 
-def ttt_loss(logits: list[Tensor], probs: Tensor, draft_target: Tensor, rows: Rows, decay: float,
-             norm: Tensor | None = None, greedy: tuple[Tensor, Tensor, Tensor] | None = None,
-             ) -> tuple[Tensor, StepStats]:
-    """sum_j decay**j * (soft-CE(teacher, draft) summed over step j's scored rows) / norm[j]; plus per-step sums.
+class HeadOut(NamedTuple):
+    """What the fused lm_head + soft cross-entropy (SoftCE) gives the trainer for one micro-batch."""
 
-    logits[j] holds step j's scored rows (ttt_unroll_rows); probs [len(teacher_pos), draft_vocab] and
-    draft_target [len(teacher_pos)] the teacher at rows.teacher_pos. norm [steps]: the scored positions of the
-    whole accumulation group on all ranks, so every position weighs the same whichever micro-batch or rank it
-    fell in; None: this batch's own (a mean per step). greedy: (input_ids, target_argmax, loss_mask) [B, T] of the
-    batch, for the chain counts of greedy_chain (zeros without).
+    loss: Tensor
+    """sum_j scale_j * (soft-CE summed over step j's scored rows): the micro-batch's share of the loss."""
+    ce_sum: Tensor
+    """[steps] soft-CE summed over each step's scored rows (detached)."""
+    argmax: tuple[Tensor, ...]
+    """[len(score[j])] int64 per step: the draft's argmax at its scored rows."""
+
+
+class _LinearSoftCE(torch.autograd.Function):
+    """lm_head + soft cross-entropy of every TTT step in one pass, chunked over rows, gradients made on the way.
+
+    A step's logits [rows, draft_vocab] exist one chunk of rows at a time: in that chunk the forward takes the
+    log-softmax, the cross-entropy against the teacher and the argmax, then turns the logits in place into their
+    gradient (softmax * sum(p) - p, times the step's scale) and multiplies it out into the gradients of the
+    rows and of the lm_head weight. The backward only scales those by the incoming gradient: the loss is a
+    scalar, so that gradient is one number. Nothing of [rows, draft_vocab] is kept for the backward (autograd's
+    log_softmax keeps its output, and the matmul's own output, per step), and the weight's gradient of all
+    steps is one buffer.
     """
-    steps = len(logits)
-    device = probs.device
-    total = probs.new_zeros((), dtype=torch.float32)
-    loss_sum, correct, valid_n = (torch.zeros(steps, device=device) for _ in range(3))
-    hits: list[Tensor] = []
-    for j, lg in enumerate(logits):
-        count = lg.shape[0]
-        if count == 0:
-            # Keep every parameter in the graph (DDP expects gradients for all of them each step).
-            total = total + lg.sum() * 0.0
-            hits.append(torch.zeros(0, dtype=torch.bool, device=device))
-            continue
-        p = probs[rows.teacher_row[j]]
-        z = lg.float()  # argmax of bf16 logits on a CPU costs 2x a log_softmax of float32 ones
-        ce = -(p * torch.log_softmax(z, dim=-1)).sum(-1)  # [M]
-        total = total + (decay**j) * ce.sum() / (count if norm is None else norm[j])
-        with torch.no_grad():
-            loss_sum[j] = ce.sum()
-            hits.append(z.argmax(-1) == draft_target[rows.teacher_row[j]])
-            correct[j] = hits[-1].sum()
-            valid_n[j] = count
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, probs: Tensor, index: list[Tensor], scales: Tensor, chunk: int,
+                want_grad: bool, *xs: Tensor) -> tuple[Tensor, ...]:
+        dev = weight.device.type
+        cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype  # the matmuls
+        acc = torch.promote_types(cd, torch.float32)  # the softmax and the weight's gradient
+        with torch.autocast(dev, enabled=False):
+            w = weight.to(cd)
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_grad else None
+            ce_sum = torch.zeros(len(xs), dtype=acc, device=weight.device)
+            grads_x, argmaxes = [], []
+            for j, x in enumerate(xs):
+                am = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+                gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_grad else None
+                for c0 in range(0, x.shape[0], chunk):
+                    xc = x[c0 : c0 + chunk].to(cd)
+                    z = (xc @ w.T).to(acc)
+                    p = probs[index[j][c0 : c0 + chunk]].to(acc)
+                    am[c0 : c0 + chunk] = z.argmax(-1)
+                    z -= torch.logsumexp(z, -1, keepdim=True)  # log-softmax, in place
+                    ce_sum[j] -= torch.dot(p.view(-1), z.view(-1))
+                    if grad_w is None:
+                        continue
+                    z.exp_().mul_(p.sum(-1, keepdim=True) * scales[j]).sub_(p.mul_(scales[j]))  # d loss / d logits
+                    g = z.to(cd)
+                    gx[c0 : c0 + chunk] = g @ w
+                    if cd == acc:
+                        grad_w.addmm_(g.T, xc)
+                    else:
+                        grad_w += (g.T @ xc).to(acc)
+                argmaxes.append(am)
+                grads_x.append(gx)
+        total = (ce_sum * scales).sum()
+        ctx.mark_non_differentiable(ce_sum, *argmaxes)
+        ctx.grads, ctx.weight_dtype = (grad_w, grads_x), weight.dtype
+        return (total, ce_sum, *argmaxes)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
+        grad_w, grads_x = ctx.grads  # kept as they are: a retained graph may run its backward again
+        if grad_w is None:
+            raise RuntimeError("SoftCE ran without gradients (under no_grad or on frozen inputs)")
+        return ((grad_w * g).to(ctx.weight_dtype), None, None, None, None, None,
+                *(gx * g.to(gx.dtype) for gx in grads_x))
+
+
+class SoftCE:
+    """The draft's lm_head and the decayed soft cross-entropy of one micro-batch, fused and chunked.
+
+    The draft calls it inside its forward (`Eagle3Draft.forward(..., head=)`) with each step's final-normed
+    scored rows and its lm_head weight, so a DDP/FSDP wrapper sees the weight used within its forward. Step j's
+    rows weigh scale_j = decay**j / norm[j]; norm [steps] counts the scored positions of the whole accumulation
+    group on all ranks, so every position weighs the same whichever micro-batch or rank it fell in (None: this
+    batch's own, a mean per step). probs [len(rows.teacher_pos), draft_vocab]: the teacher at rows.teacher_pos.
+    `chunk` rows of logits are computed at a time (train.loss_chunk_rows).
+    """
+
+    def __init__(self, probs: Tensor, rows: Rows, decay: float, norm: Tensor | None = None, chunk: int = 4096):
+        counts = rows.scored().to(probs.device) if norm is None else norm.to(probs.device, torch.float32)
+        decays = torch.tensor([decay**j for j in range(rows.steps)], device=probs.device)
+        self.probs, self.rows, self.chunk = probs, rows, chunk
+        self.scales = decays / counts.clamp(min=1)
+
+    def __call__(self, xs: list[Tensor], weight: Tensor) -> HeadOut:
+        index = [r.to(self.probs.device) for r in self.rows.teacher_row]
+        return linear_soft_ce(xs, weight, self.probs, index, self.scales, self.chunk)
+
+
+def linear_soft_ce(xs: list[Tensor], weight: Tensor, probs: Tensor, index: list[Tensor], scales: Tensor,
+                   chunk: int) -> HeadOut:
+    """sum_j scales[j] * sum_rows soft-CE(probs[index[j]], xs[j] @ weight.T), fused and chunked (_LinearSoftCE);
+    the matmuls in the autocast dtype where autocast is on, the softmax in float32 (or float64 inputs' float64)."""
+    want_grad = torch.is_grad_enabled() and (weight.requires_grad or any(x.requires_grad for x in xs))
+    total, ce_sum, *am = _LinearSoftCE.apply(weight, probs, index, scales, chunk, want_grad, *xs)
+    return HeadOut(total, ce_sum, tuple(am))
+
+
+def ttt_loss(out: HeadOut, draft_target: Tensor, rows: Rows, greedy: tuple[Tensor, Tensor, Tensor] | None = None,
+             ) -> tuple[Tensor, StepStats]:
+    """The micro-batch's loss (SoftCE: sum_j decay**j * soft-CE(teacher, draft) over step j's scored rows / norm_j)
+    and its per-step sums. draft_target [len(teacher_pos)]: the teacher's argmax as a draft id at
+    rows.teacher_pos. greedy: (input_ids, target_argmax, loss_mask) [B, T] of the batch, for the chain counts
+    of greedy_chain (zeros without)."""
+    steps = rows.steps
+    device = out.ce_sum.device
+    hits = [am == draft_target[rows.teacher_row[j]] for j, am in enumerate(out.argmax)]
+    correct = torch.stack([h.sum() for h in hits]).float()
+    valid_n = rows.scored().to(device, torch.float32)
     chain = greedy_chain(rows, hits, *greedy) if greedy is not None else (torch.zeros(steps, device=device),) * 2
-    return total, StepStats(loss_sum, correct, valid_n, rows.counted.to(device), *chain)
+    return out.loss, StepStats(out.ce_sum.detach(), correct, valid_n, rows.counted.to(device), *chain)
 
 
 def acceptance_length(acc: list[float] | Tensor) -> float:

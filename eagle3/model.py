@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -304,11 +305,17 @@ class Eagle3Draft(nn.Module):
     def logits(self, out_hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(out_hidden))
 
-    def forward(self, aux: Tensor, input_ids: Tensor, rows: Rows, attention: Attention = "fast") -> list[Tensor]:
-        """Training: the TTT unroll over `rows` (`ttt_unroll_rows` below) -> logits of each step's scored
-        rows. Lives in `forward` so that DDP/FSDP wrappers see the whole computation (their gradient hooks need
-        the call to go through them)."""
-        return ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention)
+    def forward(self, aux: Tensor, input_ids: Tensor, rows: Rows, attention: Attention = "fast",
+                head: Callable[[list[Tensor], Tensor], Any] | None = None) -> Any:
+        """Training: the TTT unroll over `rows` (`ttt_unroll_rows` below) -> head(final-normed scored rows of
+        each step, lm_head weight); without `head`, each step's logits. Lives in `forward`, the head included,
+        so that DDP/FSDP wrappers see the whole computation (their gradient hooks need the call to go through
+        them, and FSDP holds the unsharded lm_head weight only inside it). The trainer's head is the fused,
+        chunked lm_head + loss (eagle3.loss.SoftCE), which never holds a step's [rows, draft_vocab] logits."""
+        states = ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention)
+        if head is None:
+            return [self.lm_head(x) for x in states]
+        return head(states, self.lm_head.weight)
 
     def decode(
         self,
@@ -566,10 +573,11 @@ def _rows(x: Tensor) -> Tensor:
 
 def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows: Rows,
                     attention: Attention = "fast") -> list[Tensor]:
-    """Logits [len(score[j]), draft_vocab] of the scored rows of each unrolled step (see the module docstring).
+    """Final-normed output hidden [len(score[j]), H] of the scored rows of each unrolled step (the lm_head's
+    input; see the module docstring).
 
     Step 0 computes keys and values at every position (they are every later query's prefix); everything else
-    (queries, attention, the layer after it, norm and lm_head) runs only on the rows in `rows`, each batch row's
+    (queries, attention, the layer after it and the final norm) runs only on the rows in `rows`, each batch row's
     kept queries packed to the left and masked by their own positions.
     """
     attend = ttt_attention_fast if attention == "fast" else ttt_attention_dense
@@ -579,7 +587,7 @@ def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows
     q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1), hidden0, flat_pos.view(b, t))
     out = attend(rows.pack(0, _rows(q)[keep]), k0, v0, [], [], rows.q_pos[0])
     hidden = draft.block(hidden0.reshape(b * t, -1)[keep], rows.unpack(0, out))  # [M0, H]
-    logits = [draft.logits(hidden[rows.score[0]])]
+    states = [draft.norm(hidden[rows.score[0]])]
     ks: list[Tensor] = []  # step i's keys and values at the rows of keep[i] (i = 1, 2, ...)
     vs: list[Tensor] = []
     for j in range(1, rows.steps):
@@ -593,8 +601,8 @@ def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows
         out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0, [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
                      [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)], rows.q_pos[j])
         hidden = draft.block(hidden, rows.unpack(j, out))
-        logits.append(draft.logits(hidden[rows.score[j]]))
-    return logits
+        states.append(draft.norm(hidden[rows.score[j]]))
+    return states
 
 
 def ttt_unroll(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, steps: int,
@@ -602,4 +610,4 @@ def ttt_unroll(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, steps: in
     """Logits [B, T, draft_vocab] of every position at each of `steps` unrolled steps (the reference)."""
     b, t = input_ids.shape
     rows = every_row(b, t, steps, input_ids.device)
-    return [x.view(b, t, -1) for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention)]
+    return [draft.lm_head(x).view(b, t, -1) for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention)]

@@ -31,7 +31,7 @@ from eagle3.checkpoints import resume, save_best, save_checkpoint
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab
 from eagle3.logs import Progress, setup_logging
-from eagle3.loss import ArgmaxHead, StepStats, Teacher, summarise, ttt_loss
+from eagle3.loss import ArgmaxHead, SoftCE, StepStats, Teacher, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
@@ -202,14 +202,15 @@ def plan_micro(teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config, de
 
 def forward_loss(model, teacher: Teacher, micro: Micro, cfg: Config, device: torch.device,
                  norm: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
-    """The loss of one planned micro-batch (eagle3.loss.ttt_loss; `norm` as there)."""
+    """The loss of one planned micro-batch (eagle3.loss.SoftCE, ttt_loss; `norm` as there)."""
     batch, rows = to_device(micro.batch, device, teacher.weight.dtype), micro.rows.to(device)
     top = micro.top.to(device, non_blocking=True)
     target = teacher.to_draft[top]
-    logits = model(batch["aux"], batch["input_ids"], rows)
     probs = teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
+    head = SoftCE(probs, rows, cfg.train.step_decay, norm, cfg.train.loss_chunk_rows)
+    out = model(batch["aux"], batch["input_ids"], rows, head=head)
     greedy = (batch["input_ids"], top, batch["loss_mask"])
-    return ttt_loss(logits, probs, target.flatten()[rows.teacher_pos], rows, cfg.train.step_decay, norm, greedy)
+    return ttt_loss(out, target.flatten()[rows.teacher_pos], rows, greedy)
 
 
 def _reduce(accelerator, stats: StepStats) -> StepStats:

@@ -6,7 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.loss import StepStats, Teacher, TeacherOutput, acceptance_length, summarise, ttt_loss
+from eagle3.loss import (
+    SoftCE,
+    StepStats,
+    Teacher,
+    TeacherOutput,
+    acceptance_length,
+    linear_soft_ce,
+    summarise,
+    ttt_loss,
+)
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_attention_dense, ttt_attention_fast, ttt_unroll
 from eagle3.rows import plan_rows, valid_positions
 
@@ -134,7 +143,8 @@ def test_loss_mask_golden(mask_oov, golden):
     full = [torch.randn(1, 10, 5) for _ in range(4)]
     logits = [full[j][0][rows.keep[j][rows.score[j]]] for j in range(4)]
     probs = teacher.probs.flatten(0, 1)[rows.teacher_pos]
-    loss, stats = ttt_loss(logits, probs, teacher.draft_target.flatten()[rows.teacher_pos], rows, decay=0.8)
+    out = SoftCE(probs, rows, decay=0.8)(logits, torch.eye(5))  # an identity lm_head: the logits as given
+    loss, stats = ttt_loss(out, teacher.draft_target.flatten()[rows.teacher_pos], rows)
     expected_loss = 0.0
     for j, pos in golden.items():
         ce = [-(teacher.probs[0, t + 1 + j] * torch.log_softmax(full[j][0, t], -1)).sum() for t in pos]
@@ -181,15 +191,100 @@ def test_pruned_rows_match_every_row_loss_and_gradients(mask_oov, steps):
     g_ref = torch.autograd.grad(ref, list(m.parameters()))
     rows = plan_rows(mask, out.draft_target, steps, mask_oov)
     assert rows.keep[-1].numel() < b * t  # something was pruned
-    logits = m(aux, ids, rows)
-    got, stats = ttt_loss(logits, teacher.probs(final.flatten(0, 1)[rows.teacher_pos]),
-                          out.draft_target.flatten()[rows.teacher_pos], rows, 0.8)
+    head = SoftCE(teacher.probs(final.flatten(0, 1)[rows.teacher_pos]), rows, 0.8, chunk=7)
+    got, stats = ttt_loss(m(aux, ids, rows, head=head), out.draft_target.flatten()[rows.teacher_pos], rows)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
     g = torch.autograd.grad(got, list(m.parameters()))
     for a, b_ in zip(g, g_ref, strict=True):
         torch.testing.assert_close(a, b_, atol=1e-6, rtol=1e-5)
     for j in range(steps):
         assert stats.valid[j] == valid_positions(mask, out.draft_target, j, mask_oov).sum()
+
+
+def _soft_ce_case(seed: int, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(seed)
+    v, h, sizes = 37, 16, [23, 11, 0, 4]
+    w = torch.randn(v, h, dtype=dtype, requires_grad=True)
+    probs = torch.softmax(torch.randn(30, v, dtype=dtype) * 3, -1)
+    xs = [torch.randn(n, h, dtype=dtype, requires_grad=True) for n in sizes]
+    index = [torch.randint(0, 30, (n,)) for n in sizes]
+    scales = torch.tensor([1.0, 0.8 / 3, 0.64, 0.5], dtype=dtype)
+    return w, probs, xs, index, scales
+
+
+def _soft_ce_autograd(xs, w, probs, index, scales):
+    """The unfused reference: logits, log_softmax, autograd."""
+    total, ce_sum, am = 0.0, [], []
+    for j, x in enumerate(xs):
+        z = x @ w.T
+        ce = -(probs[index[j]] * torch.log_softmax(z.float() if z.dtype != torch.float64 else z, -1)).sum(-1)
+        total = total + scales[j] * ce.sum()
+        ce_sum.append(ce.sum().detach())
+        am.append(z.argmax(-1))
+    return total, torch.stack(ce_sum), am
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_fused_soft_ce_matches_autograd(chunk):
+    """The fused, chunked lm_head + soft-CE gives autograd's loss, per-step sums, argmax and gradients (of the
+    rows and of the weight, an empty step included) for any chunking."""
+    w, probs, xs, index, scales = _soft_ce_case(chunk)
+    ref, ref_ce, ref_am = _soft_ce_autograd(xs, w, probs, index, scales)
+    g_ref = torch.autograd.grad(ref * 3.0, [w, *xs])
+    out = linear_soft_ce(xs, w, probs, index, scales, chunk)
+    torch.testing.assert_close(out.loss, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.ce_sum, ref_ce, atol=1e-5, rtol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(out.argmax, ref_am, strict=True))
+    g = torch.autograd.grad(out.loss * 3.0, [w, *xs])  # an upstream factor (accelerate's `loss * world`)
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_fused_soft_ce_gradcheck_float64():
+    w, probs, xs, index, scales = _soft_ce_case(0, torch.float64)
+    xs = [x[:5].detach().requires_grad_() for x in xs]
+    index = [i[:5] for i in index]
+    assert torch.autograd.gradcheck(lambda w_, *xs_: linear_soft_ce(list(xs_), w_, probs, index, scales, 2).loss,
+                                    (w, *xs))
+
+
+def test_fused_soft_ce_under_bf16_autocast_and_without_grad():
+    """Under bf16 autocast the matmuls run in bf16 like the unfused path's lm_head (the softmax in float32);
+    under no_grad (the trainer's eval) the same figures come out and no gradient is made."""
+    w, probs, xs, index, scales = _soft_ce_case(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, ref_ce, _ = _soft_ce_autograd(xs, w, probs, index, scales)
+        out = linear_soft_ce(xs, w, probs, index, scales, 4)
+    torch.testing.assert_close(out.loss, ref.float(), atol=1e-3, rtol=1e-3)
+    for a, b in zip(torch.autograd.grad(out.loss, [w, *xs]), torch.autograd.grad(ref, [w, *xs]), strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    with torch.no_grad():
+        plain = linear_soft_ce(xs, w, probs, index, scales, 4)
+    assert not plain.loss.requires_grad
+    torch.testing.assert_close(plain.ce_sum, _soft_ce_autograd(xs, w, probs, index, scales)[1], atol=1e-5, rtol=1e-6)
+
+
+def test_fused_soft_ce_holds_one_chunk_of_logits():
+    """8192 scored rows of a 32000-token draft vocab: the fused loss never holds the [8192, 32000] fp32 logits
+    (1 GB) an unfused step keeps for its backward (twice, with log_softmax's output), only a chunk of them, the
+    rows' gradient and the weight's."""
+    n, v, h, chunk = 8192, 32000, 64, 512
+    torch.manual_seed(0)
+    w = torch.randn(v, h, requires_grad=True)
+    x = torch.randn(n, h, requires_grad=True)
+    probs = torch.softmax(torch.randn(n, v), -1)
+    index = [torch.arange(n)]
+    linear_soft_ce([x[:8]], w, probs, [index[0][:8]], torch.ones(1), chunk).loss.backward()  # warm up
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS:")
+    out = linear_soft_ce([x], w, probs, index, torch.ones(1), chunk)
+    out.loss.backward()
+    peak = _status("VmHWM:") - before
+    bound = 4 * chunk * v * 4 + 2 * (n * h + v * h) * 4 + 64 * 2**20
+    assert peak < bound, (peak, bound)
+    assert peak < n * v * 4 * 0.5, peak
 
 
 def test_a_batch_with_nothing_to_score_still_reaches_every_parameter():
@@ -202,9 +297,9 @@ def test_a_batch_with_nothing_to_score_still_reaches_every_parameter():
     mask = torch.zeros(b, t, dtype=torch.long)
     target = teacher.targets(final)
     rows = plan_rows(mask, target, 3, True)
-    logits = m(torch.randn(b, t, 3 * h), torch.randint(0, 200, (b, t)), rows)
-    loss, stats = ttt_loss(logits, teacher.probs(final.flatten(0, 1)[rows.teacher_pos]),
-                           target.flatten()[rows.teacher_pos], rows, 0.8)
+    head = SoftCE(teacher.probs(final.flatten(0, 1)[rows.teacher_pos]), rows, 0.8)
+    out = m(torch.randn(b, t, 3 * h), torch.randint(0, 200, (b, t)), rows, head=head)
+    loss, stats = ttt_loss(out, target.flatten()[rows.teacher_pos], rows)
     assert float(loss.detach()) == 0.0 and float(stats.counted.sum()) == 0.0
     grads = torch.autograd.grad(loss, list(m.parameters()), allow_unused=False)
     assert all(float(g.abs().sum()) == 0.0 for g in grads)
@@ -347,9 +442,8 @@ def test_group_normalised_micro_batches_add_up_to_one_batch():
     def loss_of(p, norm=None):
         target = teacher.targets(p["final"])
         rows = plan_rows(p["mask"], target, 3, True)
-        logits = m(p["aux"], p["ids"], rows)
-        loss, _ = ttt_loss(logits, teacher.probs(p["final"].flatten(0, 1)[rows.teacher_pos]),
-                           target.flatten()[rows.teacher_pos], rows, 0.8, norm)
+        head = SoftCE(teacher.probs(p["final"].flatten(0, 1)[rows.teacher_pos]), rows, 0.8, norm)
+        loss, _ = ttt_loss(m(p["aux"], p["ids"], rows, head=head), target.flatten()[rows.teacher_pos], rows)
         return loss, rows
 
     rows = [plan_rows(p["mask"], teacher.targets(p["final"]), 3, True) for p in parts]
