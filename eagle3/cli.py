@@ -18,6 +18,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from eagle3 import threads
 from eagle3.config import Config, ConfigError, config_docs, dump_config, load_config
 from eagle3.logs import setup_logging
 
@@ -28,7 +29,9 @@ def _with_config(p: argparse.ArgumentParser) -> None:
 
 
 def _cfg(args: argparse.Namespace) -> Config:
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    threads.configure(cfg.cpu_threads)
+    return cfg
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -305,6 +305,11 @@ class RegenerateConfig(Section):
 class Config(Section):
     output_dir: str = "runs/default"
     """Root of every stage's output: prepared/, cache/, checkpoints/, eval/, export/."""
+    cpu_threads: Literal["auto"] | int = "auto"
+    """torch threads for the CPU work of every stage (target forwards, training, the built-in eval). auto: the
+    cores other processes leave idle, re-checked every few seconds (two threads beside a busy process run slower
+    than one: eagle3/threads.py, BENCHMARKS.md "Threads"); an int, or EAGLE3_CPU_THREADS in the environment, fixes
+    it. OMP_NUM_THREADS is not read (`accelerate launch` sets it to 1 for every single-process run)."""
     target: TargetConfig = Field(default_factory=TargetConfig)
     """The target model."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -321,6 +326,13 @@ class Config(Section):
     """Experiment tracking."""
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     """Self-distillation."""
+
+    @field_validator("cpu_threads")
+    @classmethod
+    def _threads(cls, v: str | int) -> str | int:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("cpu_threads must be `auto` or at least 1")
+        return v
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

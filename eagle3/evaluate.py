@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from eagle3 import threads
 from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.logs import Progress, setup_logging
@@ -100,6 +101,7 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
                 hist_spec.append(Turn("user", text))
                 hist_base.append(Turn("user", text))
                 ids_spec, ids_base = render(hist_spec), render(hist_base)
+            threads.adjust()  # once per turn: its spec and plain decodes run on the same thread count
             g = torch.Generator().manual_seed(seed + 1000 * i + t)
             out = dec.generate(ids_spec, g)
             g = torch.Generator().manual_seed(seed + 1000 * i + t)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from eagle3 import threads
 from eagle3.batching import iter_batches, plan_epoch
 from eagle3.checkpoints import resume, save_best, save_checkpoint
 from eagle3.config import Config
@@ -295,6 +296,7 @@ def run(cfg: Config) -> dict[str, Any]:
         # closing() stops and joins the prefetch thread however the loop ends (max_steps may end an epoch early)
         with closing(batch_iter(train_ds, plan.batches[state.batch_index:usable], accelerator.device)) as batches:
             while state.step < total_steps and state.batch_index + tc.grad_accum <= usable:
+                threads.adjust()
                 t0 = time.perf_counter()
                 wait = 0.0
                 tokens = 0

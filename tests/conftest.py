@@ -13,6 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `auto` precision follows the CPU (eagle3.precision): pin it, so every machine runs the same float32 tests.
 os.environ.setdefault("EAGLE3_NATIVE_BF16", "0")
+# `cpu_threads: auto` follows the machine's load (eagle3.threads): pin it to one thread, as below.
+os.environ.setdefault("EAGLE3_CPU_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,5 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 def _one_torch_thread():
     """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP spin-waits make two threads
     ~20x slower than one. Reset before every test so no test inherits another's setting."""
+    from eagle3 import threads
+
+    threads._mode = None  # no test inherits another's `threads.configure`
     torch.set_num_threads(1)
     yield

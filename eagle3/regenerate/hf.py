@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from eagle3 import threads
 from eagle3.config import Config
 from eagle3.data.templates import render_prompt
 from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, split_reasoning
@@ -55,6 +56,7 @@ class HFBackend:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
+        threads.adjust()
         r = self.rcfg
         sampling: dict[str, Any] = {"do_sample": False}
         if r.temperature > 0:

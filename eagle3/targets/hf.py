@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from eagle3 import threads
 from eagle3.batching import plan_batches
 from eagle3.bundled import resolve_target_path
 from eagle3.precision import DTYPES
@@ -186,6 +187,7 @@ class HFTarget:
         out: list[Captured | None] = [None] * len(sequences)
         for batch in plan_batches([len(s) for s in sequences], self.batch_tokens, self.max_batch_size):
             with self._lock:
+                threads.adjust()  # in the thread that runs the forward (online capture runs in its own)
                 caps = self._forward([sequences[i] for i in batch])
             for i, c in zip(batch, caps, strict=True):
                 out[i] = c

@@ -8,6 +8,8 @@
 # -> SmolLM2-135M-Instruct hidden states (HF backend, offline Arrow cache) -> `accelerate launch train.py`
 # (recipes/accelerate/single.yaml: one process) -> SGLang + vLLM exports -> built-in speculative decoding on MT-bench.
 # Every stage reuses or resumes what is already on disk, so re-running after a crash continues where it stopped.
+# Threads: every stage runs on the cores other processes leave idle (`cpu_threads: auto`, eagle3/threads.py);
+# cpu_threads=N (an override) or EAGLE3_CPU_THREADS=N fixes the count.
 # Each stage's log, wall time and peak memory (/usr/bin/time -v) land in <output_dir>/logs/; the summary at the end
 # prints τ and where the report and the exported drafts are. Why the sizes are what they are: README.md here.
 set -euo pipefail
@@ -59,19 +61,14 @@ stage_export() {
     timed export-vllm eagle3 export --to vllm "$OUT/checkpoints/best" "$OUT/export/vllm"
 }
 
-# Decoding runs one token (or a few) per forward: tiny matmuls where a second OpenMP thread only adds barrier
-# spin-waits, and on a CPU shared with other jobs 2 threads made the evaluator ~5x SLOWER than 1. EVAL_THREADS=2
-# to try otherwise.
-EVAL_ENV=(env "OMP_NUM_THREADS=${EVAL_THREADS:-1}")
-
 stage_eval() {
     log "eval: built-in speculative decoding vs plain greedy decoding -> $OUT/eval/report.json"
-    timed eval "${EVAL_ENV[@]}" eagle3 eval --config "$CONFIG" "${OV[@]}" "eval.checkpoint=$OUT/checkpoints/best"
+    timed eval eagle3 eval --config "$CONFIG" "${OV[@]}" "eval.checkpoint=$OUT/checkpoints/best"
 }
 
 stage_eval_tree() {  # the same head with tree drafting: top-4 per step, 8 draft tokens verified at once
     log "eval (tree: topk 4, 8 draft tokens) -> $OUT/tree/eval/report.json"
-    timed eval-tree "${EVAL_ENV[@]}" eagle3 eval --config "$CONFIG" "${OV[@]}" "output_dir=$OUT/tree" \
+    timed eval-tree eagle3 eval --config "$CONFIG" "${OV[@]}" "output_dir=$OUT/tree" \
         "eval.checkpoint=$OUT/checkpoints/best" eval.topk=4 eval.num_draft_tokens=8
 }
 
