@@ -229,7 +229,7 @@ class _LinearSoftCE(torch.autograd.Function):
                     p = probs[index[j][c0 : c0 + chunk]].to(acc)
                     am[c0 : c0 + chunk] = z.argmax(-1)
                     z -= torch.logsumexp(z, -1, keepdim=True)  # log-softmax, in place
-                    ce_sum[j] -= torch.dot(p.view(-1), z.view(-1))
+                    ce_sum[j] -= (p * z).sum()  # not torch.dot: its float32 sum over all c * V terms lost 4 digits
                     if grad_w is None:
                         continue
                     z.exp_().mul_(p.sum(-1, keepdim=True) * scales[j]).sub_(p.mul_(scales[j]))  # d loss / d logits

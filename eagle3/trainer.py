@@ -301,7 +301,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 wait = 0.0
                 tokens = 0
                 stats = StepStats.zeros(tc.ttt_steps, accelerator.device)
-                loss_total = 0.0
+                loss_total = torch.zeros((), device=accelerator.device)
                 group = []
                 for micro in range(tc.grad_accum):
                     tw = time.perf_counter()
@@ -319,7 +319,7 @@ def run(cfg: Config) -> dict[str, Any]:
                     with accelerator.no_sync(model) if not sync else nullcontext():
                         loss, st = forward_loss(model, teacher, m, cfg, accelerator.device, norm)
                         accelerator.backward(loss * world)
-                    loss_total += float(loss.detach())
+                    loss_total += loss.detach()  # no host sync per micro-batch: one at the step's end
                     stats = stats + st
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
                 optimizer.step()
@@ -329,7 +329,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 state.batch_index += tc.grad_accum
                 dt = time.perf_counter() - t0
 
-                loss_mean = float(accelerator.reduce(torch.tensor(loss_total, device=accelerator.device), "sum"))
+                loss_mean = float(accelerator.reduce(loss_total, "sum"))
                 tok_all = int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), "sum"))
                 metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
                            "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt, "step_s": dt,
