@@ -214,10 +214,13 @@ class _LinearSoftCE(torch.autograd.Function):
                 want_grad: bool, *xs: Tensor) -> tuple[Tensor, ...]:
         dev = weight.device.type
         cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype  # the matmuls
-        acc = torch.promote_types(cd, torch.float32)  # the softmax and the weight's gradient
+        acc = torch.promote_types(cd, torch.float32)  # the softmax
+        # The weight's gradient in the weight's own dtype (what autograd would accumulate into it), so neither it
+        # nor a chunk's product is ever copied to another [draft_vocab, H] tensor.
+        gw_dtype = torch.promote_types(weight.dtype, cd)
         with torch.autocast(dev, enabled=False):
             w = weight.to(cd)
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_grad else None
+            grad_w = torch.zeros(weight.shape, dtype=gw_dtype, device=weight.device) if want_grad else None
             ce_sum = torch.zeros(len(xs), dtype=acc, device=weight.device)
             grads_x, argmaxes = [], []
             for j, x in enumerate(xs):
@@ -235,10 +238,10 @@ class _LinearSoftCE(torch.autograd.Function):
                     z.exp_().mul_(p.sum(-1, keepdim=True) * scales[j]).sub_(p.mul_(scales[j]))  # d loss / d logits
                     g = z.to(cd)
                     gx[c0 : c0 + chunk] = g @ w
-                    if cd == acc:
+                    if gw_dtype == cd:
                         grad_w.addmm_(g.T, xc)
-                    else:
-                        grad_w += (g.T @ xc).to(acc)
+                    else:  # fp32 weights under bf16 autocast: a bf16 product added into the fp32 gradient
+                        grad_w.add_(g.T @ xc)
                 argmaxes.append(am)
                 grads_x.append(gx)
         total = (ce_sum * scales).sum()
@@ -248,11 +251,15 @@ class _LinearSoftCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        grad_w, grads_x = ctx.grads  # kept as they are: a retained graph may run its backward again
+        if ctx.grads is None:
+            raise RuntimeError("SoftCE's backward runs once per forward: it scales, in place, the gradients its "
+                               "forward made (a [draft_vocab, H] copy would cost as much as the logits it saves)")
+        grad_w, grads_x = ctx.grads
+        ctx.grads = None
         if grad_w is None:
             raise RuntimeError("SoftCE ran without gradients (under no_grad or on frozen inputs)")
-        return ((grad_w * g).to(ctx.weight_dtype), None, None, None, None, None,
-                *(gx * g.to(gx.dtype) for gx in grads_x))
+        return (grad_w.mul_(g).to(ctx.weight_dtype), None, None, None, None, None,
+                *(gx.mul_(g.to(gx.dtype)) for gx in grads_x))
 
 
 class SoftCE:
