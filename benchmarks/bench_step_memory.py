@@ -1,0 +1,149 @@
+"""Peak memory of one Kimi-K2.5-sized training step on the CPU, synthetic weights: this tree vs git revisions.
+
+    python benchmarks/bench_step_memory.py --against efee033 --against 858a390
+    python benchmarks/bench_step_memory.py --tokens 512 --hidden 1024 --intermediate 2048 --vocab 32768 --draft-vocab 8192
+
+The shape (defaults): the Kimi-K2.5 head (hidden 7168, 64 heads x 128, MLP 18432, target vocab 163840, draft
+vocab 32000, TTT 3), one 4096-token sample, 73% of it assistant tokens (ShareGPT's share at 512 tokens). The
+head's weights, its frozen embeddings and the teacher's lm_head are bf16 (`--params fp32` for fp32 head
+weights): the head's forward and backward on bf16 parameters is what an FSDP2 bf16 step runs, and fp32 head
+weights with their gradients (~9.5 GB) plus the older trainer's activations do not fit this 24 GB machine.
+
+Each tree (a checkout of this repository at REV, in a scratch `git worktree`; and this one) runs its own
+trainer's `forward_loss` and the backward in its own process, after building everything: the figure is the
+peak resident memory of that step above what was resident before it (Linux VmHWM, reset just before), so it
+holds the activations, the loss's temporaries and the head's gradients (the same for every tree: 2 bytes per
+parameter in bf16), not the weights. A tree whose trainer takes the cache's target_argmax gets it in the batch,
+as a cache written by its extraction holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def one(a: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    import eagle3
+    from eagle3 import trainer
+    from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+
+    Teacher = trainer.Teacher
+    dtype = torch.bfloat16 if a.params == "bf16" else torch.float32
+    torch.manual_seed(0)
+    h, v, vd, n = a.hidden, a.vocab, a.draft_vocab, a.tokens
+    embed = torch.empty(v, h, dtype=torch.bfloat16).normal_(0, 0.02)
+    lm_head = torch.empty(v, h, dtype=torch.bfloat16).normal_(0, 0.02)
+    c = Eagle3DraftConfig(hidden_size=h, num_attention_heads=a.heads, num_key_value_heads=a.heads, head_dim=128,
+                          intermediate_size=a.intermediate, vocab_size=v, draft_vocab_size=vd, target_hidden_size=h)
+    model = Eagle3Draft(c, embed_weight=embed).to(dtype)
+    ids = torch.arange(vd) * (v // vd)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    model.set_vocab(ids - torch.arange(vd), t2d)
+    teacher = Teacher(lm_head, ids - torch.arange(vd), t2d, 8192)
+    prompt = int(n * (1 - a.assistant_share))
+    mask = torch.zeros(1, n, dtype=torch.long)
+    mask[0, prompt:] = 1
+    batch = {"aux": torch.randn(1, n, 3 * h, dtype=torch.bfloat16), "final": torch.randn(1, n, h, dtype=torch.bfloat16),
+             "input_ids": torch.randint(0, v, (1, n)), "loss_mask": mask, "lengths": torch.tensor([n])}
+    cfg = SimpleNamespace(train=SimpleNamespace(ttt_steps=a.ttt, step_decay=0.8, mask_out_of_vocab=True,
+                                                loss_chunk_rows=a.loss_chunk_rows, teacher_chunk=8192))
+    device = torch.device("cpu")
+    planned = "micro" in inspect.signature(trainer.forward_loss).parameters
+    if planned:  # this trainer reads the teacher's argmax from the cache
+        batch["target_argmax"] = teacher.argmax(batch["final"][0]).to(torch.int32)[None]
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS counter
+    before = _status("VmRSS:")
+    t0 = time.perf_counter()
+    if planned:
+        micro = trainer.plan_micro(teacher, batch, cfg, device)
+        loss, _ = trainer.forward_loss(model, teacher, micro, cfg, device)
+    else:
+        loss, _ = trainer.forward_loss(model, teacher, batch, cfg)
+    loss.backward()
+    dt = time.perf_counter() - t0
+    peak = _status("VmHWM:")
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return {"eagle3": str(Path(eagle3.__file__).parent), "peak_extra_gb": (peak - before) / 1e9,
+            "peak_gb": peak / 1e9, "resident_before_gb": before / 1e9, "grads_gb": grads / 1e9,
+            "head_params": n_params, "step_s": dt, "loss": float(loss.detach())}
+
+
+def run_tree(tree: Path, argv: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        subprocess.run([sys.executable, __file__, *argv, "--one", "--out", out.name], check=True, env=env)
+        res = json.loads(Path(out.name).read_text())
+    if Path(res["eagle3"]) != tree / "eagle3":
+        raise RuntimeError(f"the run meant for {tree} imported the eagle3 of {res['eagle3']}")
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--against", action="append", default=[], metavar="REV", help="also measure this git revision")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=18432)
+    p.add_argument("--vocab", type=int, default=163840)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--ttt", type=int, default=3)
+    p.add_argument("--assistant-share", type=float, default=0.73)
+    p.add_argument("--params", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--loss-chunk-rows", type=int, default=4096, help="train.loss_chunk_rows (the fused loss)")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        Path(a.out).write_text(json.dumps(one(a)))
+        return
+    argv = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
+            ("tokens", "hidden", "heads", "intermediate", "vocab", "draft_vocab", "ttt", "assistant_share", "params",
+             "loss_chunk_rows")]
+    rows = []
+    for rev in a.against:
+        tree = Path(tempfile.mkdtemp(prefix="bench-mem-")) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], check=True,
+                       stdout=subprocess.DEVNULL)
+        try:
+            rows.append((rev, run_tree(tree, argv)))
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+        print(rev, json.dumps(rows[-1][1]), flush=True)
+    rows.append(("this tree", run_tree(REPO, argv)))
+    print("this tree", json.dumps(rows[-1][1]), flush=True)
+    print(f"\nshape: {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab}, draft vocab {a.draft_vocab}, TTT {a.ttt}, "
+          f"head weights {a.params}, {rows[-1][1]['head_params'] / 1e9:.2f} B head parameters")
+    print("| trainer | peak memory of the step above the weights | of which the head's gradients | step time |")
+    print("|---|---|---|---|")
+    for name, r in rows:
+        print(f"| {name} | {r['peak_extra_gb']:.2f} GB | {r['grads_gb']:.2f} GB | {r['step_s']:.0f} s |")
+
+
+if __name__ == "__main__":
+    main()
