@@ -97,10 +97,12 @@ def configure(setting: int | str) -> None:
     if setting == "auto" and env.isdigit() and int(env) > 0:
         setting, why = int(env), "EAGLE3_CPU_THREADS"
     _mode = setting
+    _auto.local.applied = None
     if setting != "auto":
         log.info("%s=%d: %d torch thread(s)", why, setting, setting)
-    _auto.local.applied = None
-    adjust()
+        adjust()
+    # auto decides at the first work unit's adjust(): a command that runs no torch work (config show) never waits
+    # for the first sample of the machine.
 
 
 def adjust() -> None:

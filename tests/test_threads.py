@@ -39,6 +39,7 @@ def test_auto_takes_the_idle_cores_and_follows_the_load(monkeypatch):
     m = FakeMachine(monkeypatch, cores=4)
     m.others = 1.0  # one busy process beside us from the start
     threads.configure("auto")
+    threads.adjust()
     assert torch.get_num_threads() == 3
     m.advance(1.0, own_cores=3)
     threads.adjust()  # within CHECK_EVERY_S: no new decision
@@ -68,6 +69,7 @@ def test_each_torch_thread_gets_the_decision(monkeypatch):
     t = threading.Thread(target=work)
     t.start()
     t.join()
+    threads.adjust()
     assert seen == [2] and torch.get_num_threads() == 2
 
 
@@ -76,6 +78,7 @@ def test_an_int_or_the_environment_fixes_the_count(monkeypatch):
     FakeMachine(monkeypatch, cores=2)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what `accelerate launch` sets for a single process: not read
     threads.configure("auto")
+    threads.adjust()
     assert torch.get_num_threads() == 2
     monkeypatch.setenv("EAGLE3_CPU_THREADS", "1")
     threads.configure("auto")
@@ -92,6 +95,7 @@ def test_ranks_of_one_launch_share_the_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     FakeMachine(monkeypatch, cores=8)
     threads.configure("auto")
+    threads.adjust()
     assert torch.get_num_threads() == 4
 
 
@@ -111,6 +115,7 @@ def test_auto_leaves_the_core_of_a_real_busy_process(monkeypatch):
     try:
         time.sleep(0.5)
         threads.configure("auto")
+        threads.adjust()
         assert torch.get_num_threads() <= threads.cores() - 1
     finally:
         busy.kill()
