@@ -61,28 +61,38 @@ class _Auto:
         self.sample: tuple[float, float, float] | None = None  # (monotonic, machine busy, own)
         self.threads = 0
         self.said = -1
+        self.blind = False
         self.local = threading.local()
 
     def decide(self) -> int:
         with self.lock:
-            now = time.monotonic()
-            if self.sample is None:
-                self.sample = (now, _machine_busy_s(), _own_s())
-                time.sleep(FIRST_SAMPLE_S)
-                now = time.monotonic()
-            elif now - self.sample[0] < CHECK_EVERY_S:
+            if self.blind:
                 return self.threads
-            t0, busy0, own0 = self.sample
-            busy, own = _machine_busy_s(), _own_s()
-            self.sample = (now, busy, own)
-            others = max(0.0, (busy - busy0) - (own - own0)) / max(now - t0, 1e-3)  # cores, on average
-            n = max(1, cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
-            self.threads = max(1, min(n, cores() - int(others + 0.5)))
-            if self.threads != self.said:
-                log.info("cpu_threads=auto: %d torch thread(s) (%d cores, other processes kept %.1f busy)",
-                         self.threads, n, others)
-                self.said = self.threads
+            try:
+                return self._decide()
+            except OSError:  # no /proc/stat (not Linux): every core, as torch would, and never look again
+                self.blind, self.threads = True, self.threads or cores()
+                return self.threads
+
+    def _decide(self) -> int:
+        now = time.monotonic()
+        if self.sample is None:
+            self.sample = (now, _machine_busy_s(), _own_s())
+            time.sleep(FIRST_SAMPLE_S)
+            now = time.monotonic()
+        elif now - self.sample[0] < CHECK_EVERY_S:
             return self.threads
+        t0, busy0, own0 = self.sample
+        busy, own = _machine_busy_s(), _own_s()
+        self.sample = (now, busy, own)
+        others = max(0.0, (busy - busy0) - (own - own0)) / max(now - t0, 1e-3)  # cores, on average
+        n = max(1, cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+        self.threads = max(1, min(n, cores() - int(others + 0.5)))
+        if self.threads != self.said:
+            log.info("cpu_threads=auto: %d torch thread(s) (%d cores, other processes kept %.1f busy)",
+                     self.threads, n, others)
+            self.said = self.threads
+        return self.threads
 
 
 _auto = _Auto()

@@ -99,6 +99,19 @@ def test_ranks_of_one_launch_share_the_cores(monkeypatch):
     assert torch.get_num_threads() == 4
 
 
+def test_without_proc_stat_every_core(monkeypatch):
+    monkeypatch.delenv("EAGLE3_CPU_THREADS", raising=False)
+    FakeMachine(monkeypatch, cores=2)
+
+    def missing() -> float:
+        raise FileNotFoundError("/proc/stat")
+
+    monkeypatch.setattr(threads, "_machine_busy_s", missing)
+    threads.configure("auto")
+    threads.adjust()
+    assert torch.get_num_threads() == 2
+
+
 def test_not_configured_leaves_torch_alone():
     torch.set_num_threads(1)
     threads.adjust()
