@@ -75,10 +75,9 @@ def one(stage: str, work: Path, dtype: str, samples: int, steps: int, prompts: i
         t = cfg.train
         t.max_steps, t.save_every, t.eval_every, t.resume, t.mixed_precision = steps, 10**9, 10**9, False, "auto"
         run(cfg)
-        rows = [json.loads(x) for x in (Path(cfg.output_dir) / "train_log.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "loss" in r and r["step"] > 1]
-        time_s = sum(r["step_s"] for r in rows)
-        result = {"tokens_per_s": sum(r["tokens_per_s"] * r["step_s"] for r in rows) / time_s}
+        from bench_train import summarise  # this folder's: tokens/s of the logged steps after the first
+
+        result = {"tokens_per_s": summarise(Path(cfg.output_dir), warmup=1)["tokens_per_s"]}
     else:
         from eagle3.evaluate import run_builtin
 

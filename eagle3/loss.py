@@ -204,9 +204,8 @@ class _LinearSoftCE(torch.autograd.Function):
     log-softmax, the cross-entropy against the teacher and the argmax, then turns the logits in place into their
     gradient (softmax * sum(p) - p, times the step's scale) and multiplies it out into the gradients of the
     rows and of the lm_head weight. The backward only scales those by the incoming gradient: the loss is a
-    scalar, so that gradient is one number. Nothing of [rows, draft_vocab] is kept for the backward (autograd's
-    log_softmax keeps its output, and the matmul's own output, per step), and the weight's gradient of all
-    steps is one buffer.
+    scalar, so that gradient is one number. Nothing of [rows, draft_vocab] is kept for the backward (unfused,
+    autograd keeps each step's log-softmax output), and the weight's gradient of all steps is one buffer.
     """
 
     @staticmethod

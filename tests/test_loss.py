@@ -305,12 +305,7 @@ def test_fused_soft_ce_holds_one_chunk_of_logits():
     probs = torch.softmax(torch.randn(n, v), -1)
     index = [torch.arange(n)]
     linear_soft_ce([x[:8]], w, probs, [index[0][:8]], torch.ones(1), chunk).loss.backward()  # warm up
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS:")
-    out = linear_soft_ce([x], w, probs, index, torch.ones(1), chunk)
-    out.loss.backward()
-    peak = _status("VmHWM:") - before
+    peak, _ = _peak_extra(lambda: linear_soft_ce([x], w, probs, index, torch.ones(1), chunk).loss.backward())
     bound = 4 * chunk * v * 4 + 2 * (n * h + v * h) * 4 + 64 * 2**20
     assert peak < bound, (peak, bound)
     assert peak < n * v * 4 * 0.5, peak
@@ -395,6 +390,16 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
+def _peak_extra(run):
+    """(peak resident memory of run() above what was resident before it, its result), in this process (Linux:
+    reset the VmHWM counter, run, read it)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS:")
+    out = run()
+    return _status("VmHWM:") - before, out
+
+
 def _teacher_peak(v: int, h: int, n: int, vd: int, chunk: int, dtype: torch.dtype) -> dict:
     """Peak extra resident memory of one teacher call, in this process (Linux: reset VmHWM, run, read it)."""
     torch.manual_seed(0)
@@ -405,12 +410,8 @@ def _teacher_peak(v: int, h: int, n: int, vd: int, chunk: int, dtype: torch.dtyp
     teacher = Teacher(w, ids - torch.arange(vd), t2d, chunk)
     final = torch.randn(n, h, dtype=dtype)
     teacher(final[:8])  # warm up kernels and allocator
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS counter
-    before = _status("VmRSS:")
-    out = teacher(final)
-    peak = _status("VmHWM:")
-    return {"peak_extra": peak - before, "probs_bytes": out.probs.numel() * 4}
+    peak, out = _peak_extra(lambda: teacher(final))
+    return {"peak_extra": peak, "probs_bytes": out.probs.numel() * 4}
 
 
 def _check_bound(res: dict, v: int, n: int, vd: int, chunk: int) -> None:
