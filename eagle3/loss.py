@@ -34,6 +34,26 @@ def lm_head_argmax(weight: Tensor, final: Tensor, chunk: int) -> Tensor:
     return lm_head_max(weight, final, chunk)[1]
 
 
+def row_max(z: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
+    """([n] max, [n] int64 index of its first occurrence) of each row of z [n, V], as z.max(-1) gives.
+
+    On the CPU an argmax over the last dim is a scalar loop, about 6x the time of the vectorised amax (BENCHMARKS.md
+    "Training speed"); here amax finds each block of `block` columns' maximum, and the argmax runs only on those
+    block maxima and then within the one block per row that holds the first maximum.
+    """
+    n, v = z.shape
+    nb = v // block
+    if nb < 2:
+        return z.max(-1)
+    bmax = z[:, : nb * block].unflatten(1, (nb, block)).amax(-1)
+    if nb * block < v:
+        bmax = torch.cat([bmax, z[:, nb * block :].amax(-1, keepdim=True)], 1)
+    best = bmax.argmax(-1)
+    start = best * block
+    cols = (start[:, None] + torch.arange(block, device=z.device)).clamp_(max=v - 1)  # the tail block: repeats
+    return bmax.gather(1, best[:, None]).squeeze(1), start + z.gather(1, cols).argmax(-1)  # its last column, after it
+
+
 @torch.no_grad()
 def lm_head_max(weight: Tensor, final: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
     """([...] float32 max logit, [...] int64 its target id) of final @ weight.T, chunked (see lm_head_argmax)."""
@@ -43,7 +63,7 @@ def lm_head_max(weight: Tensor, final: Tensor, chunk: int) -> tuple[Tensor, Tens
     best = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
     best_id = torch.zeros(n, dtype=torch.int64, device=x.device)
     for c0 in range(0, weight.shape[0], chunk):
-        m, i = (x @ weight[c0 : c0 + chunk].T).float().max(dim=-1)
+        m, i = row_max((x @ weight[c0 : c0 + chunk].T).float())
         better = m > best
         best = torch.where(better, m, best)
         best_id = torch.where(better, i + c0, best_id)
@@ -124,7 +144,7 @@ class Teacher:
         lead = final.shape[:-1]
         x = final.reshape(-1, final.shape[-1]).to(self.weight.dtype)
         p = (x @ self.draft_weight.T).float()
-        p -= p.max(dim=-1, keepdim=True).values
+        p -= p.amax(dim=-1, keepdim=True)
         p.exp_()
         p /= p.sum(dim=-1, keepdim=True)
         return p.view(*lead, self.draft_vocab)
@@ -228,13 +248,20 @@ class _LinearSoftCE(torch.autograd.Function):
                 for c0 in range(0, x.shape[0], chunk):
                     xc = x[c0 : c0 + chunk].to(cd)
                     z = (xc @ w.T).to(acc)
-                    p = probs[index[j][c0 : c0 + chunk]].to(acc)
-                    am[c0 : c0 + chunk] = z.argmax(-1)
-                    z -= torch.logsumexp(z, -1, keepdim=True)  # log-softmax, in place
-                    ce_sum[j] -= (p * z).sum()  # not torch.dot: its float32 sum over all c * V terms lost 4 digits
+                    p = probs.index_select(0, index[j][c0 : c0 + chunk]).to(acc)
+                    m, am[c0 : c0 + chunk] = row_max(z)
+                    # soft-CE of a row = sum_v p_v (lse - z_v) = psum * log(s) - p . (z - m), s = sum_v exp(z_v - m):
+                    # one exp pass, kept for the gradient, and no [c, V] log-softmax (passes: BENCHMARKS.md
+                    # "Training speed"). Row dots, then their sum: one float32 sum over all c * V products lost 4 digits.
+                    z.sub_(m[:, None])
+                    psum = p.sum(-1)
+                    pz = torch.linalg.vecdot(p, z)
+                    s = z.exp_().sum(-1)
+                    ce_sum[j] += (psum * s.log() - pz).sum()
                     if grad_w is None:
                         continue
-                    z.exp_().mul_(p.sum(-1, keepdim=True) * scales[j]).sub_(p.mul_(scales[j]))  # d loss / d logits
+                    # d loss / d logits = scale * (psum * softmax - p), in place
+                    z.mul_((psum * scales[j] / s)[:, None]).addcmul_(p, -scales[j].to(acc))
                     g = z.to(cd)
                     gx[c0 : c0 + chunk] = g @ w
                     if gw_dtype == cd:

@@ -13,6 +13,7 @@ from eagle3.loss import (
     TeacherOutput,
     acceptance_length,
     linear_soft_ce,
+    row_max,
     summarise,
     ttt_loss,
 )
@@ -360,6 +361,21 @@ def test_greedy_chain_golden():
     s = summarise(StepStats(torch.ones(2), torch.ones(2), torch.ones(2), torch.ones(2), alive, hit))
     assert s["chain_acc_0"] == 0.75 and s["chain_acc_1"] == 0.5
     assert s["sim_accept_len"] == pytest.approx(1 + 0.75 + 0.75 * 0.5)
+
+
+@pytest.mark.parametrize("v,block", [(37, 8), (64, 8), (8192, 128), (300, 128), (5, 128)])
+def test_row_max_is_max_of_the_last_dim_with_its_first_index(v, block):
+    """row_max (the loss's and the teacher argmax's) gives z.max(-1) exactly: the value, and on ties the first
+    index, wherever the maximum lies (a full block, the short tail block, several blocks at once)."""
+    torch.manual_seed(v)
+    z = torch.randn(50, v)
+    z[:10] = z[:10].round()  # many ties within and across blocks
+    z[10, -1] = 99.0  # the maximum in the tail block
+    z[11, [0, v - 1]] = 99.0  # a tie between the first and the last column
+    z[12] = 0.0  # all equal
+    ref_v, ref_i = z.max(-1)
+    got_v, got_i = row_max(z, block)
+    assert torch.equal(got_v, ref_v) and torch.equal(got_i, ref_i)
 
 
 # ------------------------------------------------------------------------------------------------- teacher
