@@ -37,9 +37,10 @@ def lm_head_argmax(weight: Tensor, final: Tensor, chunk: int) -> Tensor:
 def row_max(z: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
     """([n] max, [n] int64 index of its first occurrence) of each row of z [n, V], as z.max(-1) gives.
 
-    On the CPU an argmax over the last dim is a scalar loop, about 6x the time of the vectorised amax (BENCHMARKS.md
-    "Training speed"); here amax finds each block of `block` columns' maximum, and the argmax runs only on those
-    block maxima and then within the one block per row that holds the first maximum.
+    On the CPU an argmax over the last dim is a scalar loop, several times slower than the vectorised amax
+    (BENCHMARKS.md "Training speed", passes over the logits); here amax finds each block of `block` columns'
+    maximum, and the argmax runs only on those block maxima and then within the one block per row that holds the
+    first maximum.
     """
     n, v = z.shape
     nb = v // block
@@ -50,8 +51,9 @@ def row_max(z: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
         bmax = torch.cat([bmax, z[:, nb * block :].amax(-1, keepdim=True)], 1)
     best = bmax.argmax(-1)
     start = best * block
-    cols = (start[:, None] + torch.arange(block, device=z.device)).clamp_(max=v - 1)  # the tail block: repeats
-    return bmax.gather(1, best[:, None]).squeeze(1), start + z.gather(1, cols).argmax(-1)  # its last column, after it
+    # A short tail block repeats its last column after it, where a first-occurrence argmax never lands.
+    cols = (start[:, None] + torch.arange(block, device=z.device)).clamp_(max=v - 1)
+    return bmax.gather(1, best[:, None]).squeeze(1), start + z.gather(1, cols).argmax(-1)
 
 
 @torch.no_grad()
