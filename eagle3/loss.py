@@ -223,10 +223,10 @@ class _LinearSoftCE(torch.autograd.Function):
     """lm_head + soft cross-entropy of every TTT step in one pass, chunked over rows, gradients made on the way.
 
     A step's logits [rows, draft_vocab] exist one chunk of rows at a time: in that chunk the forward takes the
-    log-softmax, the cross-entropy against the teacher and the argmax, then turns the logits in place into their
-    gradient (softmax * sum(p) - p, times the step's scale) and multiplies it out into the gradients of the
-    rows and of the lm_head weight. The backward only scales those by the incoming gradient: the loss is a
-    scalar, so that gradient is one number. Nothing of [rows, draft_vocab] is kept for the backward (unfused,
+    row max and argmax, the softmax's normaliser and the cross-entropy against the teacher, then turns the logits
+    in place into their gradient (softmax * sum(p) - p, times the step's scale) and multiplies it out into the
+    gradients of the rows and of the lm_head weight. The backward only scales those by the incoming gradient:
+    the loss is a scalar, so that gradient is one number. Nothing of [rows, draft_vocab] is kept for the backward (unfused,
     autograd keeps each step's log-softmax output), and the weight's gradient of all steps is one buffer.
     """
 
