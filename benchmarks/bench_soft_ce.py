@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trees import REPO, checkout, run_in_tree  # noqa: E402
 
 
 def _median_ms(f, reps: int) -> float:
@@ -66,16 +64,6 @@ def row_max_vs_max(a: argparse.Namespace) -> dict:
     return {"torch_max_ms": _median_ms(lambda: z.max(-1), a.reps), "row_max_ms": _median_ms(lambda: row_max(z), a.reps)}
 
 
-def run_tree(tree: Path, argv: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        subprocess.run([sys.executable, __file__, *argv, "--one", "--out", out.name], check=True, env=env)
-        res = json.loads(Path(out.name).read_text())
-    if Path(res["eagle3"]) != tree / "eagle3":
-        raise RuntimeError(f"the run meant for {tree} imported the eagle3 of {res['eagle3']}")
-    return res
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--against", metavar="REV", help="also time the fused loss of this git revision")
@@ -92,23 +80,18 @@ def main() -> int:
     if a.one:
         Path(a.out).write_text(json.dumps(one(a)))
         return 0
-    argv = [f"--{k}={getattr(a, k)}" for k in ("rows", "hidden", "vocab", "steps", "reps", "threads")]
+    argv = [f"--{k}={getattr(a, k)}" for k in ("rows", "hidden", "vocab", "steps", "reps", "threads")] + ["--one"]
     res: dict = {"shape": {k: getattr(a, k) for k in ("rows", "hidden", "vocab", "steps")},
                  "row_max": row_max_vs_max(a)}
     r = res["row_max"]
     print(f"[{a.rows}, {a.vocab}] float32: torch.max(-1) {r['torch_max_ms']:.2f} ms, row_max {r['row_max_ms']:.2f} ms "
           f"({r['torch_max_ms'] / r['row_max_ms']:.1f}x)", flush=True)
     if a.against:
-        base = Path(tempfile.mkdtemp(prefix="bench-soft-ce-")) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), a.against], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            got: dict[str, list[float]] = {"base": [], "new": []}
+        got: dict[str, list[float]] = {"base": [], "new": []}
+        with checkout(a.against) as base:
             for _ in range(a.rounds):
                 for name, tree in (("base", base), ("new", REPO)):
-                    got[name].append(run_tree(tree, argv)["soft_ce_ms"])
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
+                    got[name].append(run_in_tree(__file__, tree, argv)["soft_ce_ms"])
         b, n = statistics.median(got["base"]), statistics.median(got["new"])
         res["soft_ce_ms"] = {"against": a.against, **got, "ratio": b / n}
         print(f"linear_soft_ce forward + backward, {a.steps} steps x {a.rows} rows: {a.against} {b:.1f} ms -> "

@@ -23,14 +23,13 @@ import argparse
 import inspect
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trees import REPO, checkout, run_in_tree  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -93,16 +92,6 @@ def one(a: argparse.Namespace) -> dict:
             "head_params": n_params, "step_s": dt, "loss": float(loss.detach())}
 
 
-def run_tree(tree: Path, argv: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        subprocess.run([sys.executable, __file__, *argv, "--one", "--out", out.name], check=True, env=env)
-        res = json.loads(Path(out.name).read_text())
-    if Path(res["eagle3"]) != tree / "eagle3":
-        raise RuntimeError(f"the run meant for {tree} imported the eagle3 of {res['eagle3']}")
-    return res
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--against", action="append", default=[], metavar="REV", help="also measure this git revision")
@@ -125,17 +114,13 @@ def main() -> None:
     argv = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
             ("tokens", "hidden", "heads", "intermediate", "vocab", "draft_vocab", "ttt", "assistant_share", "params",
              "loss_chunk_rows")]
+    argv.append("--one")
     rows = []
     for rev in a.against:
-        tree = Path(tempfile.mkdtemp(prefix="bench-mem-")) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], check=True,
-                       stdout=subprocess.DEVNULL)
-        try:
-            rows.append((rev, run_tree(tree, argv)))
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+        with checkout(rev) as tree:
+            rows.append((rev, run_in_tree(__file__, tree, argv)))
         print(rev, json.dumps(rows[-1][1]), flush=True)
-    rows.append(("this tree", run_tree(REPO, argv)))
+    rows.append(("this tree", run_in_tree(__file__, REPO, argv)))
     print("this tree", json.dumps(rows[-1][1]), flush=True)
     print(f"\nshape: {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab}, draft vocab {a.draft_vocab}, TTT {a.ttt}, "
           f"head weights {a.params}, {rows[-1][1]['head_params'] / 1e9:.2f} B head parameters")

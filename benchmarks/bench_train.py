@@ -40,7 +40,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trees import REPO, check_imported, checkout  # noqa: E402
 
 
 def one(config: str, overrides: list[str], out: str, steps: int, precision: str) -> None:
@@ -93,9 +94,7 @@ def run_one(tree: Path, config: str, overrides: list[str], steps: int, precision
                *overrides]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
         subprocess.run(cmd, check=True, env=env)
-        where = Path((Path(tmp) / "eagle3_path").read_text())
-        if where != tree / "eagle3":
-            raise RuntimeError(f"the run meant for {tree} imported the eagle3 of {where}")
+        check_imported(tree, (Path(tmp) / "eagle3_path").read_text())
         return summarise(Path(tmp), warmup)
 
 
@@ -107,11 +106,8 @@ def compare(a: argparse.Namespace) -> dict:
     precisions = [p for p in a.precision if p == "no" or native]
     if precisions != a.precision:
         print(f"bench: bf16 skipped ({why})", flush=True)
-    base = Path(tempfile.mkdtemp(prefix="bench-train-base-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), a.against], cwd=REPO, check=True,
-                   capture_output=True)
     results: dict = {"against": a.against, "cpu": cpu_model(), "native_bf16": native, "runs": {}}
-    try:
+    with checkout(a.against) as base:
         for ttt in a.ttt:
             for prec in precisions:
                 over = [*a.overrides, f"train.ttt_steps={ttt}"]
@@ -130,8 +126,6 @@ def compare(a: argparse.Namespace) -> dict:
                       f"tokens/s ({row['ratio']:.2f}x; after epoch 0: {row.get('ratio_after_epoch_0', float('nan')):.2f}x), "
                       f"loss at step {n['last_step']}: {b['last_loss']:.6f} vs {n['last_loss']:.6f} "
                       f"(rel diff {row['loss_rel_diff']:.1e})", flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, capture_output=True)
     return results
 
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import REPO, cpu_model, one  # noqa: E402
+from bench_train import cpu_model, one  # noqa: E402
+from trees import REPO, checkout, run_in_tree  # noqa: E402
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -54,6 +53,8 @@ def profiled(config: str, overrides: list[str], steps: int) -> dict:
     """One trainer run of `steps` steps under the profiler: FLOPs and self time per counted op, tokens, step time."""
     from torch.profiler import ProfilerActivity, profile
 
+    import eagle3
+
     with tempfile.TemporaryDirectory(prefix="bench-flops-") as out:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             one(config, overrides, out, steps, "no")
@@ -67,21 +68,13 @@ def profiled(config: str, overrides: list[str], steps: int) -> dict:
             acc[0] += f
             acc[1] += e.self_cpu_time_total / 1e6
     return {"ops": ops, "tokens": sum(r["tokens_per_s"] * r["step_s"] for r in rows),
-            "step_s": sum(r["step_s"] for r in rows), "eagle3": str(Path(__import__("eagle3").__file__).parent)}
+            "step_s": sum(r["step_s"] for r in rows), "eagle3": str(Path(eagle3.__file__).parent)}
 
 
 def side(tree: Path, a: argparse.Namespace) -> dict:
     """Steps from+1..to of `tree`'s trainer: the difference of two profiled runs, each in its own process."""
-    runs = []
-    for steps in (a.from_, a.to):
-        with tempfile.NamedTemporaryFile(suffix=".json") as res:
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            subprocess.run([sys.executable, __file__, "--config", a.config, "--one", str(steps), "--out", res.name,
-                            *a.overrides], check=True, env=env)
-            runs.append(json.loads(Path(res.name).read_text()))
-    if Path(runs[0]["eagle3"]) != tree / "eagle3":
-        raise RuntimeError(f"the run meant for {tree} imported the eagle3 of {runs[0]['eagle3']}")
-    lo, hi = runs
+    lo, hi = (run_in_tree(__file__, tree, ["--config", a.config, "--one", str(steps), *a.overrides])
+              for steps in (a.from_, a.to))
     tokens = hi["tokens"] - lo["tokens"]
     by_op = {k: [v[0] - lo["ops"].get(k, [0, 0])[0], v[1] - lo["ops"].get(k, [0, 0])[1]] for k, v in hi["ops"].items()}
     mm = [v for k, v in by_op.items() if k in MATMULS]
@@ -108,13 +101,8 @@ def main() -> int:
         return 0
     if not a.against:
         p.error("--against REV is required")
-    base = Path(tempfile.mkdtemp(prefix="bench-flops-base-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), a.against], cwd=REPO, check=True,
-                   capture_output=True)
-    try:
+    with checkout(a.against) as base:
         res = {"against": a.against, "cpu": cpu_model(), "base": side(base, a), "new": side(REPO, a)}
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, capture_output=True)
     b, n = res["base"], res["new"]
     res["flop_ratio"] = b["total_mflop_per_token"] / n["total_mflop_per_token"]
     res["time_ratio"] = (b["step_s"] / b["tokens"]) / (n["step_s"] / n["tokens"])

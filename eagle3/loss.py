@@ -226,8 +226,8 @@ class _LinearSoftCE(torch.autograd.Function):
     row max and argmax, the softmax's normaliser and the cross-entropy against the teacher, then turns the logits
     in place into their gradient (softmax * sum(p) - p, times the step's scale) and multiplies it out into the
     gradients of the rows and of the lm_head weight. The backward only scales those by the incoming gradient:
-    the loss is a scalar, so that gradient is one number. Nothing of [rows, draft_vocab] is kept for the backward (unfused,
-    autograd keeps each step's log-softmax output), and the weight's gradient of all steps is one buffer.
+    the loss is a scalar, so that gradient is one number. Nothing of [rows, draft_vocab] is kept for the backward
+    (unfused, autograd keeps each step's log-softmax output), and the weight's gradient of all steps is one buffer.
     """
 
     @staticmethod
