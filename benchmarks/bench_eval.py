@@ -35,12 +35,13 @@ def untrained_head(cfg, out: Path) -> Path:
     from transformers import AutoConfig
 
     from eagle3.bundled import resolve_target_path
+    from eagle3.formats import save_draft
     from eagle3.model import Eagle3Draft, Eagle3DraftConfig
     from eagle3.targets.weights import load_target_head
 
     path = resolve_target_path(cfg.target.path)
     hf = AutoConfig.from_pretrained(path)
-    dc = Eagle3DraftConfig.from_target(cfg, hf, cfg.draft.vocab_size)
+    dc = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, hf, cfg.draft.vocab_size)
     draft = Eagle3Draft(dc)
     d2t = torch.zeros(dc.draft_vocab_size, dtype=torch.int64)
     t2d = torch.zeros(dc.vocab_size, dtype=torch.bool)
@@ -48,7 +49,7 @@ def untrained_head(cfg, out: Path) -> Path:
     draft.set_vocab(d2t, t2d)
     embed, lm_head, _ = load_target_head(path)
     draft.init_from_target(lm_head, embed)
-    return draft.save_pretrained(out)
+    return save_draft(draft, out)
 
 
 def main() -> None:

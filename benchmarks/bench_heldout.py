@@ -29,9 +29,9 @@ def main() -> int:
     from eagle3.checkpoints import resolve_draft_folder
     from eagle3.config import load_config
     from eagle3.data.prepared import load_vocab
+    from eagle3.formats import load_draft
     from eagle3.logs import setup_logging
     from eagle3.loss import Teacher
-    from eagle3.model import Eagle3Draft
     from eagle3.precision import DTYPES
     from eagle3.targets.weights import load_target_head
     from eagle3.trainer import TeacherTargets, evaluate, make_accelerator
@@ -46,7 +46,7 @@ def main() -> int:
     data = TeacherTargets(HiddenStateDataset(cfg.cache_dir, "eval"))
     out = {"cache": str(cfg.cache_dir), "eval_samples": len(data), "heads": {}}
     for head in a.heads:
-        draft = Eagle3Draft.from_pretrained(resolve_draft_folder(head), embed_weight=embed)
+        draft = load_draft(resolve_draft_folder(head), embed_weight=embed)
         ev = evaluate(accelerator, accelerator.prepare(draft), teacher, data, cfg)
         out["heads"][head] = ev
         print(f"{head}: sim_accept_len {ev['sim_accept_len']:.4f} (teacher-forced {ev['sim_accept_len_tf']:.4f}), "

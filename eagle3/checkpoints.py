@@ -10,6 +10,7 @@ always complete; a save killed half-way leaves a hidden leftover, removed at the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -22,8 +23,9 @@ import torch
 
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
+from eagle3.formats import CONFIG_NAME, save_draft
 from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
-from eagle3.model import CONFIG_NAME, Eagle3DraftConfig
+from eagle3.model import Eagle3DraftConfig
 
 log = logging.getLogger("eagle3")
 
@@ -79,7 +81,7 @@ def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: tor
         accelerator.save_state(str(tmp))
         sd = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(tmp / "draft", state_dict=sd)
+            save_draft(accelerator.unwrap_model(model), tmp / "draft", state_dict=sd)
             save_vocab(tmp / "vocab.safetensors", d2t, t2d)
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
             replace_dir(tmp, final)
@@ -122,9 +124,11 @@ def check_same_draft(path: Path, current: Eagle3DraftConfig) -> None:
         return
     saved = json.loads(saved_file.read_text())
     now = current.to_json()
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids"):
-        if saved.get(key) != now.get(key):
+    defaults = {f.name: f.default for f in dataclasses.fields(Eagle3DraftConfig)}  # fields older heads lack
+    for key in ("arch", "fc_norm", "norm_output", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size",
+                "aux_layer_ids", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if saved.get(key, defaults[key]) != now.get(key):
             raise ValueError(f"checkpoint {path} was trained with draft.{key}={saved.get(key)}, the config asks for "
                              f"{now.get(key)}; use a new output_dir or train.resume=false")
 
@@ -134,7 +138,7 @@ def save_best(accelerator, model, cfg: Config) -> Path:
     sd = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         tmp = _tmp_dir(best)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=sd)
+        save_draft(accelerator.unwrap_model(model), tmp, state_dict=sd)
         replace_dir(tmp, best)
     accelerator.wait_for_everyone()
     return best

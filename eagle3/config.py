@@ -147,8 +147,26 @@ class DraftConfig(Section):
     """RMSNorm epsilon (default: the target's)."""
     features: Literal["fused", "top"] = "fused"
     """`fused`: EAGLE-3's low/mid/high features. `top`: an ablation feeding only the high state (EAGLE-1/2 style)."""
+    arch: Literal["llama", "mla"] = "llama"
+    """The draft layer: `llama` (`LlamaForCausalLMEagle3`) or `mla` (DeepSeek-V3's multi-head latent attention,
+    `Eagle3DeepseekV2ForCausalLM`, the published Kimi-K2.5 MLA head's kind). Both engines serve both."""
+    fc_norm: bool = False
+    """EAGLE-3.1: one RMSNorm per aux state (low, mid, high) before `fc`."""
+    norm_output: bool = False
+    """EAGLE-3.1: the next draft step receives the post-`norm` hidden state instead of the pre-`norm` one."""
+    q_lora_rank: int | None = Field(None, ge=1)
+    """MLA query low rank (default: a DeepSeek/Kimi target's; else 12 x the target's head dim)."""
+    kv_lora_rank: int | None = Field(None, ge=1)
+    """MLA key/value latent rank (default: a DeepSeek/Kimi target's; else 4 x head dim)."""
+    qk_nope_head_dim: int | None = Field(None, ge=1)
+    """MLA per-head query/key width without RoPE (default: the target's; else head dim)."""
+    qk_rope_head_dim: int | None = Field(None, ge=2)
+    """MLA per-head RoPE width, shared key (default: the target's; else head dim / 2)."""
+    v_head_dim: int | None = Field(None, ge=1)
+    """MLA per-head value width (default: the target's; else head dim)."""
     init_from: str | None = None
-    """An SGLang-format draft folder (`midlayer.*` or `layers.0.*`) to fine-tune instead of starting from scratch."""
+    """A draft folder to fine-tune instead of starting from scratch: eagle3's, an SGLang or vLLM export, or a
+    published head (Llama or MLA layer; its arch, dimensions, layer ids and draft vocab must match this config)."""
 
 
 # --------------------------------------------------------------------------------------------------- extract

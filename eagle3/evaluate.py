@@ -31,20 +31,27 @@ from eagle3.logs import Progress, setup_logging
 from eagle3.prompts import Prompt, PromptSet, load_prompt_set
 from eagle3.specdec import AcceptanceStats, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 from eagle3.targets.hf import eos_ids, load_target
+from eagle3.targets.info import TargetInfo
 
 log = logging.getLogger("eagle3")
 
 
 # ------------------------------------------------------------------------------------------------- loading
-def load_draft(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
-    """The head, on the target's device and dtype, with the target's embeddings; ids checked against the target."""
-    from eagle3.layer_ids import validate_layer_ids
-    from eagle3.model import Eagle3Draft
+def draft_for_target(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
+    """The head (any format eagle3.formats reads), on the target's device and dtype, with the target's
+    embeddings; ids checked against the target. A published head that names no ids gets the engines' default
+    ids for this target (what SGLang and vLLM capture for it)."""
+    from eagle3.formats import load_draft
+    from eagle3.layer_ids import default_layer_ids, validate_layer_ids
 
     p = next(target.parameters())
     embed = target.get_input_embeddings().weight.detach()
-    draft = Eagle3Draft.from_pretrained(folder, embed_weight=embed, dtype=p.dtype).to(p.device).eval()
+    family = TargetInfo.of(target.config.to_dict()).family
+    draft = load_draft(folder, embed_weight=embed, dtype=p.dtype, engine="sglang", family=family).to(p.device).eval()
     c, tc = draft.config, target.config.get_text_config()
+    if not c.aux_layer_ids:
+        c.aux_layer_ids = default_layer_ids(tc.num_hidden_layers)
+        log.info("%s names no aux layer ids: using the engines' default for this target, %s", folder, c.aux_layer_ids)
     if c.vocab_size != tc.vocab_size or c.target_hidden_size != tc.hidden_size:
         raise ValueError(f"{folder}: the head was made for vocab {c.vocab_size} / hidden {c.target_hidden_size}, "
                          f"but the target has vocab {tc.vocab_size} / hidden {tc.hidden_size}")
@@ -152,7 +159,7 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     folder = resolve_checkpoint(cfg)
     log.info("eval: target %s (%s, %s), draft %s", cfg.target.path, cfg.target.dtype, cfg.target.device, folder)
     model, tokenizer = load_target(cfg)
-    draft = load_draft(folder, model, cfg)
+    draft = draft_for_target(folder, model, cfg)
     ids = list(draft.config.aux_layer_ids)
     target = HFTargetDecoder(model, ids)
     settings = settings_from(cfg)

@@ -55,12 +55,14 @@ def arch_family(architectures: list[str] | None, model_type: str | None = None) 
 def to_engine_ids(ids: list[int], engine: Engine, family: ArchFamily) -> list[int]:
     """Translate eagle3 ids to the spelling `engine` expects in the draft's config for a `family` target.
 
-    vLLM uses ids as-is. SGLang (0.5.23) adds 1 to every explicit id for Llama/Qwen targets, so we write k-1;
-    for DeepSeek/Kimi it adds 1 only when the first id is 1, and takes other lists as-is.
+    vLLM uses ids as-is. SGLang adds 1 to every explicit id for Llama/Qwen targets, so we write k-1. For
+    DeepSeek/Kimi, 0.5.23 adds 1 only when the first id is 1 and takes other lists as-is, while earlier releases
+    added 1 to every id: a list starting at 1 means the same layers to both, so ids starting at 2 (Kimi's default
+    [2, 30, 58]) are written k-1 ([1, 29, 57]); other ids only have 0.5.23's spelling (as-is).
     """
     if engine == "vllm":
         return list(ids)
-    if family == "llama":
+    if family == "llama" or ids[0] == 2:
         if ids[0] < 1:
             raise ValueError(f"SGLang cannot express layer id {ids[0]} for a Llama-family target (it would write -1)")
         return [i - 1 for i in ids]

@@ -1,14 +1,20 @@
-"""The EAGLE-3 draft head, laid out exactly as SGLang and vLLM load it (`LlamaForCausalLMEagle3`).
+"""The EAGLE-3 draft head, laid out exactly as SGLang and vLLM load it (`LlamaForCausalLMEagle3`, or
+`Eagle3DeepseekV2ForCausalLM` for the MLA layer).
 
+    fc_norm (EAGLE-3.1, optional): one RMSNorm per aux state before fc
     fc: Linear(3*H_target -> H)              fuses the target's low/mid/high residual streams
-    midlayer: one Llama decoder layer whose attention input is
-        cat(input_layernorm(embed(token)), hidden_norm(feature))   (q/k/v take 2H; the residual is the feature)
+    midlayer: one decoder layer whose attention input is
+        cat(input_layernorm(embed(token)), hidden_norm(feature))   (attention takes 2H; the residual is the feature)
+        attention: Llama (q/k/v/o, GQA, RoPE) or MLA (DeepSeek-V3's: q/kv low-rank projections, interleaved RoPE
+        on a shared rope key, YaRN softmax scale), then the SiLU MLP
     norm -> lm_head: H -> draft_vocab
+    the hidden handed to the next draft step: the pre-`norm` output, or the post-`norm` one (EAGLE-3.1
+    `norm_output`), as both engines do
     d2t int64 [draft_vocab] (target id = i + d2t[i]), t2d bool [target_vocab]
     embed_tokens: the target's embeddings, frozen, never saved in the draft's files
 
-Parameter names are the engines' own, so `save_pretrained` writes a folder an engine could read as-is (the
-export only adds the engine's config spelling). The attention pieces are exposed separately
+Parameter names are the engines' own, so eagle3's draft folder (eagle3.formats, which reads and writes every
+format) is one an engine could read as-is; the export only adds the engine's config spelling. The attention pieces are exposed separately
 (`attention_inputs` / `after_attention`) because the training-time test attends over keys from several
 unrolled steps with its own fast kernel (`ttt_unroll_rows`, at the end of this file), while `decode` is the
 incremental KV-cache path that the evaluator uses for chain and tree drafting.
@@ -21,33 +27,33 @@ engine's KV cache holds them when drafting j tokens ahead.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
-from transformers import LlamaConfig
+from transformers import DeepseekV3Config, LlamaConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3RotaryEmbedding,
+    apply_rotary_pos_emb_interleave,
+    yarn_apply_mscale,
+)
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eagle3.layer_ids import LAYER_ID_CONVENTION, ArchFamily, Engine, arch_family, from_engine_ids
+from eagle3.layer_ids import LAYER_ID_CONVENTION, default_layer_ids, validate_layer_ids
 from eagle3.rows import Rows, every_row, shift_tokens
 from eagle3.targets.info import TargetInfo
 
 log = logging.getLogger("eagle3")
 
 FORMAT = "eagle3-draft"
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 KV = tuple[Tensor, Tensor]
 Attention = Literal["fast", "dense"]
+Arch = Literal["llama", "mla"]
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:
@@ -58,20 +64,34 @@ def _as_dict(hf_config: Any) -> dict[str, Any]:
     return hf_config.to_dict()
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
+def rope_theta_of(hf: dict[str, Any]) -> float:
     params = hf.get("rope_parameters") or {}
     return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
-def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
-    """A non-default RoPE type (e.g. Llama-3.1's `llama3`) without `rope_theta`; None for plain RoPE."""
+def rope_scaling_of(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """A non-default RoPE type (Llama-3.1's `llama3`, DeepSeek's `yarn`) without `rope_theta`; None for plain RoPE,
+    YaRN with factor 1 included (the same rotation: no interpolation, mscale 1)."""
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or None
     if not scaling:
         return None
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
+    if kind == "default" or (kind == "yarn" and float(scaling.get("factor", 1.0)) == 1.0):
         return None
     return {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+
+_MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _mla_defaults(hf: dict[str, Any], family: str, hidden: int, heads: int) -> dict[str, int]:
+    """MLA dimensions: a DeepSeek/Kimi target's own; otherwise DeepSeek-V3's proportions (nope = v = d,
+    rope = d/2, kv_lora = 4d, q_lora = 12d, Kimi-K2.5: d = 128) on the target's head dim d."""
+    if family == "deepseek" and hf.get("kv_lora_rank"):
+        return {k: int(hf[k]) for k in _MLA_DIMS if hf.get(k) is not None}
+    d = int(hf.get("head_dim") or hidden // heads)
+    return {"q_lora_rank": 12 * d, "kv_lora_rank": 4 * d, "qk_nope_head_dim": d,
+            "qk_rope_head_dim": max(2, d // 2), "v_head_dim": d}
 
 
 @dataclass
@@ -99,31 +119,55 @@ class Eagle3DraftConfig:
     hidden_act: str = "silu"
     features: str = "fused"
     """`fused` (EAGLE-3: low/mid/high) or `top` (ablation, EAGLE-1/2 style: only the high state reaches fc)."""
+    arch: str = "llama"
+    """The decoder layer's attention: `llama` (q/k/v/o) or `mla` (DeepSeek-V3's multi-head latent attention)."""
+    fc_norm: bool = False
+    """EAGLE-3.1: one RMSNorm per aux state before fc (weights `fc_norm.{0,1,2}.weight`)."""
+    norm_output: bool = False
+    """EAGLE-3.1: the next draft step receives the post-`norm` hidden instead of the pre-`norm` one."""
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    """MLA dimensions (arch `mla` only; DeepSeek-V3's names)."""
 
     @classmethod
-    def from_target(cls, cfg: Any, target_hf_config: Any, draft_vocab_size: int) -> Eagle3DraftConfig:
-        """Dimensions from the target's HF config, overridden by `cfg.draft.*`.
+    def from_target(cls, draft: Any, target: Any, target_hf_config: Any, draft_vocab_size: int) -> Eagle3DraftConfig:
+        """Dimensions from the target's HF config, overridden by the `draft` config section.
 
-        Llama-style targets give heads / kv heads / head_dim directly. DeepSeek-style (MLA) targets such as
-        Kimi-K2.5 have no Llama-sense kv heads or head_dim: the draft is a plain multi-head Llama layer, so
-        kv heads = heads and head_dim = the target's `v_head_dim` (128 for Kimi-K2.5; 128 when absent) rather
-        than hidden/heads (7168/64 = 112). Their YaRN scaling belongs to MLA's rope sub-dimension, so the draft
-        uses its own plain RoPE with the target's rope_theta.
+        Llama layer: Llama-style targets give heads / kv heads / head_dim directly. DeepSeek-style (MLA) targets
+        such as Kimi-K2.5 have no Llama-sense kv heads or head_dim, so kv heads = heads and head_dim = the target's
+        `v_head_dim` (128 when absent) rather than hidden/heads (7168/64 = 112); their YaRN scaling belongs to
+        MLA's rope sub-dimension, so that layer uses plain RoPE with the target's rope_theta.
+        MLA layer: a DeepSeek/Kimi target's own MLA dimensions and RoPE (YaRN included), as the published Kimi
+        MLA head has them; for other targets, dimensions in DeepSeek-V3's proportions to the target's head dim
+        (`_mla_defaults`).
         """
         info = TargetInfo.of(_as_dict(target_hf_config))
         hf, family = info.text, info.family
-        d = cfg.draft
+        d = draft
         hidden = d.hidden_size or hf["hidden_size"]
         heads = d.num_attention_heads or hf["num_attention_heads"]
-        if family == "deepseek":
+        mla: dict[str, Any] = {}
+        if d.arch == "mla":
+            kv_heads = heads
+            mla = _mla_defaults(hf, family, hidden, heads)
+            mla.update({k: getattr(d, k) for k in _MLA_DIMS if getattr(d, k) is not None})
+            head_dim = mla["v_head_dim"]
+            rope_scaling = rope_scaling_of(hf) if family == "deepseek" else None
+        elif family == "deepseek":
             kv_heads = d.num_key_value_heads or heads
             head_dim = d.head_dim or hf.get("v_head_dim") or 128
             rope_scaling = None
         else:
             kv_heads = d.num_key_value_heads or hf.get("num_key_value_heads") or heads
             head_dim = d.head_dim or hf.get("head_dim") or hidden // heads
-            rope_scaling = _rope_scaling(hf)
+            rope_scaling = rope_scaling_of(hf)
         num_layers = hf.get("num_hidden_layers")
+        ids = target.aux_layer_ids or (default_layer_ids(num_layers) if num_layers else None)
+        if ids and num_layers:
+            validate_layer_ids(ids, num_layers, where="target.aux_layer_ids")
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,
@@ -134,18 +178,44 @@ class Eagle3DraftConfig:
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=hf["hidden_size"],
             rms_norm_eps=d.rms_norm_eps or hf.get("rms_norm_eps") or 1e-5,
-            rope_theta=_rope_theta(hf),
+            rope_theta=rope_theta_of(hf),
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings") or 8192,
-            aux_layer_ids=cfg.layer_ids(num_layers) if num_layers else cfg.target.aux_layer_ids,
+            aux_layer_ids=list(ids) if ids else None,
             target={
-                "path": cfg.target.path,
+                "path": target.path,
                 "architectures": info.architectures or None,
                 "model_type": hf.get("model_type"),
                 "num_layers": num_layers,
             },
             hidden_act=hf.get("hidden_act") or "silu",
-            features=cfg.draft.features,
+            features=d.features,
+            arch=d.arch,
+            fc_norm=d.fc_norm,
+            norm_output=d.norm_output,
+            **mla,
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's query and key: head_dim (Llama) or nope + rope (MLA)."""
+        if self.arch == "mla":
+            return int(self.qk_nope_head_dim or 0) + int(self.qk_rope_head_dim or 0)
+        return self.head_dim
+
+    def deepseek_config(self) -> DeepseekV3Config:
+        """The MLA layer's dimensions and RoPE as DeepSeek-V3 spells them (for transformers' YaRN rotary)."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+            rope.setdefault("rope_type", rope.pop("type", "default"))
+        return DeepseekV3Config(
+            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_attention_heads, q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope, rope_interleave=True, vocab_size=self.vocab_size, num_hidden_layers=1,
         )
 
     def llama_config(self) -> LlamaConfig:
@@ -173,6 +243,8 @@ class Eagle3DraftConfig:
 
 
 class Eagle3Attention(nn.Module):
+    """The Llama layer's attention: q/k/v over the 2H input, GQA, neox-style RoPE (transformers' Llama rotary)."""
+
     def __init__(self, c: Eagle3DraftConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -182,12 +254,74 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(c.llama_config())
+        self.scale = self.head_dim**-0.5
+        self.v_dim = self.head_dim
+
+    def qkv(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary_emb(v, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V3's multi-head latent attention over the 2H input, as SGLang's `Eagle3DeepseekV2ForCausalLM` and
+    vLLM's `deepseek_eagle3` compute it (their fused q_a/kv_a and split kv_b are the same weights re-laid):
+
+        q = q_b(q_a_layernorm(q_a(x)))            -> per head [nope | rope]
+        c, k_pe = kv_a_proj_with_mqa(x)           -> [kv_lora | rope]; k_pe is one head shared by all heads
+        k_nope, v = kv_b(kv_a_layernorm(c))       -> per head [nope | v]
+        interleaved (GPT-J) RoPE on q's rope part and k_pe; softmax scale qk_head_dim**-0.5 times YaRN's mscale**2
+
+    Values are zero-padded to the query width so that one SDPA kernel (and the TTT's sink trick, which appends
+    channels to q, k and v alike) serves both layers; `after_attention` drops the padding before o_proj.
+    """
+
+    def __init__(self, c: Eagle3DraftConfig):
+        super().__init__()
+        if not (c.q_lora_rank and c.kv_lora_rank and c.qk_nope_head_dim and c.qk_rope_head_dim and c.v_head_dim):
+            raise ValueError("the MLA layer needs q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and "
+                             "v_head_dim (SGLang's MLA head requires q_lora_rank)")
+        self.n_heads = self.n_kv = c.num_attention_heads
+        self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.head_dim = self.nope + self.rope
+        self.kv_lora = c.kv_lora_rank
+        two_h = 2 * c.hidden_size
+        self.q_a_proj = nn.Linear(two_h, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = LlamaRMSNorm(c.q_lora_rank, eps=c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(two_h, self.kv_lora + self.rope, bias=False)
+        self.kv_a_layernorm = LlamaRMSNorm(self.kv_lora, eps=c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=False)
+        ds = c.deepseek_config()
+        self.rotary_emb = DeepseekV3RotaryEmbedding(ds)
+        self.scale = yarn_apply_mscale(ds.rope_parameters, self.head_dim**-0.5)
+
+    def qkv(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, s, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(b, s, self.n_heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        cos, sin = self.rotary_emb(x, position_ids)
+        q_pe, k_pe = apply_rotary_pos_emb_interleave(q_pe, k_pe[:, None], cos, sin)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, self.n_heads, -1, -1)], dim=-1)
+        return q, k, F.pad(v, (0, self.head_dim - self.v_dim))
 
 
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, c: Eagle3DraftConfig, llama: LlamaConfig):
         super().__init__()
-        self.self_attn = Eagle3Attention(c)
+        if c.arch not in ("llama", "mla"):
+            raise ValueError(f"unknown draft arch {c.arch!r}; choose llama or mla")
+        self.self_attn: Eagle3Attention | MLAAttention = MLAAttention(c) if c.arch == "mla" else Eagle3Attention(c)
         self.mlp = LlamaMLP(llama)
         self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -209,11 +343,12 @@ class Eagle3Draft(nn.Module):
                 f"embedding width ({embed_weight.shape[1]}); leave draft.hidden_size unset"
             )
         llama = c.llama_config()
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(c.target_hidden_size, eps=c.rms_norm_eps) for _ in range(3))
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(c, llama)
         self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(llama)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         # The target's embeddings: a frozen, non-persistent buffer (not a parameter: no grads, no optimizer
@@ -264,6 +399,8 @@ class Eagle3Draft(nn.Module):
     def project(self, aux: Tensor) -> Tensor:
         """[..., 3H_target] fused target features -> [..., H]."""
         aux = aux.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], dim=-1)
         if self.config.features == "top":
             # Ablation: the low and mid thirds never reach fc (export zeroes their fc columns to match).
             keep = torch.zeros(aux.shape[-1], dtype=aux.dtype, device=aux.device)
@@ -278,18 +415,16 @@ class Eagle3Draft(nn.Module):
         return F.embedding(input_ids, w)
 
     def attention_inputs(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, heads, S, D], k and v [B, kv_heads, S, D] (RoPE applied) for tokens + features at positions."""
+        """q [B, heads, S, D], k and v [B, kv_heads, S, D] (RoPE applied) for tokens + features at positions;
+        D is the query width (MLA's values are zero-padded to it, see MLAAttention)."""
         layer = self.midlayer
-        attn = layer.self_attn
         emb = self.embed(input_ids).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
-        b, s, _ = x.shape
-        q = attn.q_proj(x).view(b, s, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(b, s, attn.n_kv, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(b, s, attn.n_kv, attn.head_dim).transpose(1, 2)
-        cos, sin = self.rotary_emb(v, position_ids)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        return layer.self_attn.qkv(x, position_ids)
+
+    @property
+    def attn_scale(self) -> float:
+        return self.midlayer.self_attn.scale
 
     def after_attention(self, hidden: Tensor, attn_out: Tensor) -> Tensor:
         """`block` on attention output [B, heads, S, D]: the pre-`norm` output hidden [B, S, H]."""
@@ -299,8 +434,15 @@ class Eagle3Draft(nn.Module):
     def block(self, hidden: Tensor, attn_flat: Tensor) -> Tensor:
         """Residual (the feature) + o_proj(attention [..., heads*D]), then the MLP block: the pre-`norm` output."""
         layer = self.midlayer
-        h = hidden + layer.self_attn.o_proj(attn_flat)
+        attn = layer.self_attn
+        if attn.v_dim != attn.head_dim:  # MLA: drop the values' zero padding
+            attn_flat = attn_flat.unflatten(-1, (attn.n_heads, attn.head_dim))[..., : attn.v_dim].flatten(-2)
+        h = hidden + attn.o_proj(attn_flat)
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def handoff(self, out_hidden: Tensor) -> Tensor:
+        """The hidden the next draft step receives: pre-`norm`, or post-`norm` with EAGLE-3.1's `norm_output`."""
+        return self.norm(out_hidden) if self.config.norm_output else out_hidden
 
     def logits(self, out_hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(out_hidden))
@@ -329,23 +471,25 @@ class Eagle3Draft(nn.Module):
 
         kv tensors are [B, kv_heads, K, head_dim] (keys post-RoPE); the returned kv is past + this call's.
         attn_mask: bool [B, S, K_total] over past+new keys (True = may attend); None = every past key plus
-        causal among the new ones. Returns (pre-norm output hidden [B,S,H], logits [B,S,draft_vocab], kv).
+        causal among the new ones. Returns (the hidden the next step receives [B,S,H] (`handoff`), logits
+        [B,S,draft_vocab], kv).
         """
         q, k, v = self.attention_inputs(input_ids, hidden, position_ids)
         if past_kv is not None:
             k = torch.cat([past_kv[0].to(k.dtype), k], dim=2)
             v = torch.cat([past_kv[1].to(v.dtype), v], dim=2)
         s, total = q.shape[2], k.shape[2]
-        n_rep = self.config.num_attention_heads // self.config.num_key_value_heads
+        n_rep = q.shape[1] // k.shape[1]
         if attn_mask is None:
             mask: Any = causal_lower_right(s, total)
         else:
             if attn_mask.shape != (q.shape[0], s, total):
                 raise ValueError(f"attn_mask must be [B, S, K_total] = {(q.shape[0], s, total)}, got {tuple(attn_mask.shape)}")
             mask = attn_mask[:, None].bool()
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask,
+                                             scale=self.attn_scale)
         h = self.after_attention(hidden, out)
-        return h, self.logits(h), (k, v)
+        return self.handoff(h), self.logits(h), (k, v)
 
     # --------------------------------------------------------------------------------------------- save/load
     def draft_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
@@ -356,154 +500,6 @@ class Eagle3Draft(nn.Module):
         out["t2d"] = out["t2d"].to(torch.bool)
         return out
 
-    def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, Tensor] | None = None,
-                        dtype: torch.dtype | None = None) -> Path:
-        """Write `config.json` (eagle3's own, `"format": "eagle3-draft"`) and `model.safetensors`."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = self.draft_state_dict(state_dict)
-        if dtype is not None:
-            tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-        save_file({k: v.cpu() for k, v in tensors.items()}, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-        (out / CONFIG_NAME).write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
-        return out
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        embed_weight: Tensor | None = None,
-        *,
-        engine: Engine | None = None,
-        family: ArchFamily | None = None,
-        aux_layer_ids: list[int] | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> Eagle3Draft:
-        """Load an eagle3 draft folder, or an SGLang / vLLM (speculators) EAGLE-3 draft folder.
-
-        Engine folders spell layer ids in the engine's convention. Top-level `eagle_aux_hidden_state_layer_ids`
-        or a speculators config means vLLM (ids as-is); ids only under `eagle_config` are ambiguous (both engines
-        read them, with different meanings), so the caller must say `engine=` (and `family=` for SGLang when
-        the folder does not name the target). `aux_layer_ids` (eagle3 convention) overrides everything.
-        """
-        folder = Path(path)
-        cfg_file = folder / CONFIG_NAME
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{folder}: no {CONFIG_NAME}; not a draft folder")
-        raw = json.loads(cfg_file.read_text())
-        config = _config_from_json(raw, cfg_file, engine=engine, family=family)
-        if aux_layer_ids is not None:
-            config.aux_layer_ids = list(aux_layer_ids)
-        tensors = _read_weights(folder)
-        tensors = _normalise_keys(tensors, folder)
-        if embed_weight is None and "embed_tokens.weight" in tensors:
-            embed_weight = tensors["embed_tokens.weight"]
-        tensors.pop("embed_tokens.weight", None)
-        if "d2t" not in tensors:
-            if config.draft_vocab_size != config.vocab_size:
-                raise ValueError(f"{folder}: no d2t tensor but draft_vocab_size != vocab_size")
-            tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.int64)
-            tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
-        tensors["t2d"] = tensors["t2d"].bool()
-        tensors["d2t"] = tensors["d2t"].long()
-        model = cls(config).to(dtype)
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
-        missing = [m for m in missing if not m.startswith("rotary_emb")]
-        if missing or unexpected:
-            raise ValueError(f"{folder}: weights do not match the EAGLE-3 head: missing {missing}, unexpected {unexpected}")
-        model.set_vocab(tensors["d2t"], tensors["t2d"])
-        if embed_weight is not None:
-            model.set_embeddings(embed_weight)
-        return model
-
-
-def _read_weights(folder: Path) -> dict[str, Tensor]:
-    single = folder / WEIGHTS_NAME
-    if single.is_file():
-        return load_file(str(single))
-    shards = sorted(folder.glob("*.safetensors"))
-    if shards:
-        out: dict[str, Tensor] = {}
-        for s in shards:
-            out.update(load_file(str(s)))
-        return out
-    binf = folder / "pytorch_model.bin"
-    if binf.is_file():
-        return torch.load(binf, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{folder}: no model.safetensors / *.safetensors / pytorch_model.bin")
-
-
-def _normalise_keys(tensors: dict[str, Tensor], folder: Path) -> dict[str, Tensor]:
-    """`layers.0.*` (vLLM / speculators) and `model.`-prefixed names -> the `midlayer.*` names."""
-    out: dict[str, Tensor] = {}
-    for k, v in tensors.items():
-        name = k.removeprefix("model.")
-        if name.startswith("layers.0."):
-            name = "midlayer." + name.removeprefix("layers.0.")
-        elif name.startswith("layers."):
-            raise ValueError(f"{folder}: tensor {k!r}: only one-layer EAGLE-3 heads are supported")
-        out[name] = v
-    return out
-
-
-_ENGINE_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-
-
-def _config_from_json(raw: dict[str, Any], where: Path, *, engine: Engine | None,
-                      family: ArchFamily | None) -> Eagle3DraftConfig:
-    # eagle3's own folders, and eagle3's exports (which carry the full draft config under "eagle3").
-    block = raw if raw.get("format") == FORMAT else raw.get("eagle3")
-    if isinstance(block, dict) and block.get("format") == FORMAT:
-        known = {f.name for f in dataclasses.fields(Eagle3DraftConfig)}
-        return Eagle3DraftConfig(**{k: v for k, v in block.items() if k in known})
-    # An engine's config: a Llama config (SGLang) or a speculators config wrapping one (vLLM).
-    llama = raw.get("transformer_layer_config") or raw
-    missing = [f for f in _ENGINE_FIELDS if f not in llama]
-    if missing:
-        raise ValueError(f"{where}: not an EAGLE-3 draft config (missing {missing})")
-    heads = llama["num_attention_heads"]
-    draft_vocab = raw.get("draft_vocab_size") or llama.get("draft_vocab_size")
-    if draft_vocab is None:
-        log.warning("%s: no draft_vocab_size; assuming the full target vocab (%d)", where, llama["vocab_size"])
-        draft_vocab = llama["vocab_size"]
-    eagle_cfg = raw.get("eagle_config") or {}
-    ids: list[int] | None = None
-    if "eagle3_aux_layer_ids" in raw:  # written by eagle3's export, already in eagle3's convention
-        ids = list(raw["eagle3_aux_layer_ids"])
-    elif raw.get("eagle_aux_hidden_state_layer_ids") is not None or raw.get("speculators_model_type"):
-        engine_ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
-        ids = from_engine_ids(list(engine_ids), "vllm", "llama") if engine_ids else None
-    elif eagle_cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
-        if engine is None:
-            raise ValueError(
-                f"{where}: layer ids {eagle_cfg['eagle_aux_hidden_state_layer_ids']} under eagle_config mean different "
-                "layers for SGLang and vLLM; say which engine this folder was made for (engine='sglang'|'vllm')"
-            )
-        tgt = raw.get("target") or {}
-        fam = family or (arch_family(tgt.get("architectures"), tgt.get("model_type")) if tgt else None)
-        if engine == "sglang" and fam is None:
-            raise ValueError(f"{where}: SGLang spells ids differently for Llama and DeepSeek targets; pass family=")
-        ids = from_engine_ids(list(eagle_cfg["eagle_aux_hidden_state_layer_ids"]), engine, fam or "llama")
-    else:
-        log.warning("%s: the draft config names no aux layer ids; pass aux_layer_ids= to be sure", where)
-    hidden = llama["hidden_size"]
-    return Eagle3DraftConfig(
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=llama.get("num_key_value_heads") or heads,
-        head_dim=llama.get("head_dim") or hidden // heads,
-        intermediate_size=llama["intermediate_size"],
-        vocab_size=llama["vocab_size"],
-        draft_vocab_size=draft_vocab,
-        target_hidden_size=raw.get("target_hidden_size") or llama.get("target_hidden_size") or hidden,
-        rms_norm_eps=llama.get("rms_norm_eps") or 1e-5,
-        rope_theta=_rope_theta(llama),
-        rope_scaling=_rope_scaling(llama),
-        max_position_embeddings=llama.get("max_position_embeddings") or 8192,
-        aux_layer_ids=ids,
-        hidden_act=llama.get("hidden_act") or "silu",
-    )
-
 
 # ---------------------------------------------------------------------------- training-time test
 def _prefix_mask(q_pos: Tensor, t: int, sinks: int) -> Tensor:
@@ -513,7 +509,7 @@ def _prefix_mask(q_pos: Tensor, t: int, sinks: int) -> Tensor:
 
 
 def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
-                       q_pos: Tensor | None = None) -> Tensor:
+                       q_pos: Tensor | None = None, scale: float | None = None) -> Tensor:
     """Exact TTT attention without a [T, (j+1)T] mask: one SDPA over the step-0 keys plus j "sink" keys.
 
     The j same-position scores d_i(t) = q_t . k_i,t are computed elementwise and appended to each query as
@@ -522,17 +518,19 @@ def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: 
     step-0 causal keys. The output is SDPA's step-0 part plus sum_i p_i(t) v_i,t.
     q [B, nh, M, D]; k0, v0 [B, nkv, T, D]; each ks[i], vs[i] [B, nkv, M, D], aligned with q. q_pos [B, M]: the
     position of each query; None when the queries are positions 0..T-1 in order, which SDPA takes as a
-    lower-right causal mask (sinks first, visible to every query) so flash kernels apply.
+    lower-right causal mask (sinks first, visible to every query) so flash kernels apply. `scale`: the softmax
+    scale (None: D**-0.5).
     """
     b, nh, m, d = q.shape
+    scale = d**-0.5 if scale is None else scale
     t = k0.shape[2]
     n = len(ks)
     n_rep = nh // k0.shape[1]
     if n == 0:
         k, v = repeat_kv(k0, n_rep), repeat_kv(v0, n_rep)
         if q_pos is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_prefix_mask(q_pos, t, 0))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_prefix_mask(q_pos, t, 0), scale=scale)
     dp = -(-(d + n) // 8) * 8  # padded head dim (kernels like multiples of 8)
     diag = torch.stack([(q * repeat_kv(k, n_rep)).sum(-1) for k in ks], dim=-1)  # [B, nh, M, n]
     q_aug = torch.cat([q, diag, q.new_zeros(b, nh, m, dp - d - n)], dim=-1)
@@ -544,7 +542,7 @@ def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: 
     v_aug = torch.cat([sinks, F.pad(v0, pad)], dim=2)
     mask = causal_lower_right(m, t + n) if q_pos is None else _prefix_mask(q_pos, t, n)
     out = F.scaled_dot_product_attention(q_aug, repeat_kv(k_aug, n_rep), repeat_kv(v_aug, n_rep), attn_mask=mask,
-                                         scale=d**-0.5)
+                                         scale=scale)
     result = out[..., :d]
     for i, v in enumerate(vs):
         result = result + out[..., d + i : d + i + 1] * repeat_kv(v, n_rep)
@@ -552,7 +550,7 @@ def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: 
 
 
 def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
-                        q_pos: Tensor | None = None) -> Tensor:
+                        q_pos: Tensor | None = None, scale: float | None = None) -> Tensor:
     """Reference: all keys concatenated with an explicit [M, T + jM] mask (causal block + diagonal blocks)."""
     b, _, m, _ = q.shape
     t = k0.shape[2]
@@ -563,7 +561,8 @@ def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs:
     values = torch.cat([v0, *vs], dim=2)
     eye = torch.eye(m, dtype=torch.bool, device=q.device).expand(b, 1, m, m)
     mask = torch.cat([_prefix_mask(q_pos, t, 0), *([eye] * len(ks))], dim=-1)
-    return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
+    return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask,
+                                          scale=scale)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -585,21 +584,22 @@ def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows
     flat_pos = torch.arange(t, device=input_ids.device).repeat(b)
     keep = rows.keep[0]
     q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1), hidden0, flat_pos.view(b, t))
-    out = attend(rows.pack(0, _rows(q)[keep]), k0, v0, [], [], rows.q_pos[0])
+    scale = draft.attn_scale
+    out = attend(rows.pack(0, _rows(q)[keep]), k0, v0, [], [], rows.q_pos[0], scale)
     hidden = draft.block(hidden0.reshape(b * t, -1)[keep], rows.unpack(0, out))  # [M0, H]
     states = [draft.norm(hidden[rows.score[0]])]
     ks: list[Tensor] = []  # step i's keys and values at the rows of keep[i] (i = 1, 2, ...)
     vs: list[Tensor] = []
     for j in range(1, rows.steps):
         keep = rows.keep[j]
-        hidden = hidden[rows.parent[j]]
+        hidden = draft.handoff(hidden[rows.parent[j]])
         ids = shift_tokens(input_ids, 1 + j).flatten()[keep]
         q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
         ks.append(k[0].transpose(0, 1))
         vs.append(v[0].transpose(0, 1))
         at = [rows.within(i + 1, j) for i in range(len(ks))]
         out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0, [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
-                     [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)], rows.q_pos[j])
+                     [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)], rows.q_pos[j], scale)
         hidden = draft.block(hidden, rows.unpack(j, out))
         states.append(draft.norm(hidden[rows.score[j]]))
     return states

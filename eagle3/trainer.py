@@ -31,7 +31,9 @@ from eagle3.batching import iter_batches, plan_epoch
 from eagle3.checkpoints import resume, save_best, save_checkpoint
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab
-from eagle3.logs import Progress, setup_logging
+from eagle3.formats import load_draft
+from eagle3.layer_ids import ArchFamily
+from eagle3.logs import Progress, UserError, setup_logging
 from eagle3.loss import ArgmaxHead, SoftCE, StepStats, Teacher, summarise, ttt_loss
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.online import OnlineSource
@@ -139,22 +141,38 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
 def build_draft(cfg: Config, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
                 embed: torch.Tensor, lm_head: torch.Tensor) -> Eagle3Draft:
     torch.manual_seed(cfg.train.seed)
+    dcfg = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, hf_config, draft_vocab_size=int(d2t.shape[0]))
     if cfg.draft.init_from:
-        try:
-            draft = Eagle3Draft.from_pretrained(cfg.draft.init_from, embed_weight=embed)
-        except ValueError as e:
-            if "which engine" not in str(e):
-                raise
-            family = TargetInfo.of(hf_config).family
-            draft = Eagle3Draft.from_pretrained(cfg.draft.init_from, embed_weight=embed, engine="sglang", family=family)
-        if draft.config.draft_vocab_size != d2t.shape[0] or not torch.equal(draft.d2t.cpu(), d2t.long()):
-            raise ValueError(f"draft.init_from={cfg.draft.init_from}: its draft vocab (d2t) differs from the prepared "
-                             f"vocab in {cfg.prepared_dir}; fine-tuning needs the same mapping")
-        return draft
-    dcfg = Eagle3DraftConfig.from_target(cfg, hf_config, draft_vocab_size=int(d2t.shape[0]))
+        return fine_tune_start(cfg.draft.init_from, dcfg, embed, d2t, TargetInfo.of(hf_config).family)
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(d2t, t2d)
     draft.init_from_target(lm_head, embed)
+    return draft
+
+
+_SAME_HEAD = ("arch", "fc_norm", "norm_output", "hidden_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "vocab_size", "target_hidden_size", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def fine_tune_start(folder: str, want: Eagle3DraftConfig, embed: torch.Tensor, d2t: torch.Tensor,
+                    family: ArchFamily) -> Eagle3Draft:
+    """`draft.init_from`: a head in any format eagle3.formats reads (a published one included), checked to be the
+    head this config would build, on the same features and draft vocab; it takes over this run's target record."""
+    draft = load_draft(folder, embed_weight=embed, engine="sglang", family=family)
+    have = draft.config
+    for key in _SAME_HEAD:
+        if getattr(have, key) != getattr(want, key):
+            raise UserError(f"draft.init_from={folder}: the head has {key}={getattr(have, key)}, this config builds "
+                            f"{getattr(want, key)}; set draft.{key} (or the target) to match the head")
+    if have.aux_layer_ids and list(have.aux_layer_ids) != list(want.aux_layer_ids or []):
+        raise UserError(f"draft.init_from={folder}: the head was trained on aux layer ids {have.aux_layer_ids} "
+                        f"(eagle3 convention), this config extracts {want.aux_layer_ids}; set target.aux_layer_ids")
+    if have.draft_vocab_size != d2t.shape[0] or not torch.equal(draft.d2t.cpu(), d2t.long()):
+        raise UserError(f"draft.init_from={folder}: its draft vocab (d2t, {have.draft_vocab_size} tokens) differs "
+                        f"from the prepared vocab ({d2t.shape[0]} tokens); fine-tuning needs the same mapping (a "
+                        "full-vocab head: draft.vocab_size = the target's vocab size)")
+    have.aux_layer_ids, have.target, have.features = want.aux_layer_ids, want.target, want.features
     return draft
 
 

@@ -114,10 +114,14 @@ def test_dump_round_trips(tmp_path: Path) -> None:
 def test_default_ids_and_engine_spellings() -> None:
     assert default_layer_ids(61) == [2, 30, 58]
     assert default_layer_ids(30) == [2, 15, 27]
-    # vLLM: as-is.  SGLang Llama: every explicit id +1, so write k-1.  SGLang DeepSeek/Kimi: as-is unless first is 1.
+    # vLLM: as-is.  SGLang Llama: every explicit id +1, so write k-1.  SGLang DeepSeek/Kimi 0.5.23: +1 only when the
+    # first id is 1 (earlier releases: always), so ids starting at 2 are written k-1, the one spelling both read
+    # alike; others as-is (0.5.23's spelling).
     assert to_engine_ids([2, 30, 58], "vllm", "deepseek") == [2, 30, 58]
     assert to_engine_ids([2, 15, 27], "sglang", "llama") == [1, 14, 26]
-    assert to_engine_ids([2, 30, 58], "sglang", "deepseek") == [2, 30, 58]
+    assert to_engine_ids([2, 30, 58], "sglang", "deepseek") == [1, 29, 57]
+    assert to_engine_ids([3, 30, 58], "sglang", "deepseek") == [3, 30, 58]
+    assert from_engine_ids([3, 30, 58], "sglang", "deepseek") == [3, 30, 58]
     with pytest.raises(ValueError):
         to_engine_ids([1, 30, 58], "sglang", "deepseek")
     for fam in ("llama", "deepseek"):

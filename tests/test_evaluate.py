@@ -88,6 +88,7 @@ def test_eval_split_prompts_stop_before_the_first_answer_token(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- end to end
 def _setup(tmp_path: Path, **eval_overrides) -> Config:
+    from eagle3.formats import save_draft
     from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 
     target = tiny_llama(tmp_path / "target", vocab=VOCAB, layers=4)
@@ -114,7 +115,7 @@ def _setup(tmp_path: Path, **eval_overrides) -> Config:
     t2d[ids] = True
     draft.set_vocab(ids - torch.arange(128), t2d)
     draft.init_from_target(model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach())
-    draft.save_pretrained(cfg.checkpoint_dir / "best")
+    save_draft(draft, cfg.checkpoint_dir / "best")
     return cfg
 
 
@@ -168,14 +169,14 @@ def test_checkpoint_resolution(tmp_path):
 
 
 def test_draft_trained_on_other_ids_is_refused(tmp_path):
-    from eagle3.evaluate import load_draft
+    from eagle3.evaluate import draft_for_target
     from eagle3.targets.hf import load_target
 
     cfg = _setup(tmp_path)
     model, _ = load_target(cfg)
     cfg.target.aux_layer_ids = [0, 1, 3]
     with pytest.raises(ValueError, match="trained on ids"):
-        load_draft(cfg.checkpoint_dir / "best", model, cfg)
+        draft_for_target(cfg.checkpoint_dir / "best", model, cfg)
 
 
 # ------------------------------------------------------------------------------------------------- engines

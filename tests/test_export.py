@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3.export import ExportError, export
+from eagle3.formats import load_draft, save_draft
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 
 VOCAB, DRAFT_VOCAB, H = 200, 48, 32
@@ -57,7 +58,7 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_export_names_dtypes_ids(tmp_path, engine, family):
     draft = make_draft(family)
-    src = draft.save_pretrained(tmp_path / "draft")
+    src = save_draft(draft, tmp_path / "draft")
     out = export(src, tmp_path / "out", to=engine)
     cfg = json.loads((out / "config.json").read_text())
     t = _tensors(out)
@@ -74,8 +75,10 @@ def test_export_names_dtypes_ids(tmp_path, engine, family):
     assert all(v.dtype == torch.bfloat16 for k, v in t.items() if k not in ("d2t", "t2d"))
     assert torch.equal(t["d2t"], draft.d2t) and torch.equal(t["t2d"], draft.t2d)
 
-    # ids: eagle3 [2, 6, 9] = inputs of layers 2, 6, 9. SGLang Llama adds 1 -> write k-1; DeepSeek/Kimi as-is.
-    expected = [1, 5, 8] if (engine, family) == ("sglang", "llama") else [2, 6, 9]
+    # ids: eagle3 [2, 6, 9] = inputs of layers 2, 6, 9. SGLang Llama adds 1 -> write k-1; SGLang DeepSeek/Kimi
+    # (0.5.23) adds 1 only to lists starting at 1 and earlier releases to every list, so [1, 5, 8] means the same
+    # layers to both; vLLM as-is.
+    expected = [1, 5, 8] if engine == "sglang" else [2, 6, 9]
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["eagle3_aux_layer_ids"] == [2, 6, 9]
     assert cfg["eagle3"]["aux_layer_ids"] == [2, 6, 9] and cfg["eagle3"]["layer_id_convention"] == "input-of-layer"
@@ -104,18 +107,18 @@ def test_export_names_dtypes_ids(tmp_path, engine, family):
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_reload_of_export_reproduces_outputs_bit_exact(tmp_path, engine, family):
     draft = make_draft(family, seed=3)
-    src = draft.save_pretrained(tmp_path / "draft")
+    src = save_draft(draft, tmp_path / "draft")
     embed = draft.embed_tokens.weight
     # Kept dtype (float32): the reload equals the trained head.
     out = export(src, tmp_path / "f32", to=engine, dtype=None)
-    back = Eagle3Draft.from_pretrained(out, embed_weight=embed)
+    back = load_draft(out, embed_weight=embed)
     assert back.config.aux_layer_ids == [2, 6, 9]
     assert torch.equal(back.d2t, draft.d2t) and torch.equal(back.t2d, draft.t2d)
     for a, b in zip(_outputs(draft), _outputs(back), strict=True):
         assert torch.equal(a, b)
     # bf16 export: the reload equals the head cast to bf16.
     out = export(src, tmp_path / "bf16", to=engine)
-    back = Eagle3Draft.from_pretrained(out, embed_weight=embed, dtype=torch.bfloat16)
+    back = load_draft(out, embed_weight=embed, dtype=torch.bfloat16)
     ref = make_draft(family, seed=3).to(torch.bfloat16)
     for a, b in zip(_outputs(ref), _outputs(back), strict=True):
         assert torch.equal(a, b)
@@ -123,7 +126,7 @@ def test_reload_of_export_reproduces_outputs_bit_exact(tmp_path, engine, family)
 
 def test_accepts_step_folder_and_existing_export(tmp_path):
     draft = make_draft()
-    draft.save_pretrained(tmp_path / "checkpoints" / "step_10" / "draft")
+    save_draft(draft, tmp_path / "checkpoints" / "step_10" / "draft")
     a = export(tmp_path / "checkpoints" / "step_10", tmp_path / "sg", to="sglang")
     b = export(a, tmp_path / "vl", to="vllm")  # re-export of an export
     c = export(b, tmp_path / "sg2", to="sglang")
@@ -142,14 +145,14 @@ def test_accepts_step_folder_and_existing_export(tmp_path):
 def test_cli_export(tmp_path):
     from eagle3.cli import main
 
-    src = make_draft().save_pretrained(tmp_path / "draft")
+    src = save_draft(make_draft(), tmp_path / "draft")
     assert main(["export", "--to", "vllm", str(src), str(tmp_path / "v")]) == 0
     with safe_open(str(tmp_path / "v" / "model.safetensors"), "pt") as f:
         assert "layers.0.self_attn.q_proj.weight" in f.keys()
 
 
 def _corrupt(tmp_path: Path, edit_cfg=None, edit_tensors=None) -> Path:
-    src = make_draft().save_pretrained(tmp_path / "draft")
+    src = save_draft(make_draft(), tmp_path / "draft")
     if edit_cfg:
         cfg = json.loads((src / "config.json").read_text())
         edit_cfg(cfg)
@@ -196,7 +199,7 @@ def test_vllm_needs_verifier_and_deepseek_refuses_first_id_1(tmp_path):
     src = _corrupt(tmp_path, lambda c: c["target"].update(path=None))
     with pytest.raises(ExportError, match="verifier"):
         export(src, tmp_path / "v", to="vllm")
-    ds = make_draft("deepseek", ids=[1, 6, 9]).save_pretrained(tmp_path / "ds")
+    ds = save_draft(make_draft("deepseek", ids=[1, 6, 9]), tmp_path / "ds")
     with pytest.raises(ExportError, match="first value is 1"):
         export(ds, tmp_path / "s", to="sglang")
     assert export(ds, tmp_path / "v2", to="vllm")  # vLLM spells it as-is
@@ -208,11 +211,11 @@ def test_full_vocab_head_has_no_mapping_in_the_vllm_export(tmp_path):
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg, embed_weight=torch.randn(VOCAB, H))
     draft.set_vocab(torch.zeros(VOCAB, dtype=torch.int64), torch.ones(VOCAB, dtype=torch.bool))
-    draft.save_pretrained(tmp_path / "draft")
+    save_draft(draft, tmp_path / "draft")
     vllm = export(tmp_path / "draft", tmp_path / "vllm", to="vllm", dtype=None)
     assert "d2t" not in _tensors(vllm) and "t2d" not in _tensors(vllm)  # vLLM 0.32 rejects them for a full vocab
     sglang = export(tmp_path / "draft", tmp_path / "sglang", to="sglang", dtype=None)
     assert _tensors(sglang)["d2t"].dtype == torch.int64
-    again = Eagle3Draft.from_pretrained(vllm, embed_weight=draft.embed_tokens.weight)
+    again = load_draft(vllm, embed_weight=draft.embed_tokens.weight)
     for a, b in zip(_outputs(draft), _outputs(again)):
         assert torch.equal(a, b)

@@ -7,7 +7,7 @@ from test_export import H, _outputs, make_draft
 
 from eagle3.config import load_config
 from eagle3.export import export
-from eagle3.model import Eagle3Draft
+from eagle3.formats import load_draft, save_draft
 
 
 def test_top_only_ignores_low_and_mid() -> None:
@@ -24,9 +24,9 @@ def test_top_only_ignores_low_and_mid() -> None:
 def test_top_only_export_behaves_like_the_head_for_an_engine_feeding_all_three(tmp_path) -> None:
     draft = make_draft()
     draft.config.features = "top"
-    draft.save_pretrained(tmp_path / "draft")
+    save_draft(draft, tmp_path / "draft")
     out = export(tmp_path / "draft", tmp_path / "sglang", to="sglang", dtype=None)
-    engine_like = Eagle3Draft.from_pretrained(out, embed_weight=draft.embed_tokens.weight)
+    engine_like = load_draft(out, embed_weight=draft.embed_tokens.weight)
     engine_like.config.features = "fused"  # an engine knows nothing of the ablation
     for a, b in zip(_outputs(draft), _outputs(engine_like)):
         torch.testing.assert_close(a, b)
@@ -39,10 +39,10 @@ def test_config_knob() -> None:
 def test_reloaded_export_keeps_the_full_draft_config(tmp_path) -> None:
     draft = make_draft(family="deepseek")
     draft.config.features = "top"
-    draft.save_pretrained(tmp_path / "draft")
+    save_draft(draft, tmp_path / "draft")
     for engine in ("sglang", "vllm"):
         out = export(tmp_path / "draft", tmp_path / engine, to=engine, dtype=None)
-        again = Eagle3Draft.from_pretrained(out, embed_weight=draft.embed_tokens.weight)
+        again = load_draft(out, embed_weight=draft.embed_tokens.weight)
         assert again.config.features == "top"
         assert again.config.target == draft.config.target
         assert again.config.aux_layer_ids == draft.config.aux_layer_ids

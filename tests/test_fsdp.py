@@ -110,14 +110,14 @@ def test_fsdp2_with_the_8gpu_launcher_settings_trains_and_resumes_exactly(tiny_c
     assert a[5]["loss"] < a[1]["loss"]  # it learns
     for step in range(1, 6):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
-    from eagle3.model import Eagle3Draft
+    from eagle3.formats import load_draft
 
-    wa = Eagle3Draft.from_pretrained(cfg.checkpoint_dir / "step_5" / "draft").state_dict()
-    wb = Eagle3Draft.from_pretrained(cfg_c.checkpoint_dir / "step_5" / "draft").state_dict()
+    wa = load_draft(cfg.checkpoint_dir / "step_5" / "draft").state_dict()
+    wb = load_draft(cfg_c.checkpoint_dir / "step_5" / "draft").state_dict()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-5)
     state = json.loads((cfg_c.checkpoint_dir / "step_5" / "trainer_state.json").read_text())
     assert state["step"] == 5
     # the full (gathered) draft of rank 0 went to best/ and the SGLang export
     assert (cfg.export_dir / "sglang" / "model.safetensors").is_file()
-    assert Eagle3Draft.from_pretrained(cfg.checkpoint_dir / "best").config.draft_vocab_size == 64
+    assert load_draft(cfg.checkpoint_dir / "best").config.draft_vocab_size == 64

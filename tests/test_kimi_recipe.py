@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 IDS = [2, 3, 4]  # a 6-layer miniature of Kimi's [2, 30, 58] (low, mid, high)
 
 
-def recipe_cfg(root: Path, target: Path, data: Path) -> Config:
+def recipe_cfg(root: Path, target: Path, data: Path, head: list[str]) -> Config:
     return load_config(REPO / "configs" / "kimi-k2.5.yaml", [
         f"output_dir={root / 'run'}", f"target.path={target}", "target.backend=hf", "target.device=cpu",
         "target.dtype=float32", "target.num_layers=6", f"target.aux_layer_ids={IDS}",
@@ -35,11 +35,20 @@ def recipe_cfg(root: Path, target: Path, data: Path) -> Config:
         "train.max_steps=4", "train.batch_tokens=512", "train.grad_accum=1", "train.mixed_precision='no'",
         "train.eval_every=2", "train.save_every=2", "train.log_every=1", "train.lr=3e-3",
         "eval.prompt_sets=[eval-split]", "eval.max_prompts=2", "eval.max_new_tokens=12", "eval.engine=builtin", "eval.builtin=true",
+        *head,
     ])
 
 
-@pytest.fixture(scope="module")
-def kimi_run(tmp_path_factory) -> dict:
+HEADS = {
+    "llama": [],
+    # The published Kimi-K2.5 MLA head's kind: MLA layer, full target vocab (no d2t), with EAGLE-3.1's options.
+    "mla-3.1-full-vocab": ["draft.arch=mla", "draft.fc_norm=true", "draft.norm_output=true",
+                           "draft.vocab_size=163840"],
+}
+
+
+@pytest.fixture(scope="module", params=list(HEADS))
+def kimi_run(tmp_path_factory, request) -> dict:
     from eagle3 import prepare
     from eagle3.extract import run as extract
     from eagle3.trainer import run as train
@@ -54,8 +63,9 @@ def kimi_run(tmp_path_factory) -> dict:
         {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
         {"role": "user", "content": "Thanks!"},
         {"role": "assistant", "content": "You are welcome."}]}) for i in range(14)))
-    cfg = recipe_cfg(root, target, data)
-    return {"cfg": cfg, "prepare": prepare.run(cfg), "extract": extract(cfg), "train": train(cfg)}
+    cfg = recipe_cfg(root, target, data, HEADS[request.param])
+    return {"cfg": cfg, "head": request.param, "prepare": prepare.run(cfg), "extract": extract(cfg),
+            "train": train(cfg)}
 
 
 def test_recipe_prepare_extract_train(kimi_run):
@@ -64,7 +74,7 @@ def test_recipe_prepare_extract_train(kimi_run):
     from eagle3.data.prepared import load_prepared
 
     p = load_prepared(cfg.prepared_dir)
-    assert p.t2d.shape == (163840,) and p.d2t.shape == (96,)
+    assert p.t2d.shape == (163840,) and p.d2t.shape == (cfg.draft.vocab_size,)
     row = p.train[0]
     assert row["input_ids"][0] == 163594  # <|im_system|>: Kimi's template, no BOS, no newlines between turns
     masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
@@ -80,7 +90,11 @@ def test_recipe_prepare_extract_train(kimi_run):
     steps = [r for r in log if "loss" in r]
     assert [r["step"] for r in steps][-1] == 4
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
-    assert (cfg.checkpoint_dir / "best" / "config.json").is_file()
+    best = json.loads((cfg.checkpoint_dir / "best" / "config.json").read_text())
+    assert (best["arch"], best["fc_norm"], best["norm_output"]) == (
+        cfg.draft.arch, cfg.draft.fc_norm, cfg.draft.norm_output)
+    if cfg.draft.arch == "mla":  # the target's own MLA dimensions (tests/models.py)
+        assert (best["q_lora_rank"], best["kv_lora_rank"], best["qk_rope_head_dim"]) == (32, 16, 8)
 
 
 def test_recipe_export_spells_kimi_ids(kimi_run, tmp_path):
@@ -93,8 +107,12 @@ def test_recipe_export_spells_kimi_ids(kimi_run, tmp_path):
         c = json.loads((out / "config.json").read_text())
         ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or c.get(
             "eagle_aux_hidden_state_layer_ids")
-        assert ids == IDS  # DeepSeek family: SGLang and vLLM both take eagle3's ids as-is
-        assert c.get("draft_vocab_size", 96) == 96
+        # DeepSeek family: vLLM takes eagle3's ids as-is; SGLang (0.5.23 and earlier alike) reads [1, 2, 3] as
+        # inputs of layers 2, 3, 4 (a list starting at 1 is shifted by one there)
+        assert ids == (IDS if to == "vllm" else [i - 1 for i in IDS])
+        assert c["draft_vocab_size"] == cfg.draft.vocab_size
+        assert c["architectures"] == (["Eagle3DeepseekV2ForCausalLM"] if cfg.draft.arch == "mla" else
+                                      ["LlamaForCausalLMEagle3"])
 
 
 def test_recipe_eval_builtin(kimi_run):

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import Config
+from eagle3.formats import load_draft, save_draft
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_unroll
 from eagle3.targets.weights import load_target_head
 
@@ -64,7 +65,7 @@ def test_head_names_shapes_and_saved_files(tmp_path):
     m = make_draft()
     assert {n for n, _ in m.named_parameters()} == set(EXPECTED_SHAPES) - {"d2t", "t2d"}
     assert not m.embed_tokens.weight.requires_grad
-    m.save_pretrained(tmp_path)
+    save_draft(m, tmp_path)
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in saved.items()} == EXPECTED_SHAPES  # no embed_tokens, no rope cache
     assert saved["d2t"].dtype == torch.int64 and saved["t2d"].dtype == torch.bool
@@ -77,8 +78,8 @@ def test_head_names_shapes_and_saved_files(tmp_path):
 
 def test_save_load_round_trip_is_exact(tmp_path):
     m = make_draft()
-    m.save_pretrained(tmp_path)
-    back = Eagle3Draft.from_pretrained(tmp_path, embed_weight=m.embed_tokens.weight)
+    save_draft(m, tmp_path)
+    back = load_draft(tmp_path, embed_weight=m.embed_tokens.weight)
     assert back.config == m.config
     for k, v in m.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
@@ -110,7 +111,7 @@ def _engine_folder(src: Eagle3Draft, folder: Path, layers0: bool, config: dict) 
 def test_load_vllm_layers0_folder(tmp_path):
     m = make_draft()
     d = _engine_folder(m, tmp_path / "vllm", layers0=True, config={"eagle_aux_hidden_state_layer_ids": [1, 4, 6]})
-    back = Eagle3Draft.from_pretrained(d, embed_weight=m.embed_tokens.weight)
+    back = load_draft(d, embed_weight=m.embed_tokens.weight)
     assert back.config.aux_layer_ids == [1, 4, 6]  # vLLM ids are eagle3 ids
     for k, v in m.draft_state_dict().items():
         assert torch.equal(v, back.draft_state_dict()[k]), k
@@ -122,8 +123,8 @@ def test_load_sglang_midlayer_folder_needs_engine(tmp_path):
                        config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 5],
                                                 "use_aux_hidden_state": True}})
     with pytest.raises(ValueError, match="which engine"):
-        Eagle3Draft.from_pretrained(d)
-    back = Eagle3Draft.from_pretrained(d, embed_weight=m.embed_tokens.weight, engine="sglang", family="llama")
+        load_draft(d)
+    back = load_draft(d, embed_weight=m.embed_tokens.weight, engine="sglang", family="llama")
     assert back.config.aux_layer_ids == [1, 4, 6]  # SGLang Llama ids are shifted by one
     assert torch.equal(back.lm_head.weight, m.lm_head.weight)
     assert torch.equal(back.midlayer.self_attn.q_proj.weight, m.midlayer.self_attn.q_proj.weight)
@@ -165,7 +166,7 @@ def test_from_target_llama_and_kimi_dims():
             "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
             "vocab_size": 49152, "num_hidden_layers": 30, "rms_norm_eps": 1e-5,
             "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "max_position_embeddings": 8192}
-    c = Eagle3DraftConfig.from_target(cfg, smol, 8192)
+    c = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, smol, 8192)
     assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (
         576, 9, 3, 64, 1536)
     assert c.rope_theta == 100000.0 and c.aux_layer_ids == [2, 15, 27] and c.draft_vocab_size == 8192
@@ -174,12 +175,12 @@ def test_from_target_llama_and_kimi_dims():
                  "head_dim": 64, "intermediate_size": 18432, "vocab_size": 163840, "num_hidden_layers": 61,
                  "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 64.0}}
     kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": kimi_text}
-    c = Eagle3DraftConfig.from_target(cfg, kimi, 32000)
+    c = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, kimi, 32000)
     assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (
         7168, 64, 64, 128, 18432)
     assert c.rope_scaling is None and c.aux_layer_ids == [2, 30, 58] and c.vocab_size == 163840
     cfg.draft.num_attention_heads, cfg.draft.head_dim = 32, 64
-    c = Eagle3DraftConfig.from_target(cfg, kimi, 32000)
+    c = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, kimi, 32000)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (32, 32, 64)
 
 
@@ -218,6 +219,6 @@ def test_load_target_head_kimi_wrapper(tmp_path):
     assert torch.equal(lm_head, sd["language_model.lm_head.weight"])
     cfg = Config()
     cfg.target.aux_layer_ids = None
-    c = Eagle3DraftConfig.from_target(cfg, hf, 64)
+    c = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, hf, 64)
     assert c.num_key_value_heads == c.num_attention_heads == 4 and c.head_dim == 16  # v_head_dim of the tiny MLA
     assert c.target["architectures"] == ["KimiK25ForConditionalGeneration"]

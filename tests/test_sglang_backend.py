@@ -200,7 +200,7 @@ def test_cleanup_removes_only_eagle3_files(tmp_path):
 # ------------------------------------------------------------------------------ layer ids and the patch side
 def test_kimi_and_smollm2_layer_id_spellings():
     kimi = [2, 30, 58]
-    assert to_engine_ids(kimi, "sglang", "deepseek") == [2, 30, 58]
+    assert to_engine_ids(kimi, "sglang", "deepseek") == [1, 29, 57]  # read as [2, 30, 58] before and after 0.5.23
     assert to_engine_ids(kimi, "vllm", "deepseek") == [2, 30, 58]
     assert to_engine_ids([2, 15, 27], "sglang", "llama") == [1, 14, 26]
     cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")
@@ -239,9 +239,13 @@ def test_enable_capture_translates_and_verifies_ids():
     m = _FakeModel("llama", n=30)
     sglang_capture.enable_capture(m, [2, 15, 27], "llama")
     assert m.model.layers_to_capture == [2, 15, 27]
-    # A version that shifted DeepSeek ids too would capture outputs of 2, 30, 58: refused, not silently used.
-    with pytest.raises(RuntimeError, match=r"layers_to_capture .*\[3, 31, 59\].*expected \[2, 30, 58\]"):
-        sglang_capture.enable_capture(_FakeModel("deepseek", always_shift=True), [2, 30, 58], "deepseek")
+    # Releases that shifted every DeepSeek id read Kimi's spelling ([1, 29, 57]) as the same layers...
+    m = _FakeModel("deepseek", always_shift=True)
+    sglang_capture.enable_capture(m, [2, 30, 58], "deepseek")
+    assert m.model.layers_to_capture == [2, 30, 58]
+    # ...but ids with only 0.5.23's spelling would be captured one layer off there: refused, not silently used.
+    with pytest.raises(RuntimeError, match=r"layers_to_capture .*\[4, 31, 59\].*expected \[3, 30, 58\]"):
+        sglang_capture.enable_capture(_FakeModel("deepseek", always_shift=True), [3, 30, 58], "deepseek")
 
 
 class _Mode:

@@ -67,6 +67,7 @@ def make_repeating_target(target: Path, special: int) -> None:
 
 
 def exact_head_cfg(family: str, root: Path) -> Config:
+    from eagle3.formats import save_draft
     from eagle3.model import Eagle3Draft, Eagle3DraftConfig
     from eagle3.targets.weights import load_target_head
 
@@ -107,7 +108,7 @@ def exact_head_cfg(family: str, root: Path) -> Config:
         draft.midlayer.self_attn.o_proj.weight.zero_()
         draft.midlayer.mlp.down_proj.weight.zero_()
         draft.norm.weight.copy_(norm)
-    draft.save_pretrained(cfg.checkpoint_dir / "best")
+    save_draft(draft, cfg.checkpoint_dir / "best")
     return cfg
 
 

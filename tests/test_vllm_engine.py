@@ -81,6 +81,7 @@ def _tiny_setup(tmp_path: Path) -> Config:
     token, so vLLM loads d2t (a full-vocab draft has no d2t parameter in vLLM 0.32)."""
     from transformers import AutoModelForCausalLM
 
+    from eagle3.formats import save_draft
     from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 
     layers, aux_ids = 6, [1, 3, 4]
@@ -119,7 +120,7 @@ def _tiny_setup(tmp_path: Path) -> Config:
         draft.midlayer.self_attn.o_proj.weight.zero_()
         draft.midlayer.mlp.down_proj.weight.zero_()
         draft.norm.weight.copy_(model.model.norm.weight)
-    draft.save_pretrained(cfg.checkpoint_dir / "best")
+    save_draft(draft, cfg.checkpoint_dir / "best")
     return cfg
 
 

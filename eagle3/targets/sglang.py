@@ -30,8 +30,9 @@ Tokens must not be dropped or split, and every sample is checked:
 - every dump is checked: token count and ids equal the prompt's, shapes [T, 3H] / [T, H], the server's layer
   ids equal this run's, values finite; `meta_info.prompt_tokens` must equal the prompt length.
 
-Layer ids: eagle3 id k = input of decoder layer k. SGLang spells that k-1 for Llama-family models and k for
-DeepSeek/Kimi (unless the first id is 1); the plugin translates and verifies (sglang_capture.enable_capture).
+Layer ids: eagle3 id k = input of decoder layer k. SGLang spells that k-1 for Llama-family models; for
+DeepSeek/Kimi k-1 when the first id is 2 (read alike by 0.5.23 and earlier releases), else k (0.5.23's rule);
+the plugin translates and verifies (sglang_capture.enable_capture).
 
 The dump folder is cleaned on start (killed runs leave files) and on exit (atexit, and SIGTERM turned into a
 normal exit); only eagle3's own file names are ever deleted.

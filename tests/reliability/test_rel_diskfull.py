@@ -144,7 +144,7 @@ def full_checkpoint_run(world, tmp_path_factory):
 
 def test_checkpoint_disk_full_keeps_the_last_checkpoint_and_resumes(full_checkpoint_run):
     from eagle3.checkpoints import STATE_FILE, list_checkpoints
-    from eagle3.model import Eagle3Draft
+    from eagle3.formats import load_draft
 
     f = full_checkpoint_run
     assert f["first"].returncode == 1, f["first"].stderr[-3000:]
@@ -152,7 +152,7 @@ def test_checkpoint_disk_full_keeps_the_last_checkpoint_and_resumes(full_checkpo
     assert ckpts, "at least one checkpoint should have fit"
     step, last = ckpts[-1]
     assert json.loads((last / STATE_FILE).read_text())["step"] == step
-    Eagle3Draft.from_pretrained(last / "draft")  # loads: the last checkpoint is whole
+    load_draft(last / "draft")  # loads: the last checkpoint is whole
 
     f["disk"].resize("30m")
     r = run_cmd([*TRAIN, "--config", str(f["cfg_path"])])

@@ -198,7 +198,7 @@ def _losses(out: Path) -> dict[int, dict]:
 
 def test_train_killed_at_seeded_steps_then_rerun_has_the_same_losses(prepared_world, tmp_path):
     from eagle3.extract import run as extract
-    from eagle3.model import Eagle3Draft
+    from eagle3.formats import load_draft
     from eagle3.trainer import run as train
 
     cfgd = json.loads(json.dumps(prepared_world["cfgd"]))
@@ -232,7 +232,7 @@ def test_train_killed_at_seeded_steps_then_rerun_has_the_same_losses(prepared_wo
     ck = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == sorted(p.name for p in (tmp_path / "ref" / "checkpoints").iterdir())
     assert temp_leftovers(tmp_path / "run") == []
-    a = Eagle3Draft.from_pretrained(tmp_path / "ref" / "checkpoints" / "step_10" / "draft").state_dict()
-    b = Eagle3Draft.from_pretrained(ck / "step_10" / "draft").state_dict()
+    a = load_draft(tmp_path / "ref" / "checkpoints" / "step_10" / "draft").state_dict()
+    b = load_draft(ck / "step_10" / "draft").state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)

@@ -219,11 +219,12 @@ BUILTIN_SCRIPT = r"""
 import json, sys, torch
 torch.set_num_threads(2)
 from transformers import AutoModelForCausalLM
+from eagle3.formats import load_draft
 from eagle3.model import Eagle3Draft
 from eagle3.specdec import HFTargetDecoder, SpeculativeDecoder, SpecSettings
 target, draft_dir, n, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-draft = Eagle3Draft.from_pretrained(draft_dir, embed_weight=model.get_input_embeddings().weight.detach(),
+draft = load_draft(draft_dir, embed_weight=model.get_input_embeddings().weight.detach(),
                                     dtype=torch.float32).eval()
 dec = SpeculativeDecoder(HFTargetDecoder(model, list(draft.config.aux_layer_ids)), draft, SpecSettings(3, 1, 4, 0.0, n), ())
 print(json.dumps([(lambda g: {"tokens": g.tokens, "steps": g.num_steps})(dec.generate(p)) for p in prompts]))

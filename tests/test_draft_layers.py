@@ -1,0 +1,304 @@
+"""The MLA draft layer and the EAGLE-3.1 options (`fc_norm`, `norm_output`): names the engines load, MLA math equal to
+transformers' DeepSeek-V3 attention, the training-time test equal to engine-style chain drafting for every
+combination, exports and the published formats read back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import Config
+from eagle3.export import export
+from eagle3.formats import DraftFormatError, load_draft, read_draft, save_draft
+from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_unroll
+
+H, V, VD = 32, 120, 40
+MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+VARIANTS = [(arch, fc_norm, norm_output) for arch in ("llama", "mla") for fc_norm in (False, True)
+            for norm_output in (False, True)]
+
+
+def config(arch: str = "mla", fc_norm: bool = False, norm_output: bool = False, vocab: int = VD,
+           **kw) -> Eagle3DraftConfig:
+    extra = {**MLA, "head_dim": MLA["v_head_dim"], "rope_scaling": YARN} if arch == "mla" else {}
+    base = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=4 if arch == "mla" else 2, head_dim=8,
+                intermediate_size=48, vocab_size=V, draft_vocab_size=vocab, target_hidden_size=H,
+                max_position_embeddings=256, aux_layer_ids=[2, 4, 6], arch=arch, fc_norm=fc_norm,
+                norm_output=norm_output, rms_norm_eps=1e-6,
+                target={"path": "/t", "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                        "num_layers": 9})
+    return Eagle3DraftConfig(**{**base, **extra, **kw})
+
+
+def make(arch: str = "mla", fc_norm: bool = False, norm_output: bool = False, seed: int = 0,
+         vocab: int = VD) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    m = Eagle3Draft(config(arch, fc_norm, norm_output, vocab), embed_weight=torch.randn(V, H))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)  # norms too: a swapped or skipped norm must show
+    ids = torch.sort(torch.randperm(V)[:vocab]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    m.set_vocab(ids - torch.arange(vocab), t2d)
+    return m
+
+
+def test_mla_head_has_exactly_the_engines_weight_names():
+    """The names and shapes SGLang's kimi_k25_eagle3.py and vLLM's deepseek_eagle3.py load (2H attention input)."""
+    m = make("mla", fc_norm=True)
+    n, r, v, heads = MLA["qk_nope_head_dim"], MLA["qk_rope_head_dim"], MLA["v_head_dim"], 4
+    want = {
+        "fc_norm.0.weight": (H,), "fc_norm.1.weight": (H,), "fc_norm.2.weight": (H,), "fc.weight": (H, 3 * H),
+        "midlayer.self_attn.q_a_proj.weight": (24, 2 * H), "midlayer.self_attn.q_a_layernorm.weight": (24,),
+        "midlayer.self_attn.q_b_proj.weight": (heads * (n + r), 24),
+        "midlayer.self_attn.kv_a_proj_with_mqa.weight": (16 + r, 2 * H),
+        "midlayer.self_attn.kv_a_layernorm.weight": (16,),
+        "midlayer.self_attn.kv_b_proj.weight": (heads * (n + v), 16),
+        "midlayer.self_attn.o_proj.weight": (H, heads * v),
+        "midlayer.mlp.gate_proj.weight": (48, H), "midlayer.mlp.up_proj.weight": (48, H),
+        "midlayer.mlp.down_proj.weight": (H, 48), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.input_layernorm.weight": (H,), "midlayer.post_attention_layernorm.weight": (H,),
+        "norm.weight": (H,), "lm_head.weight": (VD, H), "d2t": (VD,), "t2d": (V,),
+    }
+    assert {k: tuple(t.shape) for k, t in m.draft_state_dict().items()} == want
+
+
+def test_mla_attention_equals_transformers_deepseek_v3():
+    """q/k/v, interleaved RoPE on the shared rope key, YaRN's softmax scale: the same numbers as transformers'
+    DeepseekV3Attention (what the engines implement) run over the draft's 2H attention input."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    m = make("mla")
+    attn = m.midlayer.self_attn
+    hf_cfg = DeepseekV3Config(hidden_size=2 * H, num_attention_heads=4, num_key_value_heads=4, **MLA,
+                              rope_parameters={**YARN, "rope_theta": 10000.0}, max_position_embeddings=256,
+                              attention_bias=False, rms_norm_eps=1e-6)
+    hf_cfg._attn_implementation = "eager"
+    ref = DeepseekV3Attention(hf_cfg, 0)
+    ref.load_state_dict({k: v for k, v in attn.state_dict().items() if k != "o_proj.weight"}, strict=False)
+    ref.o_proj = torch.nn.Identity()
+    assert attn.scale != attn.head_dim**-0.5  # YaRN's mscale is in play
+    x = torch.randn(2, 9, 2 * H)
+    pos = torch.arange(3, 12).expand(2, 9)
+    q, k, vv = attn.qkv(x, pos)
+    ours = torch.nn.functional.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=attn.scale)
+    ours = ours[..., : MLA["v_head_dim"]].transpose(1, 2).reshape(2, 9, -1)
+    causal = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    theirs, _ = ref(x, DeepseekV3RotaryEmbedding(hf_cfg)(x, pos), causal)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def _chain_logits(m: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, t: int, steps: int) -> list[torch.Tensor]:
+    """Engine-style chain drafting from position t: step 0 over the target's features (tokens shifted by one),
+    then each step feeds the previous step's handed-off hidden and the next token back through `decode`, its KV
+    the step-0 prefix 0..t plus this position's earlier steps."""
+    n = ids.shape[1]
+    shifted = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+    hid, logits, (k, v) = m.decode(shifted, m.project(aux), torch.arange(n)[None], None)
+    out = [logits[0, t]]
+    kv = (k[:, :, : t + 1], v[:, :, : t + 1])
+    h = hid[:, t : t + 1]
+    for j in range(1, steps):
+        tok = ids[:, t + 1 + j : t + 2 + j] if t + 1 + j < n else torch.zeros(1, 1, dtype=torch.long)
+        h, lg, kv = m.decode(tok, h, torch.tensor([[t + j]]), kv)
+        out.append(lg[0, 0])
+    return out
+
+
+@pytest.mark.parametrize("arch,fc_norm,norm_output", VARIANTS)
+def test_ttt_equals_chain_drafting_and_dense(arch, fc_norm, norm_output):
+    """Each TTT step at each position = what the engine's chain drafting computes there (which hidden is handed
+    on, where fc_norm sits, the MLA attention); the fast attention = the dense reference, gradients included."""
+    m = make(arch, fc_norm, norm_output)
+    torch.manual_seed(1)
+    aux, ids = torch.randn(1, 11, 3 * H), torch.randint(0, V, (1, 11))
+    fast = ttt_unroll(m, m.project(aux), ids, 4, "fast")
+    dense = ttt_unroll(m, m.project(aux), ids, 4, "dense")
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    gf = torch.autograd.grad(sum(x.square().mean() for x in fast), list(m.parameters()))
+    gd = torch.autograd.grad(sum(x.square().mean() for x in dense), list(m.parameters()))
+    for a, b in zip(gf, gd, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        for t in (0, 3, 6):
+            for j, lg in enumerate(_chain_logits(m, aux, ids, t, 4)):
+                torch.testing.assert_close(fast[j][0, t], lg, atol=2e-5, rtol=2e-5)
+
+
+def test_norm_output_and_fc_norm_change_the_computation():
+    """Negative control for the test above: each option, flipped, changes what later steps compute."""
+    torch.manual_seed(2)
+    aux, ids = torch.randn(1, 9, 3 * H), torch.randint(0, V, (1, 9))
+    base = make("mla", False, False)
+    for flip in ({"norm_output": True}, {"fc_norm": True}):
+        other = make("mla", **{"fc_norm": False, "norm_output": False, **flip})
+        other.load_state_dict(base.state_dict(), strict=False)
+        if flip.get("fc_norm"):
+            with torch.no_grad():
+                for norm in other.fc_norm:
+                    norm.weight.fill_(1.0)
+        a, b = ttt_unroll(base, base.project(aux), ids, 3), ttt_unroll(other, other.project(aux), ids, 3)
+        differs = [not torch.allclose(x, y, atol=1e-4) for x, y in zip(a, b, strict=True)]
+        assert differs == ([False, True, True] if "norm_output" in flip else [True, True, True]), flip
+
+
+@pytest.mark.parametrize("arch,fc_norm,norm_output", [("mla", True, True), ("llama", True, True), ("mla", False, False)])
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_export_and_reload(tmp_path, engine, arch, fc_norm, norm_output):
+    m = make(arch, fc_norm, norm_output)
+    src = save_draft(m, tmp_path / "draft")
+    out = export(src, tmp_path / engine, to=engine, dtype=None)
+    cfg = json.loads((out / "config.json").read_text())
+    names = set(load_file(str(out / "model.safetensors")))
+    layer = cfg if (arch == "mla" or engine == "sglang") else cfg["transformer_layer_config"]
+    assert cfg["fc_norm"] is fc_norm and cfg["norm_output"] is norm_output
+    assert cfg["draft_vocab_size"] == VD and layer["vocab_size"] == V
+    if arch == "mla":
+        assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+        assert {k: cfg[k] for k in MLA} == MLA and cfg["num_hidden_layers"] == 1 and cfg["rope_interleave"] is True
+        assert cfg["rope_scaling"]["factor"] == 4.0 and cfg["rope_scaling"]["rope_type"] == "yarn"
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ([1, 3, 5] if engine == "sglang" else [2, 4, 6])
+    else:
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    prefix = "midlayer." if engine == "sglang" else "layers.0."
+    assert f"{prefix}self_attn.o_proj.weight" in names and ("fc_norm.0.weight" in names) is fc_norm
+    assert not any(n.startswith("layers.0." if engine == "sglang" else "midlayer.") for n in names)
+    back = load_draft(out, embed_weight=m.embed_tokens.weight)
+    assert (back.config.arch, back.config.fc_norm, back.config.norm_output) == (arch, fc_norm, norm_output)
+    for k, v in m.draft_state_dict().items():
+        assert torch.equal(back.draft_state_dict()[k], v), k
+
+
+def test_mla_export_spells_plain_rope_as_yarn_factor_one(tmp_path):
+    """SGLang's CPU RoPE factory builds only DeepSeek YaRN for MLA; factor 1 is the same rotation."""
+    m = make("mla")
+    m.config.rope_scaling = None
+    out = export(save_draft(m, tmp_path / "d"), tmp_path / "sgl", to="sglang", dtype=None)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["factor"] == 1.0
+    plain = Eagle3Draft(config("mla", rope_scaling=None)).midlayer.self_attn
+    yarn1 = Eagle3Draft(config("mla", rope_scaling=cfg["rope_scaling"])).midlayer.self_attn
+    x, pos = torch.randn(1, 5, H), torch.arange(40, 45)[None]
+    for a, b in zip(plain.rotary_emb(x, pos), yarn1.rotary_emb(x, pos), strict=True):
+        torch.testing.assert_close(a, b)
+    assert plain.scale == yarn1.scale
+
+
+# ------------------------------------------------------------------------------------------ published formats
+def _published_mla(tmp_path: Path, m: Eagle3Draft) -> Path:
+    """A folder laid out as the published Kimi-K2.5 MLA head is: a DeepSeek-V3 config, full vocab (no d2t / t2d),
+    `layers.0.*` names, `model_type: kimi_k2`, ids under eagle_config."""
+    folder = tmp_path / "published-mla"
+    folder.mkdir()
+    sd = {k.replace("midlayer.", "layers.0."): v for k, v in m.draft_state_dict().items() if k not in ("d2t", "t2d")}
+    save_file(sd, str(folder / "model.safetensors"))
+    c = m.config
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "hidden_size": H,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 48, "vocab_size": V,
+        "draft_vocab_size": V, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": YARN, "max_position_embeddings": 256, **MLA, "hidden_act": "silu",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True},
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+    assert c.vocab_size == c.draft_vocab_size
+    return folder
+
+
+def _published_llama(tmp_path: Path, m: Eagle3Draft) -> Path:
+    """As lightseekorg's kimi-k2.5-eagle3: a Llama config with no draft_vocab_size and no eagle_config."""
+    folder = tmp_path / "published-llama"
+    folder.mkdir()
+    save_file({k: v for k, v in m.draft_state_dict().items() if k not in ("d2t", "t2d")},
+              str(folder / "model.safetensors"))
+    c = m.config
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+        "vocab_size": V, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": 256}))
+    return folder
+
+
+def test_published_heads_load_as_they_are(tmp_path):
+    mla = make("mla", vocab=V)
+    back = load_draft(_published_mla(tmp_path, mla), embed_weight=mla.embed_tokens.weight, engine="sglang",
+                      family="deepseek")
+    assert back.config.arch == "mla" and back.config.aux_layer_ids == [2, 4, 6]  # [1, 3, 5] in SGLang's spelling
+    assert back.config.draft_vocab_size == V and not back.d2t.any() and back.t2d.all()
+    for k, v in mla.draft_state_dict().items():
+        assert torch.equal(back.draft_state_dict()[k], v), k
+    llama = make("llama", vocab=V)
+    back = load_draft(_published_llama(tmp_path, llama), embed_weight=llama.embed_tokens.weight)
+    assert back.config.arch == "llama" and back.config.aux_layer_ids is None  # the engines' defaults apply
+    assert back.config.draft_vocab_size == V
+    torch.testing.assert_close(back.decode(torch.tensor([[3, 4]]), torch.randn(1, 2, H), torch.arange(2)[None],
+                                           None)[1].shape, torch.zeros(1, 2, V).shape)
+
+
+def test_a_folder_with_an_unknown_tensor_is_refused(tmp_path):
+    """SGLang skips an unknown weight with a warning only; eagle3 names it instead of training or serving around it."""
+    m = make("mla")
+    folder = save_draft(m, tmp_path / "d")
+    sd = load_file(str(folder / "model.safetensors"))
+    sd["midlayer.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(DraftFormatError, match=r"unexpected tensors: \['midlayer.self_attn.q_proj.weight'\]"):
+        load_draft(folder)
+    config, _ = read_draft(folder)
+    assert config.arch == "mla"
+
+
+def test_non_finite_weights_are_never_exported(tmp_path):
+    m = make("mla")
+    with torch.no_grad():
+        m.midlayer.self_attn.kv_b_proj.weight[0, 0] = float("nan")
+    with pytest.raises(DraftFormatError, match="kv_b_proj.weight holds NaN"):
+        export(save_draft(m, tmp_path / "d"), tmp_path / "out", to="sglang")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------- config
+def test_mla_dimensions_default_from_the_target():
+    cfg = Config()
+    cfg.target.aux_layer_ids = None
+    cfg.draft.arch = "mla"
+    kimi = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432,
+            "vocab_size": 163840, "num_hidden_layers": 61, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+            "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    c = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, kimi, 163840)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (
+        1536, 512, 128, 64, 128)
+    assert c.intermediate_size == 18432 and c.rope_scaling["factor"] == 64.0 and c.aux_layer_ids == [2, 30, 58]
+    smol = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "head_dim": 64,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+            "num_hidden_layers": 30, "rope_theta": 100000.0}
+    cfg.draft.kv_lora_rank = 128
+    c = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, smol, 8192)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (
+        768, 128, 64, 32, 64)
+    assert c.num_key_value_heads == 9 and c.rope_scaling is None
+    Eagle3Draft(c)  # builds
+
+
+def test_kimi_config_validates_with_the_mla_and_3_1_options():
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "eagle3.cli", "config", "show", "--config",
+                          str(repo / "configs" / "kimi-k2.5.yaml"), "draft.arch=mla", "draft.fc_norm=true",
+                          "draft.norm_output=true"], capture_output=True, text=True, cwd=repo)
+    assert out.returncode == 0, out.stderr
+    assert "arch: mla" in out.stdout and "fc_norm: true" in out.stdout and "norm_output: true" in out.stdout
