@@ -360,7 +360,7 @@ def _mla_fields(c: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
     yarn_identity = {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": c.max_position_embeddings,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     scaling = dict(c.rope_scaling) if c.rope_scaling else yarn_identity
-    return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3",
+    return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2",
             **_common_fields(c, dtype_name), "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,
             "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim,
             "v_head_dim": c.v_head_dim, "rope_scaling": scaling, "rope_interleave": True}

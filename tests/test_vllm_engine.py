@@ -159,6 +159,131 @@ def test_tiny_target_in_real_vllm(tmp_path, vllm_python):
     assert bad["acceptance_rate"][0] <= v["acceptance_rate"][0] - 0.2, bad
 
 
+def _with_options(cfg: Config, **options) -> None:
+    """Rewrite the checkpoint's head as the same weights with EAGLE-3.1 options switched on (fc_norm weights
+    near one, so the exact copying head stays nearly exact and the options change only what they should)."""
+    from dataclasses import replace
+
+    from eagle3.formats import load_draft, save_draft
+    from eagle3.model import Eagle3Draft
+
+    best = cfg.checkpoint_dir / "best"
+    old = load_draft(best)
+    new = Eagle3Draft(replace(old.config, **options))
+    new.load_state_dict(old.state_dict(), strict=False)
+    new.set_vocab(old.d2t, old.t2d)
+    with torch.no_grad():
+        for norm in getattr(new, "fc_norm", []):
+            norm.weight.uniform_(0.9, 1.1, generator=torch.Generator().manual_seed(0))
+    save_draft(new, best)
+
+
+def test_eagle31_head_in_real_vllm(tmp_path, vllm_python):
+    """fc_norm and norm_output in vLLM's speculators reader: the export loads and vLLM's acceptance is the
+    built-in evaluator's, token for token in float32."""
+    from eagle3.evaluate import run
+
+    torch.set_num_threads(2)
+    cfg = _tiny_setup(tmp_path)
+    _with_options(cfg, fc_norm=True, norm_output=True)
+    report = run(cfg)
+    v, b = report["engines"]["vllm"], report["sets"]["prompts"]
+    conf = json.loads((Path(v["draft_export"]) / "config.json").read_text())
+    assert conf["fc_norm"] is True and conf["norm_output"] is True and conf["speculators_model_type"] == "eagle3"
+    _check_counters(v, cfg.eval.num_steps)
+    assert v["greedy_same"] == v["greedy_compared"] == 3 and b["greedy_mismatches"] == 0
+    assert v["tau"] == pytest.approx(v["builtin_tau"], rel=0.02) and b["tau"] >= 2.0, (v, b["tau"])
+
+
+def _deepseek_setup(tmp_path: Path) -> Config:
+    """A tiny DeepseekV3 (MLA + MoE) target whose layers from the high aux id on are identities, and an exact
+    copying MLA head for it (as `_tiny_setup`), with random attention output added (a tenth of the feature's
+    size) so that the MLA attention, its RoPE and the `[embeds | hidden]` order decide some drafts. vLLM's CPU MLA
+    backends take one head size, kv_lora_rank + qk_rope_head_dim = 512 + 64, so target and head have those."""
+    import re
+
+    from models import deepseek_v3_config
+    from sglang_cpu.tiny_models import sglang_deepseek_fields
+    from test_engine_heads import _layer_output, _rms
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from eagle3.formats import save_draft
+    from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+
+    layers, aux_ids, h = 6, [2, 3, 4], 128
+    base = deepseek_v3_config(VOCAB, h, layers).to_dict()
+    for k in ("head_dim", "qk_head_dim", "model_type", "transformers_version", "architectures"):
+        base.pop(k, None)
+    base.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**base)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            m = re.search(r"layers\.(\d+)\.", name)
+            if m and int(m.group(1)) >= aux_ids[-1] and ("o_proj" in name or "down_proj" in name):
+                p.zero_()
+    target = tmp_path / "target"
+    model.save_pretrained(target)
+    conf = target / "config.json"
+    conf.write_text(json.dumps(sglang_deepseek_fields(json.loads(conf.read_text()))))
+    llama_test_tokenizer(target, vocab_size=VOCAB)
+    cfg = Config(output_dir=str(tmp_path / "run"))
+    cfg.target.path, cfg.target.dtype, cfg.target.aux_layer_ids = str(target), "float32", aux_ids
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Count to ten"}\n{"prompt": "abc abc abc"}\n')
+    cfg.eval.prompt_sets, cfg.eval.max_new_tokens, cfg.eval.engine = [str(prompts)], 24, "vllm"
+    cfg.draft.arch = "mla"
+    draft = Eagle3Draft(Eagle3DraftConfig.from_target(cfg.draft, cfg.target, json.loads(conf.read_text()),
+                                                      DRAFT_VOCAB))
+    ids = torch.arange(1, VOCAB)
+    t2d = torch.ones(VOCAB, dtype=torch.bool)
+    t2d[0] = False
+    draft.set_vocab(ids - torch.arange(DRAFT_VOCAB), t2d)
+    draft.init_from_target(model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, 2 * h:] = torch.eye(h)
+        draft.midlayer.mlp.down_proj.weight.zero_()
+        draft.norm.weight.copy_(model.model.norm.weight)
+        hs = model(input_ids=torch.randint(1, VOCAB, (1, 16), generator=g), output_hidden_states=True).hidden_states
+        aux, tokens = torch.cat([hs[i] for i in aux_ids], -1), torch.randint(1, VOCAB, (1, 16), generator=g)
+        o_proj = draft.midlayer.self_attn.o_proj.weight
+        o_proj.zero_()
+        before = _layer_output(draft, aux, tokens)
+        o_proj.copy_(torch.randn(o_proj.shape, generator=g))
+        o_proj.mul_(0.1 * _rms(draft.project(aux)) / _rms(_layer_output(draft, aux, tokens) - before))
+    save_draft(draft, cfg.checkpoint_dir / "best")
+    cfg.eval.checkpoint = str(cfg.checkpoint_dir / "best")
+    return cfg
+
+
+def test_mla_head_on_a_deepseek_target_in_real_vllm(tmp_path, vllm_python):
+    """vLLM 0.32's `Eagle3DeepseekV2ForCausalLM` serves eagle3's MLA export with the built-in acceptance. (On a
+    Llama target vLLM's CPU build cannot: its CPU attention wants blocks of a multiple of 32 tokens and CPU MLA
+    blocks of 16, "No common block size"; GPUs have no such split.)"""
+    from eagle3.evaluate import run
+
+    torch.set_num_threads(2)
+    cfg = _deepseek_setup(tmp_path)
+    report = run(cfg)
+    v, b = report["engines"]["vllm"], report["sets"]["prompts"]
+    conf = json.loads((Path(v["draft_export"]) / "config.json").read_text())
+    assert conf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and conf["model_type"] == "kimi_k2"
+    assert not any(k.startswith("midlayer.") for k in _safetensor_names(Path(v["draft_export"])))
+    _check_counters(v, cfg.eval.num_steps)
+    assert v["greedy_same"] == v["greedy_compared"] == 3 and b["greedy_mismatches"] == 0
+    assert 1.5 <= b["tau"] <= 3.9, b  # the attention decides some drafts: neither trivial nor exact
+    assert v["tau"] == pytest.approx(v["builtin_tau"], rel=0.02), (v, b["tau"])
+
+
+def _safetensor_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
 def _trained_head() -> Path | None:
     env = os.environ.get("EAGLE3_VLLM_HEAD")
     if env:

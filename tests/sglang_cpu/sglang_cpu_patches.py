@@ -11,6 +11,7 @@ glue SGLang 0.5.23 lacks for `--device cpu --attention-backend torch_native` on 
    length) for TARGET_VERIFY and DRAFT_EXTEND_V2 batches (`_patch_torch_native_backend`).
 3. torch_native EAGLE draft-decode (multi-step, `topk 1` chains) and draft-extend backends in
    `DraftBackendFactory` (`_patch_draft_backend_factory`).
+4. The MLA EAGLE-3 head's embedding hand-over without CUDA calls (`_patch_mla_eagle3_set_embed`).
 
 Each patch names the SGLang 0.5.23 internals it relies on; if one is missing the patch raises at import of the
 patched module (never silently skips), so a SGLang upgrade fails loudly here instead of deep in a forward.
@@ -294,6 +295,39 @@ def _patch_draft_backend_factory(mod) -> None:
     _log("patched DraftBackendFactory._create_backend (torch_native draft decode / extend)")
 
 
+def _patch_mla_eagle3_set_embed(mod) -> None:
+    """`Eagle3DeepseekV2ForCausalLM.set_embed` / `set_embed_and_head` without their trailing
+    `torch.cuda.empty_cache()` / `torch.cuda.synchronize()` (a CPU-only torch raises "Found no NVIDIA driver").
+    The weight hand-over itself (the target's embeddings, and lm_head for a full-vocab head) is SGLang's own code,
+    run unchanged with those two calls made no-ops for its duration.
+
+    Depends on (SGLang 0.5.23) `sglang.srt.models.kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM` with `set_embed` and
+    `set_embed_and_head` (the Llama head's `llama_eagle3.py` makes no CUDA call there).
+    """
+    cls = _require(mod, "Eagle3DeepseekV2ForCausalLM", mod.__name__)
+    for name in ("set_embed", "set_embed_and_head"):
+        original = _require(cls, name, "Eagle3DeepseekV2ForCausalLM")
+        if getattr(original, "_eagle3_cpu_patched", False):
+            continue
+
+        def without_cuda(self, *args, _original=original, **kwargs):
+            import torch
+
+            if torch.cuda.is_available():
+                return _original(self, *args, **kwargs)
+            saved = torch.cuda.empty_cache, torch.cuda.synchronize
+            torch.cuda.empty_cache = torch.cuda.synchronize = lambda *a, **k: None
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                torch.cuda.empty_cache, torch.cuda.synchronize = saved
+
+        without_cuda.__wrapped__ = original
+        without_cuda._eagle3_cpu_patched = True
+        setattr(cls, name, without_cuda)
+    _log("patched Eagle3DeepseekV2ForCausalLM.set_embed / set_embed_and_head (no CUDA calls on CPU)")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Lazy application: a post-import hook per patched module
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,6 +336,7 @@ _HOOKS.update({
     "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_deepseek_attention_handler,
     "sglang.srt.layers.attention.torch_native_backend": _patch_torch_native_backend,
     "sglang.srt.speculative.draft_utils": _patch_draft_backend_factory,
+    "sglang.srt.models.kimi_k25_eagle3": _patch_mla_eagle3_set_embed,
 })
 
 
@@ -310,6 +345,7 @@ PATCH_NAMES = {
     "deepseek_mla": "sglang.srt.models.deepseek_common.attention_backend_handler",
     "torch_native_extend": "sglang.srt.layers.attention.torch_native_backend",
     "draft_backends": "sglang.srt.speculative.draft_utils",
+    "mla_eagle3_embed": "sglang.srt.models.kimi_k25_eagle3",
 }
 
 
