@@ -2,9 +2,11 @@
 
     python benchmarks/bench_step_memory.py --against efee033 --against 858a390
     python benchmarks/bench_step_memory.py --tokens 512 --hidden 1024 --intermediate 2048 --vocab 32768 --draft-vocab 8192
+    python benchmarks/bench_step_memory.py --arch mla --draft-vocab 163840     # the published Kimi MLA head's kind
 
 The shape (defaults): the Kimi-K2.5 head (hidden 7168, 64 heads x 128, MLP 18432, target vocab 163840, draft
-vocab 32000, TTT 3), one 4096-token sample, 73% of it assistant tokens (ShareGPT's share at 512 tokens). The
+vocab 32000, TTT 3; `--arch mla`: Kimi-K2.5's own MLA dimensions, q_lora 1536, kv_lora 512, nope 128, rope 64,
+v 128, YaRN factor 64), one 4096-token sample, 73% of it assistant tokens (ShareGPT's share at 512 tokens). The
 head's weights, its frozen embeddings and the teacher's lm_head are bf16 (`--params fp32` for fp32 head
 weights): the head's forward and backward on bf16 parameters is what an FSDP2 bf16 step runs, and fp32 head
 weights with their gradients (~9.5 GB) plus the older trainer's activations do not fit this 24 GB machine.
@@ -54,8 +56,14 @@ def one(a: argparse.Namespace) -> dict:
     h, v, vd, n = a.hidden, a.vocab, a.draft_vocab, a.tokens
     embed = torch.empty(v, h, dtype=torch.bfloat16).normal_(0, 0.02)
     lm_head = torch.empty(v, h, dtype=torch.bfloat16).normal_(0, 0.02)
+    mla = {} if a.arch == "llama" else {
+        "arch": "mla", "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "max_position_embeddings": 262144,
+        "rope_scaling": {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
     c = Eagle3DraftConfig(hidden_size=h, num_attention_heads=a.heads, num_key_value_heads=a.heads, head_dim=128,
-                          intermediate_size=a.intermediate, vocab_size=v, draft_vocab_size=vd, target_hidden_size=h)
+                          intermediate_size=a.intermediate, vocab_size=v, draft_vocab_size=vd, target_hidden_size=h,
+                          **mla)
     model = Eagle3Draft(c, embed_weight=embed).to(dtype)
     ids = torch.arange(vd) * (v // vd)
     t2d = torch.zeros(v, dtype=torch.bool)
@@ -102,6 +110,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=163840)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--ttt", type=int, default=3)
+    p.add_argument("--arch", choices=["llama", "mla"], default="llama", help="the draft layer (this tree only)")
     p.add_argument("--assistant-share", type=float, default=0.73)
     p.add_argument("--params", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--loss-chunk-rows", type=int, default=4096, help="train.loss_chunk_rows (the fused loss)")
@@ -115,6 +124,10 @@ def main() -> None:
             ("tokens", "hidden", "heads", "intermediate", "vocab", "draft_vocab", "ttt", "assistant_share", "params",
              "loss_chunk_rows")]
     argv.append("--one")
+    if a.arch != "llama":
+        if a.against:
+            raise SystemExit("--arch mla measures this tree only (earlier trees have no MLA layer)")
+        argv.append(f"--arch={a.arch}")
     rows = []
     for rev in a.against:
         with checkout(rev) as tree:
@@ -122,7 +135,7 @@ def main() -> None:
         print(rev, json.dumps(rows[-1][1]), flush=True)
     rows.append(("this tree", run_in_tree(__file__, REPO, argv)))
     print("this tree", json.dumps(rows[-1][1]), flush=True)
-    print(f"\nshape: {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab}, draft vocab {a.draft_vocab}, TTT {a.ttt}, "
+    print(f"\nshape: {a.arch} layer, {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab}, draft vocab {a.draft_vocab}, TTT {a.ttt}, "
           f"head weights {a.params}, {rows[-1][1]['head_params'] / 1e9:.2f} B head parameters")
     print("| trainer | peak memory of the step above the weights | of which the head's gradients | step time |")
     print("|---|---|---|---|")

@@ -187,6 +187,19 @@ def export_best(cfg: Config, best: Path) -> None:
     log.info("exported the best draft for SGLang: %s", out)
 
 
+def refuse_non_finite(loss: torch.Tensor, grad_norm: torch.Tensor, step: int, samples: list[list[int]]) -> None:
+    """Stop before a non-finite loss or gradient reaches the weights: a NaN step would otherwise train on
+    silently, and its head be saved as `best` and exported. The gradient norm is all-reduced, so every rank
+    stops at the same step."""
+    if bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss)):
+        return
+    raise UserError(
+        f"step {step}: the loss ({float(loss):.4g}) or gradient norm ({float(grad_norm):.4g}) is not finite; the "
+        f"step was not applied and every checkpoint so far is intact. Its micro-batches hold train samples "
+        f"{samples} (indices into the cache's train split). A damaged cache shard or NaN hidden states are the "
+        "usual cause (check them with `eagle3 verify-extraction --config ... --source cache`); else lower train.lr")
+
+
 # ------------------------------------------------------------------------------------------------- one step
 def to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The batch on `device`, its fp8 states (eagle3.storage) dequantised to `dtype` there: a GPU copies half the
@@ -340,6 +353,8 @@ def run(cfg: Config) -> dict[str, Any]:
                     loss_total += loss.detach()  # no host sync per micro-batch: one at the step's end
                     stats = stats + st
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                refuse_non_finite(loss_total, grad_norm, state.step + 1,
+                                  plan.batches[state.batch_index:state.batch_index + tc.grad_accum])
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -194,50 +194,54 @@ def test_mla_export_spells_plain_rope_as_yarn_factor_one(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ published formats
-def _published_mla(tmp_path: Path, m: Eagle3Draft) -> Path:
-    """A folder laid out as the published Kimi-K2.5 MLA head is: a DeepSeek-V3 config, full vocab (no d2t / t2d),
-    `layers.0.*` names, `model_type: kimi_k2`, ids under eagle_config."""
-    folder = tmp_path / "published-mla"
-    folder.mkdir()
+def published_mla(folder: Path, m: Eagle3Draft, sglang_ids: list[int] | None) -> Path:
+    """A folder laid out as the published Kimi-K2.5 MLA head is: a DeepSeek-V3 config (`model_type: kimi_k2`),
+    full vocab (no d2t / t2d), `layers.0.*` names, ids (if any) under eagle_config in SGLang's spelling."""
+    c = m.config
+    assert c.arch == "mla" and c.vocab_size == c.draft_vocab_size
+    folder.mkdir(parents=True)
     sd = {k.replace("midlayer.", "layers.0."): v for k, v in m.draft_state_dict().items() if k not in ("d2t", "t2d")}
     save_file(sd, str(folder / "model.safetensors"))
-    c = m.config
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "hidden_size": H,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 48, "vocab_size": V,
-        "draft_vocab_size": V, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "rope_scaling": YARN, "max_position_embeddings": 256, **MLA, "hidden_act": "silu",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True},
-        "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
-    assert c.vocab_size == c.draft_vocab_size
+    conf = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_attention_heads,
+            "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size, "draft_vocab_size": c.vocab_size,
+            "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "rope_scaling": c.rope_scaling, "max_position_embeddings": c.max_position_embeddings,
+            "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank, "qk_nope_head_dim": c.qk_nope_head_dim,
+            "qk_rope_head_dim": c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "hidden_act": "silu",
+            "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+    if sglang_ids:
+        conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True}
+    (folder / "config.json").write_text(json.dumps(conf))
     return folder
 
 
-def _published_llama(tmp_path: Path, m: Eagle3Draft) -> Path:
+def published_llama(folder: Path, m: Eagle3Draft) -> Path:
     """As lightseekorg's kimi-k2.5-eagle3: a Llama config with no draft_vocab_size and no eagle_config."""
-    folder = tmp_path / "published-llama"
-    folder.mkdir()
+    c = m.config
+    assert c.arch == "llama" and c.vocab_size == c.draft_vocab_size
+    folder.mkdir(parents=True)
     save_file({k: v for k, v in m.draft_state_dict().items() if k not in ("d2t", "t2d")},
               str(folder / "model.safetensors"))
-    c = m.config
     (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
-        "vocab_size": V, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "max_position_embeddings": 256}))
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size,
+        "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings}))
     return folder
 
 
 def test_published_heads_load_as_they_are(tmp_path):
     mla = make("mla", vocab=V)
-    back = load_draft(_published_mla(tmp_path, mla), embed_weight=mla.embed_tokens.weight, engine="sglang",
-                      family="deepseek")
+    back = load_draft(published_mla(tmp_path / "mla", mla, [1, 3, 5]), embed_weight=mla.embed_tokens.weight,
+                      engine="sglang", family="deepseek")
     assert back.config.arch == "mla" and back.config.aux_layer_ids == [2, 4, 6]  # [1, 3, 5] in SGLang's spelling
     assert back.config.draft_vocab_size == V and not back.d2t.any() and back.t2d.all()
     for k, v in mla.draft_state_dict().items():
         assert torch.equal(back.draft_state_dict()[k], v), k
     llama = make("llama", vocab=V)
-    back = load_draft(_published_llama(tmp_path, llama), embed_weight=llama.embed_tokens.weight)
+    back = load_draft(published_llama(tmp_path / "llama", llama), embed_weight=llama.embed_tokens.weight)
     assert back.config.arch == "llama" and back.config.aux_layer_ids is None  # the engines' defaults apply
     assert back.config.draft_vocab_size == V
     torch.testing.assert_close(back.decode(torch.tensor([[3, 4]]), torch.randn(1, 2, H), torch.arange(2)[None],

@@ -119,6 +119,34 @@ def _setup(tmp_path: Path, **eval_overrides) -> Config:
     return cfg
 
 
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_eval_takes_a_published_head(tmp_path, arch):
+    """`eagle3 eval` of a head in a published layout (full vocab, no d2t; the Llama one without draft_vocab_size or
+    layer ids, which then get the engines' default ids for this target), losslessly."""
+    from dataclasses import replace
+
+    from test_draft_layers import published_llama, published_mla
+
+    from eagle3.evaluate import run
+    from eagle3.formats import load_draft
+    from eagle3.layer_ids import default_layer_ids
+    from eagle3.model import Eagle3Draft
+
+    cfg = _setup(tmp_path)
+    ours = load_draft(cfg.checkpoint_dir / "best")
+    mla = {"arch": "mla", "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+           "v_head_dim": 16, "num_key_value_heads": 4}
+    config = replace(ours.config, draft_vocab_size=VOCAB, **(mla if arch == "mla" else {}))
+    torch.manual_seed(1)
+    head = Eagle3Draft(config)
+    head.set_vocab(torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool))
+    folder = (published_mla(tmp_path / "pub", head, [i - 1 for i in default_layer_ids(4)]) if arch == "mla"
+              else published_llama(tmp_path / "pub", head))
+    cfg.eval.checkpoint, cfg.eval.prompt_sets = str(folder), cfg.eval.prompt_sets[:1]
+    report = run(cfg)
+    assert report["sets"]["prompts"]["greedy_mismatches"] == 0 and report["sets"]["prompts"]["turns"] == 3
+
+
 @pytest.mark.parametrize("shape", [(3, 1, 4), (2, 3, 6)], ids=["chain", "tree"])
 def test_run_writes_report_and_is_lossless(tmp_path, shape, capsys):
     from eagle3.evaluate import run

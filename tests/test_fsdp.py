@@ -82,11 +82,13 @@ def _launch(tmp_path: Path, config: Path, crash_at: int = 0):
 
 
 @pytest.mark.slow
-def test_fsdp2_with_the_8gpu_launcher_settings_trains_and_resumes_exactly(tiny_cache, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("draft", [{}, {"arch": "mla", "fc_norm": True, "norm_output": True}],
+                         ids=["llama", "mla-3.1"])
+def test_fsdp2_with_the_8gpu_launcher_settings_trains_and_resumes_exactly(tiny_cache, tmp_path, draft):  # noqa: F811
     kw = dict(max_steps=5, save_every=3, eval_every=3)
     runs = {}
     for name in ("straight", "crashed"):
-        cfg = make_cfg(tiny_cache, tmp_path / name, **kw)
+        cfg = make_cfg(tiny_cache, tmp_path / name, draft, **kw)
         config = tmp_path / f"{name}.yaml"
         config.write_text(dump_config(cfg))
         runs[name] = (cfg, config)
@@ -120,4 +122,5 @@ def test_fsdp2_with_the_8gpu_launcher_settings_trains_and_resumes_exactly(tiny_c
     assert state["step"] == 5
     # the full (gathered) draft of rank 0 went to best/ and the SGLang export
     assert (cfg.export_dir / "sglang" / "model.safetensors").is_file()
-    assert load_draft(cfg.checkpoint_dir / "best").config.draft_vocab_size == 64
+    best = load_draft(cfg.checkpoint_dir / "best").config
+    assert best.draft_vocab_size == 64 and best.arch == draft.get("arch", "llama")

@@ -40,7 +40,7 @@ def recipe_cfg(root: Path, target: Path, data: Path, head: list[str]) -> Config:
 
 
 HEADS = {
-    "llama": [],
+    "llama": ["draft.arch=llama"],
     # The published Kimi-K2.5 MLA head's kind: MLA layer, full target vocab (no d2t), with EAGLE-3.1's options.
     "mla-3.1-full-vocab": ["draft.arch=mla", "draft.fc_norm=true", "draft.norm_output=true",
                            "draft.vocab_size=163840"],

@@ -146,6 +146,32 @@ def test_exact_resume_after_a_crash(tiny_cache, tmp_path, monkeypatch, draft):
         assert torch.equal(wa[k], wb[k]), k  # exact: the same bits
 
 
+def test_nan_states_stop_training_before_they_reach_the_weights(tiny_cache, tmp_path, monkeypatch):
+    """NaN hidden states in one sample (a damaged shard) make a NaN loss: training stops at that step with one
+    clear error naming it and the samples, and no checkpoint, best head or export holds a NaN."""
+    from eagle3.logs import UserError
+
+    cfg = make_cfg(tiny_cache, tmp_path / "nan", max_steps=8, save_every=2, eval_every=2)
+    real_plan = trainer.plan_micro
+    seen: list[int] = []
+
+    def plan_with_a_damaged_sample(teacher, batch, cfg_, device, kept=None, indices=None):
+        seen.append(1)
+        if len(seen) == 5:  # a micro-batch after the step-2 checkpoint and eval
+            batch = {**batch, "aux": batch["aux"].clone()}
+            batch["aux"][0, 1] = float("nan")
+        return real_plan(teacher, batch, cfg_, device, kept, indices)
+
+    monkeypatch.setattr(trainer, "plan_micro", plan_with_a_damaged_sample)
+    with pytest.raises(UserError, match=r"step \d: the loss \(nan\) or gradient norm .* not finite.*train samples \[\[") as e:
+        trainer.run(cfg)
+    step = int(str(e.value).split(":")[0].removeprefix("step "))
+    assert step > 2 and sorted(read_log(tmp_path / "nan")) == list(range(1, step))  # stopped at that step
+    for folder in (cfg.checkpoint_dir / "step_2" / "draft", cfg.checkpoint_dir / "best"):
+        for name, t in load_draft(folder).state_dict().items():
+            assert not t.is_floating_point() or torch.isfinite(t).all(), (folder, name)
+
+
 def test_refuses_a_cache_from_other_layers(tiny_cache, tmp_path):
     from eagle3.cache import CacheError
 
