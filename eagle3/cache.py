@@ -157,6 +157,10 @@ class Manifest:
     planned_samples: int
     planned_shards: int
     shards: list[ShardEntry] = field(default_factory=list)
+    fingerprint: dict[str, Any] | None = None
+    """What the shards were extracted with (meta.json's), so a lost meta.json is rebuilt from the shards' own
+    record, never from a config; None in manifests written before it was recorded."""
+    layout: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:
@@ -176,7 +180,8 @@ class Manifest:
     def save(self, cache_dir: Path) -> None:
         data = {"split": self.split, "rank": self.rank, "world_size": self.world_size,
                 "planned_samples": self.planned_samples, "planned_shards": self.planned_shards,
-                "shards": [s.__dict__ for s in sorted(self.shards, key=lambda s: s.index)], "complete": self.complete}
+                "shards": [s.__dict__ for s in sorted(self.shards, key=lambda s: s.index)], "complete": self.complete,
+                "fingerprint": self.fingerprint, "layout": self.layout}
         write_json_atomic(self.path(cache_dir, self.split, self.rank, self.world_size), data)
 
 
@@ -424,6 +429,10 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._maps: list[pa.MemoryMappedFile] = []
         where_b, where_r, lengths = [], [], []
         for m in sorted(found, key=lambda m: m.rank):
+            if m.fingerprint is not None and fingerprint_diff(m.fingerprint, self.fingerprint):
+                raise CacheError(f"{Manifest.path(self.cache_dir, split, m.rank, m.world_size)}: its shards were "
+                                 f"extracted with {fingerprint_diff(m.fingerprint, self.fingerprint)} against "
+                                 f"{self.cache_dir / 'meta.json'}; the cache mixes two jobs: extract into a new folder")
             for s in sorted(m.shards, key=lambda s: s.index):
                 mm = pa.memory_map(str(self.cache_dir / split / s.file), "r")
                 self._maps.append(mm)
@@ -506,7 +515,8 @@ def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
                         size = w.commit()
                     tokens += w.num_tokens
                     entries.append(ShardEntry(e.index, e.file, e.num_samples, e.num_tokens, size, e.skipped_nonfinite))
-                Manifest(split, m.rank, m.world_size, m.planned_samples, m.planned_shards, entries).save(tmp)
+                Manifest(split, m.rank, m.world_size, m.planned_samples, m.planned_shards, entries,
+                         fingerprint={**fp, "storage": storage}, layout=meta["layout"]).save(tmp)
         write_json_atomic(tmp / "meta.json", {**meta, "fingerprint": {**fp, "storage": storage}})
         replace_dir(tmp, dst)
     finally:

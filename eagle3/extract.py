@@ -86,6 +86,8 @@ def open_cache(cache_dir: Path, fingerprint: dict[str, Any], layout: dict[str, A
     """Create the cache's meta.json, or check that an existing cache was made for the same job."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     meta_path = cache_dir / "meta.json"
+    if not meta_path.is_file() and sorted(cache_dir.glob("*/rank-*.json")):
+        _rebuild_meta(cache_dir, fingerprint, layout, rank)
     if meta_path.is_file():
         meta = read_meta(cache_dir)
         diff = fingerprint_diff(meta["fingerprint"], fingerprint)
@@ -106,12 +108,41 @@ def open_cache(cache_dir: Path, fingerprint: dict[str, Any], layout: dict[str, A
                       tmp_tag=f".{rank}")
 
 
-def _load_manifest(cache_dir: Path, split: str, rank: int, world: int, plan: list[list[int]]) -> Manifest:
+def _rebuild_meta(cache_dir: Path, fingerprint: dict[str, Any], layout: dict[str, Any], rank: int) -> None:
+    """meta.json is gone but shards are there: rebuild it from what the manifests say the shards were extracted
+    with, and only if that is what this run would extract; a config never vouches for shards it did not write."""
+    found = sorted(cache_dir.glob("*/rank-*.json"))
+    records = {p: Manifest.load(p) for p in found}
+    unknown = [str(p) for p, m in records.items() if m.fingerprint is None or m.layout is None]
+    if unknown:
+        raise CacheError(f"{cache_dir / 'meta.json'} is missing and the manifests ({', '.join(unknown)}) do not "
+                         "record what their shards were extracted with, so nothing can vouch for them: restore "
+                         f"meta.json, or extract into a new extract.cache_dir (or delete {cache_dir})")
+    for p, m in records.items():
+        diff = fingerprint_diff(m.fingerprint or {}, fingerprint)
+        if diff or m.layout != layout:
+            what = "\n".join(f"  {d}" for d in diff) if diff else f"  layout {m.layout}, this run {layout}"
+            raise CacheError(f"{cache_dir / 'meta.json'} is missing, and the shards listed in {p} were extracted "
+                             f"for another job than this config's:\n{what}\nRe-run with the settings they were "
+                             f"made with, or use a new extract.cache_dir (or delete {cache_dir})")
+    write_json_atomic(cache_dir / "meta.json", {"format": "eagle3-hidden-states", "fingerprint": fingerprint,
+                                                "layout": layout}, tmp_tag=f".{rank}")
+    log.warning("%s was missing: rebuilt from the %d manifests, whose recorded fingerprint is this config's",
+                cache_dir / "meta.json", len(records))
+
+
+def _load_manifest(cache_dir: Path, split: str, rank: int, world: int, plan: list[list[int]],
+                   fingerprint: dict[str, Any], layout: dict[str, Any]) -> Manifest:
     path = Manifest.path(cache_dir, split, rank, world)
-    fresh = Manifest(split, rank, world, planned_samples=sum(map(len, plan)), planned_shards=len(plan))
+    fresh = Manifest(split, rank, world, planned_samples=sum(map(len, plan)), planned_shards=len(plan),
+                     fingerprint=fingerprint, layout=layout)
     if not path.is_file():
         return fresh
     m = Manifest.load(path)
+    if m.fingerprint is not None and fingerprint_diff(m.fingerprint, fingerprint):
+        raise CacheError(f"{path}: its shards were extracted with {fingerprint_diff(m.fingerprint, fingerprint)}; "
+                         "the cache mixes two jobs: extract into a new extract.cache_dir")
+    m.fingerprint, m.layout = fingerprint, layout  # an older manifest learns them (open_cache checked meta.json)
     if (m.planned_samples, m.planned_shards) != (fresh.planned_samples, fresh.planned_shards):
         raise CacheError(f"{path}: planned {m.planned_samples} samples in {m.planned_shards} shards, this run plans "
                          f"{fresh.planned_samples} in {fresh.planned_shards}: the prepared data changed")
@@ -215,7 +246,8 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     prepared = load_prepared(cfg.prepared_dir)
     fp = expected_fingerprint(cfg, prepared.meta)
     S = cfg.extract.shard_samples
-    open_cache(cache_dir, fp, {"world_size": world, "shard_samples": S, "max_samples": cfg.extract.max_samples}, rank)
+    layout = {"world_size": world, "shard_samples": S, "max_samples": cfg.extract.max_samples}
+    open_cache(cache_dir, fp, layout, rank)
 
     data = {"train": prepared.train, "eval": prepared.eval}
     lengths = {split: sample_lengths(ds) for split, ds in data.items()}
@@ -228,7 +260,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
         split_dir.mkdir(exist_ok=True)
         _clean_stale_tmp(split_dir, rank, world)
         plan = plan_rank(len(lengths[split]), rank, world, S)
-        m = manifests[split] = _load_manifest(cache_dir, split, rank, world, plan)
+        m = manifests[split] = _load_manifest(cache_dir, split, rank, world, plan, fp, layout)
         m.save(cache_dir)  # a rank with nothing to do is complete right away
         done = {s.index for s in m.shards}
         jobs += [Job(split, i, rows) for i, rows in enumerate(plan) if i not in done]

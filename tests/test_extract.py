@@ -75,6 +75,25 @@ def test_refuses_cache_with_other_fingerprint(world, tmp_path):
         run(cfg)
 
 
+def test_a_lost_meta_json_is_rebuilt_only_from_what_the_shards_say(world, tmp_path):
+    """Issue 27's first case: with meta.json deleted, extraction under other layer ids must not adopt the shards
+    (the head would be trained on, and exported as, ids its features never came from); under the same config it
+    rebuilds meta.json from the manifests and finds nothing to do."""
+    cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path, shard_samples=8)
+    run(cfg)
+    meta = (cfg.cache_dir / "meta.json").read_text()
+    (cfg.cache_dir / "meta.json").unlink()
+    shards = _files(cfg.cache_dir)
+    cfg.target.aux_layer_ids = [3, 4, 6]
+    with pytest.raises(CacheError, match=r"(?s)meta.json is missing, and the shards listed in .*rank-00000-of-00001"
+                                         r".json were extracted for another job.*layer ids \[2, 4, 5\]"):
+        run(cfg)
+    assert not (cfg.cache_dir / "meta.json").exists() and _files(cfg.cache_dir) == shards
+    cfg.target.aux_layer_ids = None
+    assert run(cfg)["samples"] == 0  # the same job: meta.json rebuilt, every shard kept
+    assert (cfg.cache_dir / "meta.json").read_text() == meta and len(HiddenStateDataset(cfg.cache_dir, "train")) == 10
+
+
 def test_disk_preflight_refuses(tmp_path):
     with pytest.raises(CacheError, match="not enough disk"):
         preflight_disk(tmp_path, tokens=10**12, hidden_size=7168, dtype="bfloat16")
