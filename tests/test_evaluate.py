@@ -249,6 +249,9 @@ def test_sglang_meta_parse():
     assert r["tau"] == pytest.approx((29 + 9) / 20)
     with pytest.raises(ValueError, match="spec_verify_ct"):
         parse_sglang_meta([{"completion_tokens": 3}])
+    # A turn that ended at its first (prefill) token: SGLang leaves spec_verify_ct out; zero verify steps, no abort.
+    ended = parse_sglang_meta([*metas, {"completion_tokens": 1}])
+    assert ended["tau"] == r["tau"] and ended["verify_steps"] == 20 and ended["requests"] == 3
 
 
 FAKE_VLLM = """

@@ -37,10 +37,12 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
     completion = verify = 0
     per_request: list[float] = []
     for i, m in enumerate(metas):
-        if "spec_verify_ct" not in m or "completion_tokens" not in m:
+        # SGLang writes spec_verify_ct only when it is above zero (tokenizer_manager.py): a turn whose prefill token
+        # ended it has none, and took no verify step. Any longer turn made its tokens in verify steps.
+        if "completion_tokens" not in m or ("spec_verify_ct" not in m and int(m["completion_tokens"]) > 1):
             raise ValueError(f"request {i}: meta_info has no spec_verify_ct/completion_tokens: was the server "
                              "started with --speculative-algorithm EAGLE3?")
-        c, v = int(m["completion_tokens"]), int(m["spec_verify_ct"])
+        c, v = int(m["completion_tokens"]), int(m.get("spec_verify_ct", 0))
         completion += c
         verify += v
         if m.get("spec_accept_length") is not None:
@@ -49,7 +51,7 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
             per_request.append(c / v)
     if verify <= 0:
         raise ValueError("SGLang reported no verify steps: speculative decoding is not active on that server")
-    decoded = sum(max(int(m["completion_tokens"]) - 1, 0) for m in metas if int(m["spec_verify_ct"]) > 0)
+    decoded = sum(max(int(m["completion_tokens"]) - 1, 0) for m in metas if int(m.get("spec_verify_ct", 0)) > 0)
     return {
         "tau": decoded / verify,
         "sglang_accept_length": completion / verify,
