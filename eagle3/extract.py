@@ -13,6 +13,9 @@ Extraction of a big target runs for hours, so it is built to be killed:
 - Ranks share nothing but the cache folder: each writes its own shards and manifest; readers wait for all.
 - Preflight before the long part: disk space for the estimated size, the target loads, one sample's states
   come back with the prompt's token count.
+
+Everything about the cache's files (which shard holds which samples, meta.json, manifests, stale temporaries, the
+disk estimate) is eagle3.cache's; this module runs the target over the work that is left and writes shards.
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ from eagle3.cache import (
     Manifest,
     ShardEntry,
     ShardWriter,
+    clean_stale_tmp,
     expected_fingerprint,
-    fingerprint_diff,
+    load_manifest,
+    open_cache,
     payload_bytes_per_token,
-    rank_stem,
-    read_meta,
+    plan_rank,
+    preflight_disk,
+    remaining_tokens,
     shard_name,
 )
 from eagle3.data.prepared import load_prepared
-from eagle3.fsutil import write_json_atomic
 from eagle3.logs import Progress, disk_full_error, setup_logging
 from eagle3.loss import ArgmaxHead
 
@@ -62,12 +67,6 @@ def rank_world() -> tuple[int, int]:
     return rank, world
 
 
-def plan_rank(num_samples: int, rank: int, world: int, shard_samples: int) -> list[list[int]]:
-    """This rank's shards as lists of sample indices (see the module docstring)."""
-    mine = list(range(rank, num_samples, world))
-    return [mine[i: i + shard_samples] for i in range(0, len(mine), shard_samples)]
-
-
 def sample_lengths(ds: Any) -> np.ndarray:
     """Token count of every row, straight from the Arrow column (no Python loop over 10K samples)."""
     if getattr(ds, "_indices", None) is None:
@@ -80,113 +79,6 @@ class Job:
     split: str
     shard: int
     rows: list[int]
-
-
-def open_cache(cache_dir: Path, fingerprint: dict[str, Any], layout: dict[str, Any], rank: int) -> None:
-    """Create the cache's meta.json, or check that an existing cache was made for the same job."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    meta_path = cache_dir / "meta.json"
-    if not meta_path.is_file() and sorted(cache_dir.glob("*/rank-*.json")):
-        _rebuild_meta(cache_dir, fingerprint, layout, rank)
-    if meta_path.is_file():
-        meta = read_meta(cache_dir)
-        diff = fingerprint_diff(meta["fingerprint"], fingerprint)
-        if diff:
-            raise CacheError(
-                f"refusing to add to hidden-state cache {cache_dir}: it\n"
-                + "\n".join(f"  {d}" for d in diff)
-                + f"\nUse a new extract.cache_dir=..., or delete {cache_dir} to extract again from scratch."
-            )
-        if meta["layout"] != layout:
-            raise CacheError(
-                f"refusing to resume cache {cache_dir}: it was started with layout {meta['layout']} and this run "
-                f"has {layout} (world size, samples per shard and max_samples decide which sample goes to which "
-                f"shard). Re-run with the original settings, or use a new extract.cache_dir."
-            )
-        return
-    write_json_atomic(meta_path, {"format": "eagle3-hidden-states", "fingerprint": fingerprint, "layout": layout},
-                      tmp_tag=f".{rank}")
-
-
-def _rebuild_meta(cache_dir: Path, fingerprint: dict[str, Any], layout: dict[str, Any], rank: int) -> None:
-    """meta.json is gone but shards are there: rebuild it from what the manifests say the shards were extracted
-    with, and only if that is what this run would extract; a config never vouches for shards it did not write."""
-    found = sorted(cache_dir.glob("*/rank-*.json"))
-    records = {p: Manifest.load(p) for p in found}
-    unknown = [str(p) for p, m in records.items() if m.fingerprint is None or m.layout is None]
-    if unknown:
-        raise CacheError(f"{cache_dir / 'meta.json'} is missing and the manifests ({', '.join(unknown)}) do not "
-                         "record what their shards were extracted with, so nothing can vouch for them: restore "
-                         f"meta.json, or extract into a new extract.cache_dir (or delete {cache_dir})")
-    for p, m in records.items():
-        diff = fingerprint_diff(m.fingerprint or {}, fingerprint)
-        if diff or m.layout != layout:
-            what = "\n".join(f"  {d}" for d in diff) if diff else f"  layout {m.layout}, this run {layout}"
-            raise CacheError(f"{cache_dir / 'meta.json'} is missing, and the shards listed in {p} were extracted "
-                             f"for another job than this config's:\n{what}\nRe-run with the settings they were "
-                             f"made with, or use a new extract.cache_dir (or delete {cache_dir})")
-    write_json_atomic(cache_dir / "meta.json", {"format": "eagle3-hidden-states", "fingerprint": fingerprint,
-                                                "layout": layout}, tmp_tag=f".{rank}")
-    log.warning("%s was missing: rebuilt from the %d manifests, whose recorded fingerprint is this config's",
-                cache_dir / "meta.json", len(records))
-
-
-def _load_manifest(cache_dir: Path, split: str, rank: int, world: int, plan: list[list[int]],
-                   fingerprint: dict[str, Any], layout: dict[str, Any]) -> Manifest:
-    path = Manifest.path(cache_dir, split, rank, world)
-    fresh = Manifest(split, rank, world, planned_samples=sum(map(len, plan)), planned_shards=len(plan),
-                     fingerprint=fingerprint, layout=layout)
-    if not path.is_file():
-        return fresh
-    m = Manifest.load(path)
-    if m.fingerprint is not None and fingerprint_diff(m.fingerprint, fingerprint):
-        raise CacheError(f"{path}: its shards were extracted with {fingerprint_diff(m.fingerprint, fingerprint)}; "
-                         "the cache mixes two jobs: extract into a new extract.cache_dir")
-    m.fingerprint, m.layout = fingerprint, layout  # an older manifest learns them (open_cache checked meta.json)
-    if (m.planned_samples, m.planned_shards) != (fresh.planned_samples, fresh.planned_shards):
-        raise CacheError(f"{path}: planned {m.planned_samples} samples in {m.planned_shards} shards, this run plans "
-                         f"{fresh.planned_samples} in {fresh.planned_shards}: the prepared data changed")
-    kept = [s for s in m.shards if (cache_dir / split / s.file).is_file()]
-    if len(kept) != len(m.shards):
-        log.warning("%s: %d shard file(s) listed but missing; they will be extracted again",
-                    path, len(m.shards) - len(kept))
-    m.shards = kept
-    return m
-
-
-def _clean_stale_tmp(split_dir: Path, rank: int, world: int) -> None:
-    """Remove this rank's leftovers from a killed run (never another rank's: it may be writing right now)."""
-    for p in split_dir.glob(f"{rank_stem(rank, world)}*.tmp"):
-        log.info("removing stale temporary file %s from an interrupted run", p)
-        p.unlink(missing_ok=True)
-
-
-def _remaining_tokens(cache_dir: Path, world: int, lengths: dict[str, np.ndarray], shard_samples: int) -> int:
-    """Tokens not yet committed by any rank (ranks usually share the disk, so check for the whole job)."""
-    total = 0
-    for split, lens in lengths.items():
-        for r in range(world):
-            plan = plan_rank(len(lens), r, world, shard_samples)
-            path = Manifest.path(cache_dir, split, r, world)
-            done = {s.index for s in Manifest.load(path).shards} if path.is_file() else set()
-            total += sum(int(lens[rows].sum()) for i, rows in enumerate(plan) if i not in done)
-    return total
-
-
-def preflight_disk(cache_dir: Path, tokens: int, hidden_size: int, dtype: str, margin: float = 0.10,
-                   storage: str = "exact") -> None:
-    per_token = payload_bytes_per_token(hidden_size, dtype, storage)
-    need = tokens * per_token
-    free = shutil.disk_usage(cache_dir).free
-    log.info("preflight: %d tokens to extract, about %.2f GB; %.2f GB free on %s", tokens, need / 1e9, free / 1e9,
-             cache_dir)
-    if need * (1 + margin) > free:
-        raise CacheError(
-            f"not enough disk for the hidden-state cache: about {need / 1e9:.2f} GB needed (+{margin:.0%} margin) "
-            f"for {tokens} tokens x {per_token} bytes/token ({storage} storage), but only "
-            f"{free / 1e9:.2f} GB is free on {cache_dir}. Point extract.cache_dir at a bigger disk, extract fewer "
-            f"samples (extract.max_samples=N), store fp8 (extract.storage=fp8: ~0.5x), or use extract.mode=online."
-        )
 
 
 def _check_backend(backend: Any, fp: dict[str, Any]) -> None:
@@ -258,9 +150,9 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     for split in SPLITS:
         split_dir = cache_dir / split
         split_dir.mkdir(exist_ok=True)
-        _clean_stale_tmp(split_dir, rank, world)
+        clean_stale_tmp(split_dir, rank, world)
         plan = plan_rank(len(lengths[split]), rank, world, S)
-        m = manifests[split] = _load_manifest(cache_dir, split, rank, world, plan, fp, layout)
+        m = manifests[split] = load_manifest(cache_dir, split, rank, world, plan, fp, layout)
         m.save(cache_dir)  # a rank with nothing to do is complete right away
         done = {s.index for s in m.shards}
         jobs += [Job(split, i, rows) for i, rows in enumerate(plan) if i not in done]
@@ -273,7 +165,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     log.info("rank %d/%d: %d shard(s), %d samples, %d tokens to extract into %s", rank, world, len(jobs),
              todo_samples, todo_tokens, cache_dir)
     if cfg.extract.preflight:
-        preflight_disk(cache_dir, _remaining_tokens(cache_dir, world, lengths, S), fp["hidden_size"], fp["dtype"],
+        preflight_disk(cache_dir, remaining_tokens(cache_dir, world, lengths, S), fp["hidden_size"], fp["dtype"],
                        storage=fp["storage"])
 
     if backend is None:
