@@ -200,9 +200,12 @@ def test_extract_then_verify_against_hf(case):
 
     shifted = root / "cache-labelled-one-lower"
     shutil.copytree(cfg.cache_dir, shifted)
-    meta = json.loads((shifted / "meta.json").read_text())
-    meta["fingerprint"]["layer_ids"] = [k - 1 for k in meta["fingerprint"]["layer_ids"]]
-    (shifted / "meta.json").write_text(json.dumps(meta))
+    # Labelled one lower everywhere the cache records its ids (meta.json and every manifest), as a cache from an
+    # engine that captured other layers than it said would be: only the states themselves can tell.
+    for record in [shifted / "meta.json", *shifted.glob("*/rank-*.json")]:
+        meta = json.loads(record.read_text())
+        meta["fingerprint"]["layer_ids"] = [k - 1 for k in meta["fingerprint"]["layer_ids"]]
+        record.write_text(json.dumps(meta))
     r = eagle3_cli("verify-extraction", "--config", str(cfg_file), "--source", str(shifted), "--num-samples", "2")
     assert r.returncode == 1, r.stdout[-3000:]
     assert "FAIL: aux layers off by one (id +1)" in r.stdout, r.stdout[-3000:]
