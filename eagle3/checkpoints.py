@@ -25,7 +25,7 @@ from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.formats import CONFIG_NAME, save_draft
 from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
-from eagle3.model import Eagle3DraftConfig
+from eagle3.model import SHAPE_FIELDS, Eagle3DraftConfig
 
 log = logging.getLogger("eagle3")
 
@@ -125,9 +125,7 @@ def check_same_draft(path: Path, current: Eagle3DraftConfig) -> None:
     saved = json.loads(saved_file.read_text())
     now = current.to_json()
     defaults = {f.name: f.default for f in dataclasses.fields(Eagle3DraftConfig)}  # fields older heads lack
-    for key in ("arch", "fc_norm", "norm_output", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size",
-                "aux_layer_ids", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    for key in (*SHAPE_FIELDS, "draft_vocab_size", "aux_layer_ids"):
         if saved.get(key, defaults[key]) != now.get(key):
             raise ValueError(f"checkpoint {path} was trained with draft.{key}={saved.get(key)}, the config asks for "
                              f"{now.get(key)}; use a new output_dir or train.resume=false")

@@ -137,26 +137,14 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     cache_dir = cfg.cache_dir
     prepared = load_prepared(cfg.prepared_dir)
     fp = expected_fingerprint(cfg, prepared.meta)
-    S = cfg.extract.shard_samples
-    layout = {"world_size": world, "shard_samples": S, "max_samples": cfg.extract.max_samples}
+    layout = {"world_size": world, "shard_samples": cfg.extract.shard_samples, "max_samples": cfg.extract.max_samples}
     open_cache(cache_dir, fp, layout, rank)
 
     data = {"train": prepared.train, "eval": prepared.eval}
     lengths = {split: sample_lengths(ds) for split, ds in data.items()}
     if cfg.extract.max_samples is not None:  # train only: the eval split is small and the trainer needs it whole
         lengths["train"] = lengths["train"][: cfg.extract.max_samples]
-    jobs: list[Job] = []
-    manifests: dict[str, Manifest] = {}
-    for split in SPLITS:
-        split_dir = cache_dir / split
-        split_dir.mkdir(exist_ok=True)
-        clean_stale_tmp(split_dir, rank, world)
-        plan = plan_rank(len(lengths[split]), rank, world, S)
-        m = manifests[split] = load_manifest(cache_dir, split, rank, world, plan, fp, layout)
-        m.save(cache_dir)  # a rank with nothing to do is complete right away
-        done = {s.index for s in m.shards}
-        jobs += [Job(split, i, rows) for i, rows in enumerate(plan) if i not in done]
-
+    jobs, manifests = _plan_jobs(cache_dir, lengths, fp, layout, rank)
     todo_samples = sum(len(j.rows) for j in jobs)
     todo_tokens = sum(int(lengths[j.split][j.rows].sum()) for j in jobs)
     if not jobs:
@@ -165,8 +153,8 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     log.info("rank %d/%d: %d shard(s), %d samples, %d tokens to extract into %s", rank, world, len(jobs),
              todo_samples, todo_tokens, cache_dir)
     if cfg.extract.preflight:
-        preflight_disk(cache_dir, remaining_tokens(cache_dir, world, lengths, S), fp["hidden_size"], fp["dtype"],
-                       storage=fp["storage"])
+        preflight_disk(cache_dir, remaining_tokens(cache_dir, world, lengths, cfg.extract.shard_samples),
+                       fp["hidden_size"], fp["dtype"], storage=fp["storage"])
 
     if backend is None:
         from eagle3.targets import make_backend
@@ -177,64 +165,103 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
         first = jobs[0]
         _preflight_sample(backend, list(data[first.split][first.rows[0]]["input_ids"]), fp["hidden_size"])
 
-    from eagle3.batching import plan_batches
-
-    dtype = backend.dtype
+    done = _Done(time.monotonic())
     argmax = ArgmaxHead.for_backend(cfg, backend)
-    t0 = time.monotonic()
-    tokens_done = batches_done = nonfinite = 0
     with Progress(todo_samples, f"extract rank {rank}/{world}", unit="samples") as prog:
         for shards_done, job in enumerate(jobs, start=1):
-            ds, lens = data[job.split], lengths[job.split]
-            name = shard_name(rank, world, job.shard)
-            skipped: list[str] = []
-            writer = None
-            tokens_at_start = tokens_done
-            committed = sum(len(m.shards) for m in manifests.values())
+            tokens_at_start, committed = done.tokens, sum(len(m.shards) for m in manifests.values())
             try:
-                writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], dtype, target_argmax=True,
-                                     storage=fp["storage"])
-                for batch in plan_batches([int(lens[i]) for i in job.rows], cfg.extract.batch_tokens,
-                                          cfg.extract.max_batch_size):
-                    rows = ds[[job.rows[b] for b in batch]]
-                    caps = backend.capture(rows["input_ids"])
-                    keep = []
-                    for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True):
-                        if finite(c):
-                            keep.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "aux": c.aux,
-                                         "final": c.final, "target_argmax": argmax(c.final)})
-                        else:  # skipped and counted; the manifest lists it, so `cache info` shows it
-                            skipped.append(sid)
-                            log.warning("%s sample %r: the target returned NaN/inf hidden states; skipped (not "
-                                        "written to the cache, never trained on)", job.split, sid)
-                    writer.write(keep)
-                    n_tok = sum(len(x) for x in rows["input_ids"])
-                    tokens_done += n_tok
-                    batches_done += 1
-                    prog.update(len(batch), tok_s=f"{tokens_done / max(time.monotonic() - t0, 1e-9):.0f}")
-                    _kill_hook("BATCHES", batches_done)
-                size = writer.commit()
-                m = manifests[job.split]
-                m.shards.append(ShardEntry(job.shard, name, writer.num_samples, writer.num_tokens, size, skipped))
-                m.save(cache_dir)
+                entry = _extract_shard(cfg, backend, argmax, data[job.split], lengths[job.split], job, fp, rank,
+                                       world, done, prog)
             except BaseException as e:
-                if writer is not None:
-                    writer.abort()
                 if disk_full_error(e) is not None:
-                    raise _disk_full(e, cache_dir / job.split / name, cache_dir, todo_tokens - tokens_at_start,
-                                     fp["hidden_size"], fp["dtype"], committed, fp["storage"]) from e
+                    path = cache_dir / job.split / shard_name(rank, world, job.shard)
+                    raise _disk_full(e, path, cache_dir, todo_tokens - tokens_at_start, fp["hidden_size"],
+                                     fp["dtype"], committed, fp["storage"]) from e
                 raise
-            nonfinite += len(skipped)
+            manifests[job.split].shards.append(entry)
+            manifests[job.split].save(cache_dir)
+            done.nonfinite += len(entry.skipped_nonfinite)
             _kill_hook("SHARDS", shards_done)
-    dt = time.monotonic() - t0
+    return _report(done, rank, world, todo_samples, len(jobs), cache_dir, fp)
+
+
+@dataclass
+class _Done:
+    """What this rank's extraction has done so far (progress, rates, the kill hook's batch count)."""
+
+    t0: float
+    tokens: int = 0
+    batches: int = 0
+    nonfinite: int = 0
+
+
+def _plan_jobs(cache_dir: Path, lengths: dict[str, np.ndarray], fp: dict[str, Any], layout: dict[str, Any],
+               rank: int) -> tuple[list[Job], dict[str, Manifest]]:
+    """This rank's shards still missing from the cache, and its manifests (saved: a rank with nothing to do is
+    complete right away)."""
+    world = layout["world_size"]
+    jobs: list[Job] = []
+    manifests: dict[str, Manifest] = {}
+    for split in SPLITS:
+        split_dir = cache_dir / split
+        split_dir.mkdir(exist_ok=True)
+        clean_stale_tmp(split_dir, rank, world)
+        plan = plan_rank(len(lengths[split]), rank, world, layout["shard_samples"])
+        m = manifests[split] = load_manifest(cache_dir, split, rank, world, plan, fp, layout)
+        m.save(cache_dir)
+        done = {s.index for s in m.shards}
+        jobs += [Job(split, i, rows) for i, rows in enumerate(plan) if i not in done]
+    return jobs, manifests
+
+
+def _extract_shard(cfg: Any, backend: Any, argmax: Any, ds: Any, lens: np.ndarray, job: Job, fp: dict[str, Any],
+                   rank: int, world: int, done: _Done, prog: Progress) -> ShardEntry:
+    """One shard: the target over its planned batches, streamed into `*.tmp` and renamed into place when whole
+    (removed if anything fails); NaN/inf samples skipped and listed."""
+    from eagle3.batching import plan_batches
+
+    name = shard_name(rank, world, job.shard)
+    skipped: list[str] = []
+    writer = ShardWriter(cfg.cache_dir / job.split / name, fp["hidden_size"], backend.dtype, target_argmax=True,
+                         storage=fp["storage"])
+    try:
+        for batch in plan_batches([int(lens[i]) for i in job.rows], cfg.extract.batch_tokens,
+                                  cfg.extract.max_batch_size):
+            rows = ds[[job.rows[b] for b in batch]]
+            caps = backend.capture(rows["input_ids"])
+            keep = []
+            for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True):
+                if finite(c):
+                    keep.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "aux": c.aux,
+                                 "final": c.final, "target_argmax": argmax(c.final)})
+                else:  # skipped and counted; the manifest lists it, so `cache info` shows it
+                    skipped.append(sid)
+                    log.warning("%s sample %r: the target returned NaN/inf hidden states; skipped (not written to "
+                                "the cache, never trained on)", job.split, sid)
+            writer.write(keep)
+            done.tokens += sum(len(x) for x in rows["input_ids"])
+            done.batches += 1
+            prog.update(len(batch), tok_s=f"{done.tokens / max(time.monotonic() - done.t0, 1e-9):.0f}")
+            _kill_hook("BATCHES", done.batches)
+        size = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return ShardEntry(job.shard, name, writer.num_samples, writer.num_tokens, size, skipped)
+
+
+def _report(done: _Done, rank: int, world: int, todo_samples: int, shards: int, cache_dir: Path,
+            fp: dict[str, Any]) -> dict[str, Any]:
+    dt = time.monotonic() - done.t0
     log.info("rank %d/%d: extracted %d samples, %d tokens in %.1fs (%.0f tokens/s)", rank, world, todo_samples,
-             tokens_done, dt, tokens_done / max(dt, 1e-9))
-    if nonfinite:
+             done.tokens, dt, done.tokens / max(dt, 1e-9))
+    if done.nonfinite:
         log.warning("rank %d/%d: %d of %d samples skipped because the target returned NaN/inf hidden states "
                     "(listed per shard in the manifests; `eagle3 cache info %s` counts them)", rank, world,
-                    nonfinite, todo_samples, cache_dir)
-        if nonfinite == todo_samples:
+                    done.nonfinite, todo_samples, cache_dir)
+        if done.nonfinite == todo_samples:
             raise CacheError(f"every sample gave NaN/inf hidden states: the target overflows in {fp['dtype']} "
                              "(try target.dtype=bfloat16 or float32) or its weights are broken")
-    return {"rank": rank, "shards": len(jobs), "samples": todo_samples, "tokens": tokens_done, "seconds": dt,
-            "skipped_nonfinite": nonfinite}
+    return {"rank": rank, "shards": shards, "samples": todo_samples, "tokens": done.tokens, "seconds": dt,
+            "skipped_nonfinite": done.nonfinite}

@@ -94,6 +94,13 @@ def _mla_defaults(hf: dict[str, Any], family: str, hidden: int, heads: int) -> d
             "qk_rope_head_dim": max(2, d // 2), "v_head_dim": d}
 
 
+SHAPE_FIELDS = ("arch", "fc_norm", "norm_output", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "vocab_size", "target_hidden_size", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The config fields that decide which tensors a head has and their shapes (draft vocab aside): two heads can share
+weights (resume, fine-tune) only where all of them agree."""
+
+
 @dataclass
 class Eagle3DraftConfig:
     """Everything needed to rebuild the head, plus where its features come from (written to config.json)."""

@@ -1,6 +1,6 @@
 """Online mode: hidden states computed by the target while the draft trains, no cache on disk.
 
-For targets whose offline cache would not fit (Kimi-K2.5: ~57 KB per token, a 10K-sample set is ~1.2 TB) the
+For targets whose offline cache would not fit (Kimi-K2.5: docs/kimi-k2.5.md "Budget") the
 trainer asks for the states of each batch as it goes. A background thread keeps `prefetch` batches ready, so the
 target's forward of batch i+1 overlaps the draft's step on batch i (torch releases the GIL inside its kernels).
 

@@ -20,8 +20,7 @@ import torch
 log = logging.getLogger("eagle3")
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-EMULATED_SLOWDOWN = ("bf16 is emulated on this CPU: expect about 10x the float32 time (measured on a 2-core AVX2 VM: "
-                     "extraction 17 vs 150 tokens/s)")
+EMULATED_SLOWDOWN = "bf16 is emulated on this CPU: expect it to run several times slower than float32"
 _said: set[str] = set()
 _pending: list[tuple[int, str]] = []
 

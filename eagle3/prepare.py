@@ -280,33 +280,86 @@ def _print_summary(out: Path, s: dict[str, Any]) -> None:
 def run(cfg: Config) -> dict[str, Any]:
     """Prepare (or reuse) the dataset in cfg.prepared_dir; return the summary dict (also in meta.json)."""
     t0 = time.monotonic()
-    d = cfg.data
     out = cfg.prepared_dir
     tokenizer = load_tokenizer(cfg)
-    tpl = resolve_template(d.chat_template, tokenizer)
+    tpl = resolve_template(cfg.data.chat_template, tokenizer)
     vsize = target_vocab_size(cfg, tokenizer)
     fp_in = fingerprint_inputs(cfg, tokenizer, tpl, vsize)
     fp = fingerprint(fp_in)
-    if is_prepared(out):
-        meta = json.loads((out / "meta.json").read_text())
-        if meta.get("fingerprint") == fp:
-            log.info(f"reusing prepared data at {out} (fingerprint {fp[:12]})")
-            print(f"reusing prepared data at {out} (fingerprint {fp[:12]})", flush=True)
-            return meta["summary"]
-        old = meta.get("fingerprint_inputs", {})
-        changed = sorted(k for k in set(old) | set(fp_in) if old.get(k) != fp_in.get(k))
-        log.info(f"prepared data at {out} is from a different config (changed: {', '.join(changed)}); rebuilding")
+    reused = _reusable(out, fp, fp_in)
+    if reused is not None:
+        return reused
     _check_replaceable(out)
 
     convs, src_stats = read_all(cfg)
     if not convs:
-        raise ValueError(f"data.sources: no usable conversation in {[s.path for s in d.sources]}")
-    random.Random(d.seed).shuffle(convs)
-    used = convs[: d.max_samples] if d.max_samples else convs
+        raise ValueError(f"data.sources: no usable conversation in {[s.path for s in cfg.data.sources]}")
+    random.Random(cfg.data.seed).shuffle(convs)
+    used = convs[: cfg.data.max_samples] if cfg.data.max_samples else convs
+    rstats: Counter[str] = Counter()
+    eval_s, train_s, render_s = _render_and_split(used, cfg, tokenizer, tpl, rstats)
+
+    train_ids, train_mask = _flat(train_s)
+    eval_ids, eval_mask = _flat(eval_s)
+    top = max(int(train_ids.max(initial=0)), int(eval_ids.max(initial=0)))
+    if top >= vsize:
+        raise ValueError(f"token id {top} is outside the target vocab ({vsize}) of target.path={cfg.target.path!r}")
+    vocab: DraftVocab = build_draft_vocab(train_ids, train_mask, vsize, cfg.draft.vocab_size)
+    if cfg.draft.vocab_size >= vsize:
+        log.info(f"draft.vocab_size={cfg.draft.vocab_size} >= target vocab {vsize}: the draft uses the full vocab")
+
+    n_loss = int(train_mask.sum() + eval_mask.sum())
+    n_tok = len(train_ids) + len(eval_ids)
+    summary: dict[str, Any] = {
+        "sources": [s.summary() for s in src_stats],
+        "records_read": sum(s.records_read for s in src_stats),
+        "conversations": len(convs),
+        "used": len(used),
+        "max_samples": cfg.data.max_samples,
+        "chat_template": tpl.name,
+        "thinking": cfg.data.thinking,
+        "render": dict(sorted(rstats.items())),
+        "train_samples": len(train_s),
+        "eval_samples": len(eval_s),
+        "train_tokens": len(train_ids),
+        "eval_tokens": len(eval_ids),
+        "loss_tokens": n_loss,
+        "loss_share": n_loss / n_tok if n_tok else 0.0,
+        "target_vocab_size": vsize,
+        "draft_vocab_size": len(vocab.d2t),
+        "vocab_coverage": vocab.coverage,
+        "eval_vocab_coverage": vocab.coverage_of(eval_ids, eval_mask),
+        "seconds": time.monotonic() - t0,
+        "conversations_per_s": len(used) / render_s if render_s > 0 else 0.0,
+    }
+    _write(out, _meta(cfg, fp, fp_in, tokenizer, tpl, vsize, vocab, summary), train_s, eval_s, vocab)
+    _print_summary(out, summary)
+    return summary
+
+
+def _reusable(out: Path, fp: str, fp_in: dict[str, Any]) -> dict[str, Any] | None:
+    """The summary of prepared data already in `out` for this very config, else None (and why it is rebuilt)."""
+    if not is_prepared(out):
+        return None
+    meta = json.loads((out / "meta.json").read_text())
+    if meta.get("fingerprint") == fp:
+        log.info(f"reusing prepared data at {out} (fingerprint {fp[:12]})")
+        print(f"reusing prepared data at {out} (fingerprint {fp[:12]})", flush=True)
+        return meta["summary"]
+    old = meta.get("fingerprint_inputs", {})
+    changed = sorted(k for k in set(old) | set(fp_in) if old.get(k) != fp_in.get(k))
+    log.info(f"prepared data at {out} is from a different config (changed: {', '.join(changed)}); rebuilding")
+    return None
+
+
+def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any,
+                      rstats: Counter[str]) -> tuple[list[Any], list[Any], float]:
+    """Render the conversations with the template, fit them to data.max_length; (eval samples, train samples,
+    seconds spent rendering)."""
+    d = cfg.data
     t_render = time.monotonic()
     rendered = render_all(used, cfg, tokenizer, tpl)
     render_s = time.monotonic() - t_render
-    rstats: Counter[str] = Counter()
     errors = [e for *_, e in rendered if e]
     samples = fit_length(rendered, d.max_length, d.overlength, rstats)
     if errors:
@@ -320,43 +373,12 @@ def run(cfg: Config) -> dict[str, Any]:
     n_eval = eval_count(len(samples), d.eval_size)
     if n_eval >= len(samples):
         raise ValueError(f"data.eval_size={d.eval_size} leaves no training sample ({len(samples)} samples in all)")
-    eval_s, train_s = samples[:n_eval], samples[n_eval:]
+    return samples[:n_eval], samples[n_eval:], render_s
 
-    train_ids, train_mask = _flat(train_s)
-    eval_ids, eval_mask = _flat(eval_s)
-    top = max(int(train_ids.max(initial=0)), int(eval_ids.max(initial=0)))
-    if top >= vsize:
-        raise ValueError(f"token id {top} is outside the target vocab ({vsize}) of target.path={cfg.target.path!r}")
-    vocab: DraftVocab = build_draft_vocab(train_ids, train_mask, vsize, cfg.draft.vocab_size)
-    if cfg.draft.vocab_size >= vsize:
-        log.info(f"draft.vocab_size={cfg.draft.vocab_size} >= target vocab {vsize}: the draft uses the full vocab")
 
-    n_loss = int(train_mask.sum() + eval_mask.sum())
-    n_tok = len(train_ids) + len(eval_ids)
-    seconds = time.monotonic() - t0
-    summary: dict[str, Any] = {
-        "sources": [s.summary() for s in src_stats],
-        "records_read": sum(s.records_read for s in src_stats),
-        "conversations": len(convs),
-        "used": len(used),
-        "max_samples": d.max_samples,
-        "chat_template": tpl.name,
-        "thinking": d.thinking,
-        "render": dict(sorted(rstats.items())),
-        "train_samples": len(train_s),
-        "eval_samples": len(eval_s),
-        "train_tokens": len(train_ids),
-        "eval_tokens": len(eval_ids),
-        "loss_tokens": n_loss,
-        "loss_share": n_loss / n_tok if n_tok else 0.0,
-        "target_vocab_size": vsize,
-        "draft_vocab_size": len(vocab.d2t),
-        "vocab_coverage": vocab.coverage,
-        "eval_vocab_coverage": vocab.coverage_of(eval_ids, eval_mask),
-        "seconds": seconds,
-        "conversations_per_s": len(used) / render_s if render_s > 0 else 0.0,
-    }
-    meta = {
+def _meta(cfg: Config, fp: str, fp_in: dict[str, Any], tokenizer: Any, tpl: Any, vsize: int, vocab: DraftVocab,
+          summary: dict[str, Any]) -> dict[str, Any]:
+    return {
         "version": PREPARE_VERSION,
         "fingerprint": fp,
         # The samples alone (draft vocab excluded): what hidden-state caches depend on, so one cache serves
@@ -367,9 +389,9 @@ def run(cfg: Config) -> dict[str, Any]:
         "tokenizer": fp_in["tokenizer"] | {"name_or_path": str(getattr(tokenizer, "name_or_path", ""))},
         "chat_template": tpl.name,
         "chat_template_text": tpl.text,
-        "thinking": d.thinking,
-        "system_prompt": d.system_prompt,
-        "max_length": d.max_length,
+        "thinking": cfg.data.thinking,
+        "system_prompt": cfg.data.system_prompt,
+        "max_length": cfg.data.max_length,
         "target_vocab_size": vsize,
         "draft_vocab_size": len(vocab.d2t),
         "vocab_coverage": vocab.coverage,
@@ -377,6 +399,9 @@ def run(cfg: Config) -> dict[str, Any]:
         "summary": summary,
     }
 
+
+def _write(out: Path, meta: dict[str, Any], train_s: list[Any], eval_s: list[Any], vocab: DraftVocab) -> None:
+    """Both splits, the draft vocab and meta.json (last: it marks the folder complete), published atomically."""
     # Prepare never runs twice at once on one folder, so leftovers of a killed run are cleared first.
     with atomic_dir(out, clear_stale=True) as tmp:
         from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
@@ -392,7 +417,5 @@ def run(cfg: Config) -> dict[str, Any]:
             if bars:
                 enable_progress_bar()
         save_vocab(tmp / "vocab.safetensors", vocab.d2t, vocab.t2d)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))  # last: marks completeness
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
         _open_permissions(tmp)
-    _print_summary(out, summary)
-    return summary

@@ -27,15 +27,15 @@ from typing import Any
 import torch
 
 from eagle3 import threads
-from eagle3.batching import iter_batches, plan_epoch
-from eagle3.checkpoints import resume, save_best, save_checkpoint
+from eagle3.batching import EpochPlan, iter_batches, plan_epoch
+from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab
 from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily
 from eagle3.logs import Progress, UserError, setup_logging
 from eagle3.loss import ArgmaxHead, SoftCE, StepStats, Teacher, summarise, ttt_loss
-from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
 from eagle3.rows import Rows, plan_rows
@@ -150,18 +150,13 @@ def build_draft(cfg: Config, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: 
     return draft
 
 
-_SAME_HEAD = ("arch", "fc_norm", "norm_output", "hidden_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "vocab_size", "target_hidden_size", "q_lora_rank", "kv_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-
-
 def fine_tune_start(folder: str, want: Eagle3DraftConfig, embed: torch.Tensor, d2t: torch.Tensor,
                     family: ArchFamily) -> Eagle3Draft:
     """`draft.init_from`: a head in any format eagle3.formats reads (a published one included), checked to be the
     head this config would build, on the same features and draft vocab; it takes over this run's target record."""
     draft = load_draft(folder, embed_weight=embed, engine="sglang", family=family)
     have = draft.config
-    for key in _SAME_HEAD:
+    for key in SHAPE_FIELDS:
         if getattr(have, key) != getattr(want, key):
             raise UserError(f"draft.init_from={folder}: the head has {key}={getattr(have, key)}, this config builds "
                             f"{getattr(want, key)}; set draft.{key} (or the target) to match the head")
@@ -272,14 +267,42 @@ def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) ->
 # -------------------------------------------------------------------------------------------------- the loop
 def run(cfg: Config) -> dict[str, Any]:
     """Train; return the final metrics (also written to <output_dir>/train_log.jsonl, one line per step)."""
+    setup_logging()
+    session = set_up(cfg)
+    metrics = train_loop(session)
+    finish(session)
+    return metrics
+
+
+@dataclass
+class Session:
+    """What one training run holds from set-up to finish."""
+
+    cfg: Config
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    teacher: Teacher
+    train_ds: Any
+    eval_ds: Any
+    kept: TeacherTargets | None
+    """The cache's train split when its argmax is computed here and remembered (caches without target_argmax)."""
+    state: TrainState
+    tracker: Tracker
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    total_steps: int
+
+
+def set_up(cfg: Config) -> Session:
+    """Data, head, teacher, optimizer and schedule, wrapped by accelerate and resumed from the newest checkpoint."""
     from accelerate.utils import set_seed
     from transformers import get_cosine_schedule_with_warmup
 
-    setup_logging()
     accelerator = make_accelerator(cfg)
     set_seed(cfg.train.seed)
     tc = cfg.train
-
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg)
     train_ds, eval_ds = open_datasets(cfg)
@@ -314,91 +337,114 @@ def run(cfg: Config) -> dict[str, Any]:
     tracker.info("metrics: acc_j = draft argmax == target argmax at TTT step j (out-of-vocab = miss); "
                  "sim_accept_len = 1 + sum_k prod_{j<=k} chain_acc_j, chain_acc_j = step j's hit rate given "
                  "steps < j hit, on text the target agrees with (counts the bonus token, like SGLang/vLLM)")
+    return Session(cfg, accelerator, model, optimizer, scheduler, teacher, train_ds, eval_ds, kept, state, tracker,
+                   d2t, t2d, total_steps)
 
-    progress = Progress(total_steps, "train", unit="step", initial=state.step, disable=not tracker.main)
+
+def train_loop(s: Session) -> dict[str, Any]:
+    """Epochs of planned batches, one optimizer step per accumulation group, until `total_steps`."""
+    tc, state = s.cfg.train, s.state
+    rank, world = s.accelerator.process_index, s.accelerator.num_processes
+    progress = Progress(s.total_steps, "train", unit="step", initial=state.step, disable=not s.tracker.main)
     metrics: dict[str, Any] = {}
-    model.train()
-    while state.step < total_steps:
-        plan = plan_epoch(train_ds.lengths, tc.batch_tokens, tc.seed, state.epoch, rank, world)
+    s.model.train()
+    while state.step < s.total_steps:
+        plan = plan_epoch(s.train_ds.lengths, tc.batch_tokens, tc.seed, state.epoch, rank, world)
         usable = (len(plan.batches) // tc.grad_accum) * tc.grad_accum
         if state.batch_index + tc.grad_accum > usable:
             state.epoch, state.batch_index = state.epoch + 1, 0
             continue
         # closing() stops and joins the prefetch thread however the loop ends (max_steps may end an epoch early)
-        with closing(batch_iter(train_ds, plan.batches[state.batch_index:usable], accelerator.device)) as batches:
-            while state.step < total_steps and state.batch_index + tc.grad_accum <= usable:
+        with closing(batch_iter(s.train_ds, plan.batches[state.batch_index:usable], s.accelerator.device)) as batches:
+            while state.step < s.total_steps and state.batch_index + tc.grad_accum <= usable:
                 threads.adjust()
-                t0 = time.perf_counter()
-                wait = 0.0
-                tokens = 0
-                stats = StepStats.zeros(tc.ttt_steps, accelerator.device)
-                loss_total = torch.zeros((), device=accelerator.device)
-                group = []
-                for micro in range(tc.grad_accum):
-                    tw = time.perf_counter()
-                    batch = next(batches)
-                    wait += time.perf_counter() - tw
-                    tokens += int(batch["lengths"].sum())
-                    group.append(plan_micro(teacher, batch, cfg, accelerator.device, kept,
-                                            plan.batches[state.batch_index + micro]))
-                # Each step's loss is a mean over the scored positions of the whole group on every rank; DDP
-                # averages gradients over ranks, hence the factor `world`.
-                norm = accelerator.reduce(sum(m.rows.scored() for m in group).to(accelerator.device), "sum")
-                for micro, m in enumerate(group):
-                    sync = micro == tc.grad_accum - 1
-                    # Gradients are all-reduced only on the last micro-batch of an accumulation group.
-                    with accelerator.no_sync(model) if not sync else nullcontext():
-                        loss, st = forward_loss(model, teacher, m, cfg, accelerator.device, norm)
-                        accelerator.backward(loss * world)
-                    loss_total += loss.detach()  # no host sync per micro-batch: one at the step's end
-                    stats = stats + st
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
-                refuse_non_finite(loss_total, grad_norm, state.step + 1,
-                                  plan.batches[state.batch_index:state.batch_index + tc.grad_accum])
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                state.step += 1
-                state.batch_index += tc.grad_accum
-                dt = time.perf_counter() - t0
-
-                loss_mean = float(accelerator.reduce(loss_total, "sum"))
-                tok_all = int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), "sum"))
-                metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
-                           "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt, "step_s": dt,
-                           "data_wait_share": wait / dt, "padding_share": plan.padding_share, "epoch": state.epoch}
-                tracker.record(metrics)
-                progress.update(1, loss=f"{loss_mean:.4f}", acc0=f"{metrics['acc_0']:.3f}",
+                metrics = train_step(s, batches, plan)
+                progress.update(1, loss=f"{metrics['loss']:.4f}", acc0=f"{metrics['acc_0']:.3f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
-                if state.step % tc.log_every == 0 or state.step == total_steps:
-                    tracker.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=state.step)
-                    accs = " ".join(f"{metrics[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps))
-                    tracker.info("step %d/%d loss %.4f acc_j [%s] sim_accept_len %.3f lr %.2e grad_norm %.3f "
-                                 "%.0f tok/s data wait %.1f%% padding %.1f%%", state.step, total_steps, loss_mean, accs,
-                                 metrics["sim_accept_len"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
-                                 100 * metrics["data_wait_share"], 100 * plan.padding_share)
-
-                last = state.step == total_steps
-                if eval_ds is not None and len(eval_ds) and (state.step % tc.eval_every == 0 or last):
-                    ev = evaluate(accelerator, model, teacher, eval_ds, cfg)
-                    tracker.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
-                    tracker.info("eval @ step %d: sim_accept_len %.3f (teacher-forced %.3f), %s", state.step,
-                                 ev["sim_accept_len"], ev["sim_accept_len_tf"],
-                                 " ".join(f"acc_{j}={ev[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps)))
-                    tracker.record({"step": state.step, "eval": ev})
-                    if ev["sim_accept_len"] > state.best_accept_len:
-                        state.best_accept_len, state.best_step = ev["sim_accept_len"], state.step
-                        save_best(accelerator, model, cfg)
-                    metrics["eval"] = ev
-                if state.step % tc.save_every == 0 or last:
-                    save_checkpoint(accelerator, model, cfg, state, d2t, t2d)
+                after_step(s, metrics)
     progress.close()
-
-    best = cfg.checkpoint_dir / "best"
-    if not (best / "config.json").is_file():
-        save_best(accelerator, model, cfg)  # no eval split: the last weights are the best we know
-    if tracker.main:
-        export_best(cfg, best)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
     return metrics
+
+
+def train_step(s: Session, batches: Any, plan: EpochPlan) -> dict[str, Any]:
+    """One optimizer step over the next accumulation group of `batches`; the step's metrics."""
+    tc, state, accelerator = s.cfg.train, s.state, s.accelerator
+    world = accelerator.num_processes
+    t0 = time.perf_counter()
+    wait = 0.0
+    tokens = 0
+    stats = StepStats.zeros(tc.ttt_steps, accelerator.device)
+    loss_total = torch.zeros((), device=accelerator.device)
+    group = []
+    for micro in range(tc.grad_accum):
+        tw = time.perf_counter()
+        batch = next(batches)
+        wait += time.perf_counter() - tw
+        tokens += int(batch["lengths"].sum())
+        group.append(plan_micro(s.teacher, batch, s.cfg, accelerator.device, s.kept,
+                                plan.batches[state.batch_index + micro]))
+    # Each step's loss is a mean over the scored positions of the whole group on every rank; DDP averages
+    # gradients over ranks, hence the factor `world`.
+    norm = accelerator.reduce(sum(m.rows.scored() for m in group).to(accelerator.device), "sum")
+    for micro, m in enumerate(group):
+        sync = micro == tc.grad_accum - 1
+        # Gradients are all-reduced only on the last micro-batch of an accumulation group.
+        with accelerator.no_sync(s.model) if not sync else nullcontext():
+            loss, st = forward_loss(s.model, s.teacher, m, s.cfg, accelerator.device, norm)
+            accelerator.backward(loss * world)
+        loss_total += loss.detach()  # no host sync per micro-batch: one at the step's end
+        stats = stats + st
+    grad_norm = accelerator.clip_grad_norm_(s.model.parameters(), tc.grad_clip)
+    refuse_non_finite(loss_total, grad_norm, state.step + 1,
+                      plan.batches[state.batch_index:state.batch_index + tc.grad_accum])
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    state.batch_index += tc.grad_accum
+    dt = time.perf_counter() - t0
+
+    loss_mean = float(accelerator.reduce(loss_total, "sum"))
+    tok_all = int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), "sum"))
+    metrics = {"step": state.step, "loss": loss_mean, **summarise(_reduce(accelerator, stats)),
+               "lr": s.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens_per_s": tok_all / dt,
+               "step_s": dt, "data_wait_share": wait / dt, "padding_share": plan.padding_share, "epoch": state.epoch}
+    s.tracker.record(metrics)
+    return metrics
+
+
+def after_step(s: Session, metrics: dict[str, Any]) -> None:
+    """Log the step, evaluate (keeping the best head) and checkpoint, each on its schedule."""
+    tc, state, tracker = s.cfg.train, s.state, s.tracker
+    last = state.step == s.total_steps
+    if state.step % tc.log_every == 0 or last:
+        tracker.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=state.step)
+        accs = " ".join(f"{metrics[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps))
+        tracker.info("step %d/%d loss %.4f acc_j [%s] sim_accept_len %.3f lr %.2e grad_norm %.3f "
+                     "%.0f tok/s data wait %.1f%% padding %.1f%%", state.step, s.total_steps, metrics["loss"], accs,
+                     metrics["sim_accept_len"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
+                     100 * metrics["data_wait_share"], 100 * metrics["padding_share"])
+    if s.eval_ds is not None and len(s.eval_ds) and (state.step % tc.eval_every == 0 or last):
+        ev = evaluate(s.accelerator, s.model, s.teacher, s.eval_ds, s.cfg)
+        tracker.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
+        tracker.info("eval @ step %d: sim_accept_len %.3f (teacher-forced %.3f), %s", state.step,
+                     ev["sim_accept_len"], ev["sim_accept_len_tf"],
+                     " ".join(f"acc_{j}={ev[f'acc_{j}']:.3f}" for j in range(tc.ttt_steps)))
+        tracker.record({"step": state.step, "eval": ev})
+        if ev["sim_accept_len"] > state.best_accept_len:
+            state.best_accept_len, state.best_step = ev["sim_accept_len"], state.step
+            save_best(s.accelerator, s.model, s.cfg)
+        metrics["eval"] = ev
+    if state.step % tc.save_every == 0 or last:
+        save_checkpoint(s.accelerator, s.model, s.cfg, state, s.d2t, s.t2d)
+
+
+def finish(s: Session) -> None:
+    """The best head saved (the last weights when nothing was evaluated) and exported for SGLang."""
+    best = s.cfg.checkpoint_dir / "best"
+    if not (best / "config.json").is_file():
+        save_best(s.accelerator, s.model, s.cfg)  # no eval split: the last weights are the best we know
+    if s.tracker.main:
+        export_best(s.cfg, best)
+    s.accelerator.wait_for_everyone()
+    s.accelerator.end_training()

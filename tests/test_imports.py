@@ -66,3 +66,24 @@ def test_no_import_cycles():
 
 def test_the_detector_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+MAX_FUNCTION_LINES = 80
+"""A function a reader takes in at once; longer ones are split into named steps (issue 25)."""
+
+
+def _long_functions(source: str, where: str) -> list[str]:
+    return [f"{where}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_in_the_package_is_over_80_lines():
+    found = [f for p in sorted(PKG.rglob("*.py")) for f in _long_functions(p.read_text(), str(p.relative_to(PKG)))]
+    assert found == []
+
+
+def test_the_length_guard_sees_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert _long_functions(f"def f():\n{body}\n", "m.py") == [f"m.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert _long_functions("def g():\n    return 1\n", "m.py") == []

@@ -46,7 +46,7 @@ def test_explicit_bf16_on_an_emulating_cpu_runs_with_a_warning(cpu, caplog, tmp_
     assert cfg.target.dtype == "bfloat16"  # still runs as asked
     assert precision.resolve_mixed_precision(cfg.train.mixed_precision, "cpu") == "bf16"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("target.dtype=bfloat16 on cpu" in w and "about 10x the float32 time" in w for w in warnings), warnings
+    assert any("target.dtype=bfloat16 on cpu" in w and "several times slower than float32" in w for w in warnings), warnings
     assert any("train.mixed_precision=bf16 on the CPU" in w for w in warnings), warnings
     cpu("avx512_bf16")
     caplog.clear()

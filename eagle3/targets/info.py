@@ -109,7 +109,7 @@ def _sample_file(path: Path, h: Any) -> None:
 
 def weights_id(folder: str | Path, revision: str | None = None) -> str:
     """A cheap identity of the target weights: names and sizes of the weight files, 192 KiB sampled from each
-    (start, middle, end), and the safetensors index when there is one. Hashing 554 GB of Kimi weights is not an
+    (start, middle, end), and the safetensors index when there is one. Hashing Kimi's hundreds of GB of weights is not an
     option, but names and sizes alone cannot tell a fine-tune (or a re-download into the same folder) from the
     model it came from: same shapes, other values; the samples can (reading ~12 MB for Kimi's 64 files)."""
     d = Path(folder)

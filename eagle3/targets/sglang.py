@@ -12,7 +12,7 @@ How the states travel (decided here, see eagle3.targets.sglang_dump and eagle3.t
   back to be sure), and the logits processor, which sees every prompt token's *post-norm final* state before it
   keeps only the last token, writes aux + final for each prompt as one safetensors file into a RAM-backed
   folder (`target.sglang.dump_dir`, /dev/shm). So all four states come out, as tensors, not as JSON floats: a
-  Kimi token is 57 KB of bf16, ~10x that as JSON text. (SGLang's `--enable-return-hidden-states` returns only
+  token is 4 x hidden bf16 values (docs/kimi-k2.5.md), many times that as JSON text. (SGLang's `--enable-return-hidden-states` returns only
   the final state, `--enable-return-aux-hidden-states` only the aux states, both as JSON lists.)
 - `SGLangTarget.capture` posts the token ids to `/generate` (one batched request, `max_new_tokens: 1`), then
   reads, validates and deletes each prompt's file. The client and the server must share the folder (same
@@ -83,7 +83,7 @@ log = logging.getLogger("eagle3")
 
 DEFAULT_PORT = 30000
 STARTUP_TIMEOUT_S = 3600.0
-"""Loading Kimi-K2.5 (554 GB) onto 8 GPUs takes 10-30 minutes; a Llama-135M server starts in about a minute."""
+"""Loading Kimi-K2.5 onto 8 GPUs takes tens of minutes (docs/kimi-k2.5.md "Budget"); a tiny server about one."""
 
 # Flags eagle3 sets itself, or that would drop/split tokens or shard the states: refused in launch_args.
 _REFUSED_FLAGS = {
@@ -234,7 +234,7 @@ class SGLangTarget:
 
     # -- capture
     def bytes_per_token(self) -> int:
-        """Cache size per token: 3 aux + 1 final states of `hidden_size` values (Kimi bf16: 57,344 bytes)."""
+        """Cache size per token: 3 aux + 1 final states of `hidden_size` values (Kimi's: docs/kimi-k2.5.md)."""
         return 4 * self.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
 
     def capture(self, sequences: list[list[int]], names: list[str] | None = None) -> list[Captured]:

@@ -1,7 +1,7 @@
 """The dump-folder protocol between eagle3's SGLang capture patch (server side) and `SGLangTarget` (client side).
 
-Why files and not JSON: a Kimi-K2.5 token carries (3 aux + 1 final) x 7168 bf16 values = 57 KB; as JSON floats
-that is ~10x more text to print, send and parse per token. Instead the patched server writes one safetensors
+Why files and not JSON: a token carries (3 aux + 1 final) x hidden bf16 values (Kimi-K2.5's size: docs/kimi-k2.5.md
+"The target in numbers"), and as JSON floats many times that in text to print, send and parse per token. Instead the patched server writes one safetensors
 file per prompt into a RAM-backed folder (`target.sglang.dump_dir`, default /dev/shm/eagle3-sglang) and the
 client reads it as tensors and deletes it. Both sides import only this module (no sglang import here), so the
 CPU tests can play the server's part with the very same writer.

@@ -1,7 +1,7 @@
 """Read only the target's token embeddings and lm_head from its safetensors shards.
 
 The draft needs the target's embeddings (frozen inputs) and lm_head (the teacher, and the draft lm_head's
-initialisation), nothing else. Kimi-K2.5's full weights are 554 GB, so the model is never instantiated: the
+initialisation), nothing else. Kimi-K2.5's full weights are hundreds of GB (docs/kimi-k2.5.md), so the model is never instantiated: the
 shard index (`model.safetensors.index.json` weight_map) says which file holds each tensor and `safe_open`
 reads just those two.
 """
