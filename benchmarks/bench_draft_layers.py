@@ -74,7 +74,7 @@ def main() -> int:
         eagle3("train", "--config", a.config, *over)
         best = run / "checkpoints" / "best"
         heldout = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_heldout.py"), "--config", a.config,
-                                  "--heads", str(best), *over], check=True, cwd=REPO, capture_output=True, text=True)
+                                  "--heads", str(best), "--", *over], check=True, cwd=REPO, capture_output=True, text=True)
         ev = json.loads(heldout.stdout[heldout.stdout.index("{"):])["heads"][str(best)]
         row = {"train_tokens_per_s": train_rate(run), "sim_accept_len": ev["sim_accept_len"]}
         engines = [a.engine] if a.engine != "none" else ["builtin"]

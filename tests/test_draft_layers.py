@@ -163,7 +163,7 @@ def test_export_and_reload(tmp_path, engine, arch, fc_norm, norm_output):
     assert cfg["fc_norm"] is fc_norm and cfg["norm_output"] is norm_output
     assert cfg["draft_vocab_size"] == VD and layer["vocab_size"] == V
     if arch == "mla":
-        assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+        assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "kimi_k2"
         assert {k: cfg[k] for k in MLA} == MLA and cfg["num_hidden_layers"] == 1 and cfg["rope_interleave"] is True
         assert cfg["rope_scaling"]["factor"] == 4.0 and cfg["rope_scaling"]["rope_type"] == "yarn"
         assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ([1, 3, 5] if engine == "sglang" else [2, 4, 6])
