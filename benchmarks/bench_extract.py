@@ -23,15 +23,16 @@ import torch
 from eagle3.batching import collate, plan_batches
 from eagle3.bundled import SMOLLM2, resolve_target_path, sharegpt_path
 from eagle3.cache import (
+    FORMAT_VERSION,
     HiddenStateDataset,
     Manifest,
-    ShardEntry,
     ShardWriter,
     payload_bytes_per_token,
     shard_name,
 )
 from eagle3.config import Config
 from eagle3.fsutil import write_json_atomic
+from eagle3.loss import ArgmaxHead
 from eagle3.precision import DTYPES
 from eagle3.storage import dense
 from eagle3.targets.hf import HFTarget, load_causal_lm
@@ -78,7 +79,8 @@ def _open_cache(out: Path, name: str, dtype: str, target: HFTarget, storage: str
     shutil.rmtree(cache, ignore_errors=True)
     (cache / "train").mkdir(parents=True)
     (cache / "eval").mkdir()
-    fp = {"dtype": dtype, "hidden_size": target.hidden_size, "layer_ids": target.layer_ids,
+    fp = {"format": FORMAT_VERSION, "dtype": dtype, "hidden_size": target.hidden_size,
+          "layer_ids": target.layer_ids,
           "layer_id_convention": "input-of-layer", "storage": storage}
     write_json_atomic(cache / "meta.json", {"fingerprint": fp, "layout": {"world_size": 1}})
     return cache, ShardWriter(cache / "train" / name, target.hidden_size, target.dtype, storage=storage)
@@ -117,6 +119,7 @@ def bench_dtype(samples: list[dict], dtype: str, batch_tokens: int, out: Path, m
     cfg.target.aux_layer_ids = [2, 15, 27]
     cfg.extract.batch_tokens = batch_tokens
     target = HFTarget(cfg)
+    argmax = ArgmaxHead.for_backend(cfg, target)
     bare = load_causal_lm(target.path, DTYPES[dtype])
     batches = plan_batches([len(s["input_ids"]) for s in samples], batch_tokens, cfg.extract.max_batch_size)
     if max_batches:
@@ -134,25 +137,27 @@ def bench_dtype(samples: list[dict], dtype: str, batch_tokens: int, out: Path, m
         bare_forward(bare, seqs)
         t1 = time.perf_counter()
         caps = target.capture(seqs)
+        tops = [argmax(c.final) for c in caps]  # stored with the states, as extraction does
         t_bare += t1 - t0
         t_cap += time.perf_counter() - t1
         for st, (_, writer) in caches.items():
             t2 = time.perf_counter()
-            writer.write([{**r, "aux": c.aux, "final": c.final} for r, c in zip(rows, caps, strict=True)])
+            writer.write([{**r, "aux": c.aux, "final": c.final, "target_argmax": top}
+                          for r, c, top in zip(rows, caps, tops, strict=True)])
             t_write[st] += time.perf_counter() - t2
         tokens += sum(map(len, seqs))
     n = sum(len(b) for b in batches)
     results = []
     for st, (cache, writer) in caches.items():
         t0 = time.perf_counter()
-        size = writer.commit()
+        entry = writer.commit(0)
         t_write[st] += time.perf_counter() - t0
-        Manifest("train", 0, 1, n, 1, [ShardEntry(0, name, n, tokens, size)]).save(cache)
+        Manifest("train", 0, 1, n, 1, [entry]).save(cache)
         Manifest("eval", 0, 1, 0, 0).save(cache)
         t_ext = t_cap + t_write[st]
         results.append({"dtype": dtype, "storage": st, "samples": n, "tokens": tokens, "bare_tok_s": tokens / t_bare,
-                        "extract_tok_s": tokens / t_ext, "ratio": t_bare / t_ext, "bytes": size,
-                        "bytes_per_token": size / tokens,
+                        "extract_tok_s": tokens / t_ext, "ratio": t_bare / t_ext, "bytes": entry.bytes,
+                        "bytes_per_token": entry.bytes / tokens,
                         "payload_bytes_per_token": payload_bytes_per_token(target.hidden_size, dtype, st),
                         "exact_payload": payload_bytes_per_token(target.hidden_size, dtype),
                         **read_speed(cache, 4096)})

@@ -32,9 +32,10 @@ def main() -> int:
     from eagle3.formats import load_draft
     from eagle3.logs import setup_logging
     from eagle3.loss import Teacher
+    from eagle3.objective import Objective
     from eagle3.precision import DTYPES
     from eagle3.targets.weights import load_target_head
-    from eagle3.trainer import TeacherTargets, evaluate, make_accelerator
+    from eagle3.trainer import evaluate, make_accelerator
 
     setup_logging()
     cfg = load_config(a.config, a.overrides)
@@ -42,12 +43,13 @@ def main() -> int:
     accelerator = make_accelerator(cfg)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, _ = load_target_head(cfg)
-    teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d, cfg.train.teacher_chunk).to(accelerator.device)
-    data = TeacherTargets(HiddenStateDataset(cfg.cache_dir, "eval"))
+    teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
+    objective = Objective(teacher, cfg.train)
+    data = HiddenStateDataset(cfg.cache_dir, "eval")
     out = {"cache": str(cfg.cache_dir), "eval_samples": len(data), "heads": {}}
     for head in a.heads:
         draft = load_draft(resolve_draft_folder(head), embed_weight=embed)
-        ev = evaluate(accelerator, accelerator.prepare(draft), teacher, data, cfg)
+        ev = evaluate(accelerator, accelerator.prepare(draft), objective, data, cfg)
         out["heads"][head] = ev
         print(f"{head}: sim_accept_len {ev['sim_accept_len']:.4f} (teacher-forced {ev['sim_accept_len_tf']:.4f}), "
               + " ".join(f"acc_{j}={ev[f'acc_{j}']:.4f}" for j in range(cfg.train.ttt_steps)), flush=True)

@@ -12,7 +12,7 @@ weights): the head's forward and backward on bf16 parameters is what an FSDP2 bf
 weights with their gradients (~9.5 GB) plus the older trainer's activations do not fit this 24 GB machine.
 
 Each tree (a checkout of this repository at REV, in a scratch `git worktree`; and this one) runs its own
-trainer's `forward_loss` and the backward in its own process, after building everything: the figure is the
+trainer's loss of one micro-batch and the backward in its own process, after building everything: the figure is the
 peak resident memory of that step above what was resident before it (Linux VmHWM, reset just before), so it
 holds the activations, the loss's temporaries and the head's gradients (the same for every tree: 2 bytes per
 parameter in bf16), not the weights. A tree whose trainer takes the cache's target_argmax gets it in the batch,
@@ -22,6 +22,7 @@ as a cache written by its extraction holds it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import os
@@ -69,7 +70,8 @@ def one(a: argparse.Namespace) -> dict:
     t2d = torch.zeros(v, dtype=torch.bool)
     t2d[ids] = True
     model.set_vocab(ids - torch.arange(vd), t2d)
-    teacher = Teacher(lm_head, ids - torch.arange(vd), t2d, 8192)
+    new = importlib.util.find_spec("eagle3.objective") is not None  # one Objective owns the step
+    teacher = Teacher(lm_head, ids - torch.arange(vd), t2d) if new else Teacher(lm_head, ids - torch.arange(vd), t2d, 8192)
     prompt = int(n * (1 - a.assistant_share))
     mask = torch.zeros(1, n, dtype=torch.long)
     mask[0, prompt:] = 1
@@ -78,15 +80,22 @@ def one(a: argparse.Namespace) -> dict:
     cfg = SimpleNamespace(train=SimpleNamespace(ttt_steps=a.ttt, step_decay=0.8, mask_out_of_vocab=True,
                                                 loss_chunk_rows=a.loss_chunk_rows, teacher_chunk=8192))
     device = torch.device("cpu")
-    planned = "micro" in inspect.signature(trainer.forward_loss).parameters
-    if planned:  # this trainer reads the teacher's argmax from the cache
-        batch["target_argmax"] = teacher.argmax(batch["final"][0]).to(torch.int32)[None]
+    planned = new or "micro" in inspect.signature(trainer.forward_loss).parameters
+    if planned:  # this trainer reads the target's argmax from the cache
+        from eagle3.loss import lm_head_argmax
+
+        batch["target_argmax"] = lm_head_argmax(lm_head, batch["final"][0], 8192).to(torch.int32)[None]
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS counter
     before = _status("VmRSS:")
     t0 = time.perf_counter()
-    if planned:
+    if new:
+        from eagle3.objective import Objective
+
+        objective = Objective(teacher, cfg.train)
+        loss, _ = objective.loss(model, objective.plan(batch))
+    elif planned:
         micro = trainer.plan_micro(teacher, batch, cfg, device)
         loss, _ = trainer.forward_loss(model, teacher, micro, cfg, device)
     else:

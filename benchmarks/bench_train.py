@@ -179,14 +179,14 @@ def unigram_baseline(config: str, overrides: list[str]) -> dict[str, float]:
     cfg = load_config(config, overrides)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     _, lm_head, _ = load_target_head(cfg)
-    teacher = Teacher(lm_head, d2t, t2d, cfg.train.teacher_chunk)
+    teacher = Teacher(lm_head, d2t, t2d)
 
     def targets(split: str) -> torch.Tensor:
         ds = HiddenStateDataset(cfg.cache_dir, split)
         out = []
         for i in range(len(ds)):
             it = ds[i]
-            tgt = teacher(it["final"][None]).draft_target
+            tgt = teacher.to_draft[it["target_argmax"][None]]
             valid = valid_positions(it["loss_mask"][None].long(), tgt, 0, cfg.train.mask_out_of_vocab)
             t = len(it["input_ids"])
             out.append(tgt[0, 1 : t - 1][valid[0, : t - 2]])  # step-0 label of position t is teacher[t+1]

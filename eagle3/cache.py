@@ -11,7 +11,7 @@ Layout (one folder per prepared split; every rank of a scaled-out extraction wri
 Each shard is an Arrow IPC stream (what `datasets.Dataset.from_file` reads) with columns sample_id (string),
 input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32), aux (list<fixed_size_list<H3>>), final
 (list<fixed_size_list<H>>) and target_argmax (list<int32>: the target's full-vocab argmax at each position, so
-the trainer never reads the whole lm_head; shards written before it existed lack it and still load).
+the trainer never reads the whole lm_head).
 
 `extract.storage` (eagle3.storage) decides how states are kept. `exact`: bf16/fp16 states as their raw 16-bit
 patterns (uint16), so they round-trip bit-exactly (subnormals, -0.0, inf included) through a format that has no
@@ -22,21 +22,30 @@ of the fingerprint and of every shard's schema metadata, so shards of two storag
 A cache is only valid for the exact target weights, dtype, layer ids (and their meaning) and prepared data it was
 extracted from; `meta.json` records all of them and `check_fingerprint` refuses a mismatch instead of letting a
 trainer learn from the wrong states (the seed's drafter trained on mismatched states reached 15% acceptance).
+
+Integrity: every manifest entry records its shard's size, row count and SHA-256. Reading a cache always checks
+size and rows (free); `verify_shards(full=True)` hashes every shard (`eagle3 cache info --verify`, the trainer
+before it starts, extraction before it trusts the shards it resumes from). A damaged shard is named, and
+re-running `eagle3 extract` re-extracts it. Caches of format 1 (no stored argmax, no checksums) are refused with
+the one command that upgrades them in place: `eagle3 cache upgrade`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import torch
 
 from eagle3.fsutil import replace_dir, tmp_sibling, write_json_atomic
@@ -48,7 +57,7 @@ from eagle3.targets.info import read_target_info, weights_id
 
 log = logging.getLogger("eagle3")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLITS = ("train", "eval")
 
 # Storage type per target dtype: 16-bit floats keep their bit patterns in uint16.
@@ -60,8 +69,6 @@ _LABELS = {
     "num_layers": "number of target layers", "architectures": "target architectures", "format": "cache format",
     "storage": "storage (extract.storage)",
 }
-_LEGACY = {"storage": "exact"}
-"""Fingerprint fields added after caches were written without them, with the value those caches have."""
 
 
 class CacheError(UserError, RuntimeError):
@@ -101,7 +108,6 @@ def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) 
 def fingerprint_diff(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     """One readable line per differing field."""
     out = []
-    found, expected = {**_LEGACY, **found}, {**_LEGACY, **expected}  # hand-made fingerprints too
     for key in sorted(set(found) | set(expected)):
         if found.get(key) != expected.get(key):
             label = _LABELS.get(key, key)
@@ -109,12 +115,21 @@ def fingerprint_diff(found: dict[str, Any], expected: dict[str, Any]) -> list[st
     return out
 
 
-def read_meta(cache_dir: str | Path) -> dict[str, Any]:
+def read_meta(cache_dir: str | Path, upgraded: bool = True) -> dict[str, Any]:
+    """meta.json; a format-1 cache is refused (with the command that upgrades it) unless `upgraded` is False."""
     path = Path(cache_dir) / "meta.json"
     if not path.is_file():
         raise CacheError(f"{cache_dir} is not a hidden-state cache (no meta.json): run `eagle3 extract` first")
-    meta = json.loads(path.read_text())
-    meta["fingerprint"] = {**_LEGACY, **meta["fingerprint"]}
+    try:
+        meta = json.loads(path.read_text())
+        version = meta["fingerprint"].get("format")
+    except (ValueError, KeyError, AttributeError) as e:
+        raise CacheError(f"{path} is damaged ({e}); delete it and re-run `eagle3 extract --config ...`: it is "
+                         "rebuilt from the manifests' record of what the shards hold") from e
+    if upgraded and version != FORMAT_VERSION:
+        raise CacheError(f"cache {cache_dir} is format {version}; this eagle3 reads format {FORMAT_VERSION} (the "
+                         "target's argmax stored with every sample, a checksum for every shard). Upgrade it in place "
+                         f"once: eagle3 cache upgrade {cache_dir} --config <your config>")
     return meta
 
 
@@ -148,6 +163,8 @@ class ShardEntry:
     bytes: int
     skipped_nonfinite: list[str] = field(default_factory=list)
     """Sample ids of this shard's plan left out because the target gave NaN/inf states (never trained on)."""
+    sha256: str = ""
+    """The shard file's SHA-256 (hex), checked by verify_shards(full=True)."""
 
 
 @dataclass
@@ -195,7 +212,7 @@ def storage_type(dtype: torch.dtype) -> pa.DataType:
     return _STORAGE[dtype]
 
 
-def schema(hidden_size: int, dtype: torch.dtype, target_argmax: bool = False, storage: str = "exact") -> pa.Schema:
+def schema(hidden_size: int, dtype: torch.dtype, storage: str = "exact") -> pa.Schema:
     st = storage_type(dtype)
     aux8, final8 = fp8_states(storage)
     fields = [
@@ -210,8 +227,7 @@ def schema(hidden_size: int, dtype: torch.dtype, target_argmax: bool = False, st
         fields.append(("aux_scale", pa.list_(pa.list_(pa.float32(), 3))))
     if final8:
         fields.append(("final_scale", pa.list_(pa.list_(pa.float32(), 1))))
-    if target_argmax:  # optional: shards written before it existed load without it (the trainer computes it)
-        fields.append(("target_argmax", pa.list_(pa.int32())))
+    fields.append(("target_argmax", pa.list_(pa.int32())))
     meta = {"eagle3_dtype": str(dtype).removeprefix("torch."), "eagle3_storage": storage}
     return pa.schema(fields, metadata=meta)
 
@@ -229,11 +245,11 @@ def _to_storage_np(t: torch.Tensor) -> np.ndarray:
 
 
 def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtype,
-                 target_argmax: bool = False, storage: str = "exact") -> pa.RecordBatch:
-    """Rows {sample_id, input_ids, loss_mask, aux [T,3H], final [T,H][, target_argmax [T]]} -> one Arrow record
+                 storage: str = "exact") -> pa.RecordBatch:
+    """Rows {sample_id, input_ids, loss_mask, aux [T,3H], final [T,H], target_argmax [T]} -> one Arrow record
     batch, the states quantised here when `storage` asks for fp8. target_argmax is the target's full-vocab argmax
     at each position (a target token id)."""
-    sch = schema(hidden_size, dtype, target_argmax, storage)
+    sch = schema(hidden_size, dtype, storage)
     aux8, final8 = fp8_states(storage)
     lengths = np.array([len(r["input_ids"]) for r in rows], dtype=np.int32)
     for r, t in zip(rows, lengths, strict=True):
@@ -275,12 +291,11 @@ def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtyp
     for key, parts in (("aux", 3), ("final", 1)):
         if scales[key]:
             cols.append(nested(torch.cat(scales[key]).numpy().reshape(-1), pa.float32(), parts))
-    if target_argmax:
-        for r, t in zip(rows, lengths, strict=True):
-            if len(r["target_argmax"]) != t:
-                raise CacheError(f"sample {r['sample_id']}: {len(r['target_argmax'])} argmax ids for {t} tokens")
-        top = np.concatenate([np.asarray(r["target_argmax"], dtype=np.int32) for r in rows])
-        cols.append(pa.ListArray.from_arrays(offsets, pa.array(top, type=pa.int32())))
+    for r, t in zip(rows, lengths, strict=True):
+        if len(r["target_argmax"]) != t:
+            raise CacheError(f"sample {r['sample_id']}: {len(r['target_argmax'])} argmax ids for {t} tokens")
+    argmax = np.concatenate([np.asarray(r["target_argmax"], dtype=np.int32) for r in rows])
+    cols.append(pa.ListArray.from_arrays(offsets, pa.array(argmax, type=pa.int32())))
     return pa.RecordBatch.from_arrays(cols, schema=sch)
 
 
@@ -288,31 +303,36 @@ class ShardWriter:
     """Streams record batches into `<final>.tmp` and renames it into place on `commit()`, so a shard file that
     exists is always whole (a kill at any moment leaves at most a stale .tmp, removed on restart)."""
 
-    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype, target_argmax: bool = False,
-                 storage: str = "exact"):
-        self.path, self.hidden_size, self.dtype, self.target_argmax = path, hidden_size, dtype, target_argmax
-        self.storage = storage
+    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype, storage: str = "exact"):
+        self.path, self.hidden_size, self.dtype, self.storage = path, hidden_size, dtype, storage
         self.tmp = path.with_name(path.name + ".tmp")
         self._sink = pa.OSFile(str(self.tmp), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, schema(hidden_size, dtype, target_argmax, storage))
+        self.schema = schema(hidden_size, dtype, storage)
+        self._writer = pa.ipc.new_stream(self._sink, self.schema)
         self.num_samples = 0
         self.num_tokens = 0
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        rb = record_batch(rows, self.hidden_size, self.dtype, self.target_argmax, self.storage)
-        self._writer.write_batch(rb)
-        self.num_samples += len(rows)
-        self.num_tokens += int(sum(len(r["input_ids"]) for r in rows))
+        self.write_batch(record_batch(rows, self.hidden_size, self.dtype, self.storage))
 
-    def commit(self) -> int:
+    def write_batch(self, rb: pa.RecordBatch) -> None:
+        """A record batch already in this shard's schema (`upgrade` adds a column to an old shard's batches)."""
+        self._writer.write_batch(rb)
+        self.num_samples += rb.num_rows
+        self.num_tokens += int(pa.compute.sum(rb.column("num_tokens")).as_py() or 0)
+
+    def commit(self, index: int, skipped_nonfinite: list[str] | None = None) -> ShardEntry:
+        """Close the stream, hash it and rename it into place: the manifest entry of shard `index`."""
         self._writer.close()
         self._sink.flush()
         os.fsync(self._sink.fileno())
         self._sink.close()
+        digest = sha256_file(self.tmp)
         os.replace(self.tmp, self.path)
-        return self.path.stat().st_size
+        return ShardEntry(index, self.path.name, self.num_samples, self.num_tokens, self.path.stat().st_size,
+                          list(skipped_nonfinite or []), digest)
 
     def abort(self) -> None:
         """Drop the half-written shard. Best effort on close: after a full disk, closing the stream tries to
@@ -323,6 +343,71 @@ class ShardWriter:
             except (OSError, pa.ArrowException):
                 pass
         self.tmp.unlink(missing_ok=True)
+
+
+# -------------------------------------------------------------------------------------------------- integrity
+def sha256_file(path: Path, block: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def shard_problem(path: Path, entry: ShardEntry, full: bool) -> str | None:
+    """What is wrong with one listed shard, or None: missing, another size than recorded, or (`full`) another
+    SHA-256: a copy cut short, or bytes damaged in place (the size alone misses that)."""
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry.bytes:
+        return f"{size} bytes where the manifest records {entry.bytes} (cut short or overwritten)"
+    if full and sha256_file(path) != entry.sha256:
+        return "its SHA-256 differs from the manifest's (damaged in place)"
+    return None
+
+
+def damaged_shards(cache_dir: Path, split: str, entries: list[ShardEntry], full: bool = True,
+                   label: str = "") -> dict[str, str]:
+    """{file: problem} of `entries` of one split. Hashed in threads (hashlib releases the GIL), with progress:
+    hashing a Kimi-sized cache reads every byte of it once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagle3.logs import Progress
+
+    out: dict[str, str] = {}
+    if not entries:
+        return out
+    total = sum(e.bytes for e in entries) if full else len(entries)
+    with Progress(total, label or f"verify {split}", unit="B" if full else "shard",
+                  disable=not full or total < 1e9) as prog, \
+            ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        checks = [(e, pool.submit(shard_problem, Path(cache_dir) / split / e.file, e, full)) for e in entries]
+        for e, fut in checks:
+            problem = fut.result()
+            if problem is not None:
+                out[e.file] = problem
+            prog.update(e.bytes if full else 1)
+    return out
+
+
+def verify_cache(cache_dir: str | Path, full: bool = True, part: tuple[int, int] = (0, 1)) -> list[str]:
+    """'<split>/<file>: <problem>' for every listed shard of the cache that is missing, cut short or (`full`)
+    damaged. `part` (i, n) checks every n-th shard from the i-th: ranks of a trainer share the work."""
+    cache_dir = Path(cache_dir)
+    out = []
+    for split in SPLITS:
+        found, _ = manifests(cache_dir, split)
+        entries = sorted((s for m in found for s in m.shards), key=lambda s: s.file)[part[0]::part[1]]
+        out += [f"{split}/{f}: {p}" for f, p in damaged_shards(cache_dir, split, entries, full).items()]
+    return out
+
+
+def damaged_error(cache_dir: Path, problems: list[str]) -> CacheError:
+    listed = "\n".join(f"  {p}" for p in problems[:20]) + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20
+                                                          else "")
+    return CacheError(f"cache {cache_dir}: {len(problems)} shard(s) are missing or damaged:\n{listed}\nRe-run the "
+                      "same `eagle3 extract --config ...` command: it re-extracts exactly those shards.")
 
 
 # ----------------------------------------------------------------------------------------- opening, resuming
@@ -398,11 +483,12 @@ def load_manifest(cache_dir: Path, split: str, rank: int, world: int, plan: list
     if (m.planned_samples, m.planned_shards) != (fresh.planned_samples, fresh.planned_shards):
         raise CacheError(f"{path}: planned {m.planned_samples} samples in {m.planned_shards} shards, this run plans "
                          f"{fresh.planned_samples} in {fresh.planned_shards}: the prepared data changed")
-    kept = [s for s in m.shards if (cache_dir / split / s.file).is_file()]
-    if len(kept) != len(m.shards):
-        log.warning("%s: %d shard file(s) listed but missing; they will be extracted again",
-                    path, len(m.shards) - len(kept))
-    m.shards = kept
+    # Checked in full before they are trusted: a damaged shard is dropped here and re-extracted by this run.
+    bad = damaged_shards(cache_dir, split, m.shards, full=True, label=f"verify {split} shards of rank {rank}")
+    for file, problem in bad.items():
+        log.warning("%s/%s: %s; it will be extracted again", split, file, problem)
+        (cache_dir / split / file).unlink(missing_ok=True)
+    m.shards = [s for s in m.shards if s.file not in bad]
     return m
 
 
@@ -485,8 +571,7 @@ class _Batch:
         self.width_final = rb.schema.field("final").type.value_type.list_size
         self.dtype = torch_dtype
         self.sample_ids = rb.column("sample_id")
-        has_top = "target_argmax" in rb.schema.names
-        self.top = _np(rb.column("target_argmax").values) if has_top else None
+        self.argmax = _np(rb.column("target_argmax").values)
         names = rb.schema.names
         self.scales = {k: _np(rb.column(f"{k}_scale").values.values) for k in ("aux", "final") if f"{k}_scale" in names}
 
@@ -504,8 +589,7 @@ class _Batch:
         for key, flat in self.scales.items():
             parts = 3 if key == "aux" else 1
             item[f"{key}_scale"] = torch.from_numpy(flat[s * parts:e * parts]).view(t, parts)
-        if self.top is not None:
-            item["target_argmax"] = torch.from_numpy(self.top[s:e].astype(np.int64))
+        item["target_argmax"] = torch.from_numpy(self.argmax[s:e].astype(np.int64))
         return item
 
 
@@ -523,8 +607,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     """One split of a cache as a torch Dataset; items are zero-copy views of the memory-mapped shards.
 
     `item["aux"]` is [T, 3H] and `item["final"]` [T, H] in the target dtype; `input_ids` int64 [T];
-    `loss_mask` int8 [T]; `target_argmax` int64 [T] (the target's full-vocab argmax, a target token id) where the
-    shard stores it. In an fp8 cache the fp8 states come as float8_e4m3fn with `aux_scale` [T, 3] / `final_scale`
+    `loss_mask` int8 [T]; `target_argmax` int64 [T] (the target's full-vocab argmax, a target token id). In an fp8 cache the fp8 states come as float8_e4m3fn with `aux_scale` [T, 3] / `final_scale`
     [T, 1] float32 beside them: `eagle3.storage.dense(item, ds.dtype)` dequantises (the trainer does it on its
     device, after collation). The tensors share memory with the file mapping: copy before writing into them.
     """
@@ -553,11 +636,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                                  f"extracted with {fingerprint_diff(m.fingerprint, self.fingerprint)} against "
                                  f"{self.cache_dir / 'meta.json'}; the cache mixes two jobs: extract into a new folder")
             for s in sorted(m.shards, key=lambda s: s.index):
-                mm = pa.memory_map(str(self.cache_dir / split / s.file), "r")
-                self._maps.append(mm)
-                stream = pa.ipc.open_stream(mm)
-                self._check_shard(split, s.file, stream.schema)
-                for rb in stream:
+                for rb in self._open_shard(split, s):
                     self._batches.append(_Batch(rb, self.dtype))
                     n = rb.num_rows
                     where_b.append(np.full(n, len(self._batches) - 1, dtype=np.int64))
@@ -568,6 +647,27 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
         self._where_b, self._where_r = cat(where_b, np.int64), cat(where_r, np.int64)
         self.num_tokens: np.ndarray = cat(lengths, np.int32)
+
+    def _open_shard(self, split: str, entry: ShardEntry) -> list[pa.RecordBatch]:
+        """One shard's record batches, mapped; its size and row count checked against the manifest (free, unlike
+        the checksum), and a shard Arrow cannot read named instead of surfacing as a pyarrow traceback."""
+        path = self.cache_dir / split / entry.file
+        problem = shard_problem(path, entry, full=False)
+        try:
+            if problem is None:
+                mm = pa.memory_map(str(path), "r")
+                self._maps.append(mm)
+                stream = pa.ipc.open_stream(mm)
+                self._check_shard(split, entry.file, stream.schema)
+                batches = list(stream)
+                rows = sum(rb.num_rows for rb in batches)
+                if rows != entry.num_samples:
+                    problem = f"{rows} samples where the manifest records {entry.num_samples}"
+        except (pa.ArrowException, OSError) as e:
+            problem = f"unreadable ({e})"
+        if problem is not None:
+            raise damaged_error(self.cache_dir, [f"{split}/{entry.file}: {problem}"])
+        return batches
 
     def _check_shard(self, split: str, file: str, sch: pa.Schema) -> None:
         """Every shard must hold what meta.json says: a shard copied in from a cache of another storage or dtype
@@ -592,6 +692,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             raise IndexError(f"index {i} out of range for a cache split of {len(self)} samples")
         return self._batches[int(self._where_b[i])].item(int(self._where_r[i]))
 
+    def iter_collated(self, index_batches: list[list[int]], pin: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """Collated batches of `index_batches`, prefetched in a thread (`pin`: pinned for a CUDA copy)."""
+        from eagle3.batching import iter_batches
+
+        return iter_batches(self, index_batches, pin=pin)
+
 
 # ---------------------------------------------------------------------------------------------------- convert
 def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
@@ -604,6 +710,9 @@ def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
     src, dst = Path(src), Path(dst)
     meta = read_meta(src)
     fp = meta["fingerprint"]
+    problems = verify_cache(src)
+    if problems:  # converting a damaged shard would pass its damage on under a fresh checksum
+        raise damaged_error(src, problems)
     if fp["storage"] != "exact":
         raise CacheError(f"cache {src} is stored as {fp['storage']!r}; only an exact cache can be converted (a "
                          "lossy one would pass its rounding off as the target's states)")
@@ -625,15 +734,12 @@ def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
                 entries = []
                 for e in sorted(m.shards, key=lambda s: s.index):
                     with pa.memory_map(str(src / split / e.file), "r") as mm:
-                        stream = pa.ipc.open_stream(mm)
-                        has_top = "target_argmax" in stream.schema.names
-                        w = ShardWriter(tmp / split / e.file, hidden, dtype, target_argmax=has_top, storage=storage)
-                        for rb in stream:
+                        w = ShardWriter(tmp / split / e.file, hidden, dtype, storage=storage)
+                        for rb in pa.ipc.open_stream(mm):
                             b = _Batch(rb, dtype)
                             w.write([b.item(r) for r in range(rb.num_rows)])
-                        size = w.commit()
+                        entries.append(w.commit(e.index, e.skipped_nonfinite))
                     tokens += w.num_tokens
-                    entries.append(ShardEntry(e.index, e.file, e.num_samples, e.num_tokens, size, e.skipped_nonfinite))
                 Manifest(split, m.rank, m.world_size, m.planned_samples, m.planned_shards, entries,
                          fingerprint={**fp, "storage": storage}, layout=meta["layout"]).save(tmp)
         write_json_atomic(tmp / "meta.json", {**meta, "fingerprint": {**fp, "storage": storage}})
@@ -641,6 +747,80 @@ def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"tokens": tokens, "bytes": sum(p.stat().st_size for p in dst.rglob("*.arrow"))}
+
+
+# ---------------------------------------------------------------------------------------------------- upgrade
+_ARGMAX_SOURCE = ("weights_id", "dtype", "hidden_size", "architectures")
+"""The fingerprint fields that decide the target's argmax: an upgrade must read the lm_head the states came from."""
+
+
+def upgrade(cache_dir: str | Path, argmax: Any, expected: dict[str, Any]) -> int:
+    """Upgrade a format-1 cache to format 2 in place: each shard gains its `target_argmax` column (computed once
+    here with `argmax`, an eagle3.loss.ArgmaxHead of the cache's target) and a checksum; every other byte of its
+    record batches is kept. Shard by shard, each renamed into place whole and its manifest saved after it, so a
+    killed upgrade resumes where it stopped; meta.json says format 2 only at the very end. Returns the number of
+    shards rewritten.
+
+        eagle3 cache upgrade runs/smollm2-135m/cache --config configs/smollm2-135m.yaml
+    """
+    cache_dir = Path(cache_dir)
+    meta = read_meta(cache_dir, upgraded=False)
+    fp = {"storage": "exact", **meta["fingerprint"], "format": FORMAT_VERSION}  # format 1 predates `storage`
+    if meta["fingerprint"].get("format") == FORMAT_VERSION:
+        return 0
+    diff = fingerprint_diff({k: fp.get(k) for k in _ARGMAX_SOURCE}, {k: expected.get(k) for k in _ARGMAX_SOURCE})
+    if diff:
+        raise CacheError(f"cannot upgrade cache {cache_dir} with this config's target: the cache "
+                         + "; ".join(diff) + ". The argmax must come from the target the states came from.")
+    world, rewritten = int(meta["layout"]["world_size"]), 0
+    for split in SPLITS:
+        for rank in range(world):
+            path = Manifest.path(cache_dir, split, rank, world)
+            if not path.is_file():
+                continue
+            m = Manifest.load(path)
+            for i, e in enumerate(m.shards):
+                if not e.sha256:  # else upgraded by an earlier, interrupted run
+                    m.shards[i], did = _upgrade_shard(cache_dir / split, e, fp, argmax)
+                    rewritten += did
+                    m.save(cache_dir)
+            m.fingerprint, m.layout = fp, meta["layout"]
+            m.save(cache_dir)
+    write_json_atomic(cache_dir / "meta.json", {**meta, "fingerprint": fp})
+    return rewritten
+
+
+def _upgrade_shard(split_dir: Path, entry: ShardEntry, fp: dict[str, Any], argmax: Any) -> tuple[ShardEntry, bool]:
+    from eagle3.storage import dense
+
+    path = split_dir / entry.file
+    problem = shard_problem(path, entry, full=False)
+    if problem is not None:  # left for extract to redo: its checksum will not match
+        log.warning("%s: %s; not upgraded: re-run `eagle3 extract` after the upgrade to re-extract it", path, problem)
+        return entry, False
+    dtype, hidden, storage = DTYPES[fp["dtype"]], int(fp["hidden_size"]), fp["storage"]
+    with pa.memory_map(str(path), "r") as mm:
+        stream = pa.ipc.open_stream(mm)
+        if "target_argmax" in stream.schema.names:  # rewritten before a kill hit the manifest save
+            return ShardEntry(**{**entry.__dict__, "bytes": path.stat().st_size, "sha256": sha256_file(path)}), False
+        w = ShardWriter(path, hidden, dtype, storage=storage)
+        try:
+            for rb in stream:
+                offsets = _np(rb.column("final").offsets)
+                finals = rb.column("final").values.values
+                ids = []
+                for r in range(rb.num_rows):
+                    s, e = int(offsets[r]), int(offsets[r + 1])
+                    item = {"final": _tensor(_np(finals)[s * hidden:e * hidden], dtype).view(e - s, hidden)}
+                    if "final_scale" in rb.schema.names:  # fp8: the argmax of what the trainer reads
+                        item["final_scale"] = torch.from_numpy(_np(rb.column("final_scale").values.values)[s:e])[:, None]
+                    ids.append(argmax(dense(item, dtype)["final"]).numpy().astype(np.int32))
+                column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(ids), type=pa.int32()))
+                w.write_batch(pa.RecordBatch.from_arrays([*rb.columns, column], schema=w.schema))
+            return w.commit(entry.index, entry.skipped_nonfinite), True
+        except BaseException:
+            w.abort()
+            raise
 
 
 # ------------------------------------------------------------------------------------------------------- info
@@ -662,17 +842,12 @@ def summary(cache_dir: str | Path) -> dict[str, Any]:
             "skipped_nonfinite": sum(len(s.skipped_nonfinite) for s in shards),
             "bytes": sum(s.bytes for s in shards), "shards": len(shards),
             "planned_samples": sum(m.planned_samples for m in found), "incomplete_ranks": incomplete,
-            "argmax_shards": sum(_has_argmax(Path(cache_dir) / split / s.file) for s in shards),
         }
     return out
 
 
-def _has_argmax(shard: Path) -> bool:
-    with pa.memory_map(str(shard), "r") as mm:
-        return "target_argmax" in pa.ipc.open_stream(mm).schema.names
-
-
-def print_info(cache_dir: str | Path) -> None:
+def print_info(cache_dir: str | Path, verify: bool = False) -> int:
+    """Print the cache's summary (and, with `verify`, check every shard's checksum); 1 when a shard is damaged."""
     s = summary(cache_dir)
     fp = s["fingerprint"]
     storage = fp["storage"]
@@ -689,11 +864,17 @@ def print_info(cache_dir: str | Path) -> None:
               f"{bpt / payload if payload else 0:.3f}x"
               + (f"; {bpt / exact:.3f}x the exact {fp['dtype']} payload" if storage != "exact" else "")
               + f"), {state}"
-              + (f", {d['skipped_nonfinite']} samples skipped (non-finite states)" if d["skipped_nonfinite"] else "")
-              + f"; target argmax stored in {d['argmax_shards']}/{d['shards']} shards (4 bytes/token; the "
-              "trainer computes it for the others)")
+              + (f", {d['skipped_nonfinite']} samples skipped (non-finite states)" if d["skipped_nonfinite"] else ""))
     print(f"  layer ids: {fp['layer_ids']} ({fp['layer_id_convention']}: id k = input of decoder layer k)")
     print(f"  layout: {s['layout']}")
     print("  fingerprint:")
     for k, v in fp.items():
         print(f"    {k}: {v}")
+    if not verify:
+        return 0
+    problems = verify_cache(cache_dir)
+    if problems:
+        raise damaged_error(Path(cache_dir), problems)
+    shards = sum(d["shards"] for d in s["splits"].values())
+    print(f"  integrity: all {shards} shards intact (size, rows and SHA-256 as the manifests record)")
+    return 0

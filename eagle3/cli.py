@@ -87,8 +87,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_cache_info(args: argparse.Namespace) -> int:
     from eagle3.cache import print_info
 
-    print_info(args.dir)
-    return 0
+    return print_info(args.dir, verify=args.verify)
+
+
+def cmd_cache_upgrade(args: argparse.Namespace) -> int:
+    from eagle3.cache import expected_fingerprint, print_info, upgrade
+    from eagle3.loss import ArgmaxHead
+
+    cfg = _cfg(args)
+    n = upgrade(args.dir, ArgmaxHead.for_backend(cfg, None), expected_fingerprint(cfg))
+    print(f"upgraded {args.dir}: {n} shard(s) rewritten with the target's argmax and checksums")
+    return print_info(args.dir)
 
 
 def cmd_cache_convert(args: argparse.Namespace) -> int:
@@ -163,7 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     cache_sub = cache_p.add_subparsers(dest="action", required=True)
     info = cache_sub.add_parser("info", help="samples, tokens, bytes per token, layer ids, fingerprint")
     info.add_argument("dir")
+    info.add_argument("--verify", action="store_true", help="also check every shard's SHA-256 (reads the whole cache)")
     info.set_defaults(fn=cmd_cache_info)
+    up = cache_sub.add_parser("upgrade", help="upgrade a format-1 cache in place (adds the target's argmax and "
+                              "checksums; reads the target's lm_head, not the whole target)")
+    up.add_argument("dir")
+    _with_config(up)
+    up.set_defaults(fn=cmd_cache_upgrade)
     conv = cache_sub.add_parser("convert", help="re-store an exact cache as fp8 into a new folder (no target run)")
     conv.add_argument("src")
     conv.add_argument("dst")

@@ -220,8 +220,8 @@ class TrainConfig(Section):
     mask_out_of_vocab: bool = True
     """Drop positions whose target argmax is outside the draft vocab (EAGLE's rule)."""
     teacher_chunk: int = Field(8192, ge=1)
-    """Vocab rows per chunk of the teacher's full-vocab argmax (extraction; the trainer for caches without it):
-    bounds memory for big vocabularies."""
+    """Vocab rows per chunk of the target's full-vocab argmax (computed where states are captured: extraction,
+    online mode, `eagle3 cache upgrade`): bounds memory for big vocabularies."""
     loss_chunk_rows: int = Field(4096, ge=1)
     """Scored rows per chunk of the fused lm_head + soft cross-entropy (eagle3.loss.SoftCE): a TTT step's
     [rows, draft_vocab] logits exist one chunk at a time (4096 x 32000 float32 = 0.5 GB for Kimi-K2.5's head)."""
@@ -242,6 +242,10 @@ class TrainConfig(Section):
     """Seed of initialisation and batch order."""
     resume: bool = True
     """Continue from the newest checkpoint in `<output_dir>/checkpoints` when there is one."""
+    verify_cache: bool = True
+    """Before training, check every cache shard's SHA-256 against its manifest (the ranks share the work): a shard
+    damaged in a copy would otherwise train to NaN or, worse, to a quietly wrong head. It reads the whole cache
+    once; switch it off only for a cache just verified (`eagle3 cache info --verify`)."""
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

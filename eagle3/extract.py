@@ -223,8 +223,7 @@ def _extract_shard(cfg: Any, backend: Any, argmax: Any, ds: Any, lens: np.ndarra
 
     name = shard_name(rank, world, job.shard)
     skipped: list[str] = []
-    writer = ShardWriter(cfg.cache_dir / job.split / name, fp["hidden_size"], backend.dtype, target_argmax=True,
-                         storage=fp["storage"])
+    writer = ShardWriter(cfg.cache_dir / job.split / name, fp["hidden_size"], backend.dtype, storage=fp["storage"])
     try:
         for batch in plan_batches([int(lens[i]) for i in job.rows], cfg.extract.batch_tokens,
                                   cfg.extract.max_batch_size):
@@ -244,11 +243,10 @@ def _extract_shard(cfg: Any, backend: Any, argmax: Any, ds: Any, lens: np.ndarra
             done.batches += 1
             prog.update(len(batch), tok_s=f"{done.tokens / max(time.monotonic() - done.t0, 1e-9):.0f}")
             _kill_hook("BATCHES", done.batches)
-        size = writer.commit()
+        return writer.commit(job.shard, skipped)
     except BaseException:
         writer.abort()
         raise
-    return ShardEntry(job.shard, name, writer.num_samples, writer.num_tokens, size, skipped)
 
 
 def _report(done: _Done, rank: int, world: int, todo_samples: int, shards: int, cache_dir: Path,

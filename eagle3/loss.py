@@ -19,18 +19,9 @@ from eagle3.rows import Rows, shift_tokens, valid_positions
 
 
 # -------------------------------------------------------------------------------------------------- teacher
-@dataclass
-class TeacherOutput:
-    probs: Tensor
-    """[..., draft_vocab] float32: the target's distribution restricted to the draft vocab, renormalised."""
-    draft_target: Tensor
-    """[...] int64: the target's FULL-vocab argmax as a draft id, -1 when it lies outside the draft vocab."""
-
-
 def lm_head_argmax(weight: Tensor, final: Tensor, chunk: int) -> Tensor:
     """[...] int64 target ids: the argmax of final @ weight.T over the full vocab, in vocab chunks of `chunk`
-    rows, so a [N, V] logits tensor is never built. Extraction stores it; the trainer computes it for caches
-    without it, in the same dtype and chunks (so both give the same ids)."""
+    rows, so a [N, V] logits tensor is never built (2.7 GB fp32 for 4096 tokens of Kimi's 163840 vocab)."""
     return lm_head_max(weight, final, chunk)[1]
 
 
@@ -77,9 +68,9 @@ class ArgmaxHead:
 
     The trainer needs that argmax (as a draft id, or -1) to mask out-of-vocab positions, and getting it reads
     every row of the lm_head: 6x the rows of the loss's draft vocab for SmolLM2, 5x for Kimi-K2.5. Extraction
-    stores it in the cache (as target ids: the cache does not depend on the draft vocab) and online capture hands
-    it over with the states. The weights are the target's dtype and the trainer's chunking, so the ids are the
-    ones the trainer would compute; the backend's own lm_head is used where it has one in memory.
+    stores it in the cache (as target ids: the cache does not depend on the draft vocab), online capture hands
+    it over with the states, and `eagle3 cache upgrade` adds it to caches written before it was stored. The
+    weights are in the target's dtype; the backend's own lm_head is used where it has one in memory.
     """
 
     def __init__(self, weight: Tensor, chunk: int):
@@ -104,55 +95,49 @@ class ArgmaxHead:
 
 
 class Teacher:
-    """The frozen target lm_head, applied to stored final states.
-
-    Its two products cost very different amounts. The full-vocab argmax (as a draft id, -1 when out of the
-    draft vocab) reads every row of the lm_head, in vocab chunks so that a full [N, V] logits tensor (2.7 GB
-    fp32 for 4096 tokens of Kimi's 163840 vocab) is never built; it depends on the sample only, so the trainer
-    computes it once per sample (TeacherTargets). The distribution over the draft vocab reads only the draft
-    vocab's rows, and only at the positions the loss scores.
+    """The frozen target lm_head's draft-vocab rows, applied to stored final states: the target's distribution over
+    the draft vocab, at the positions the loss scores. The full-vocab argmax the trainer also needs reads every row
+    of the lm_head; it is computed once, where the states are captured (ArgmaxHead), so only the draft vocab's rows
+    are kept here (Kimi-K2.5: 32000 of 163840 rows on the device).
     """
 
-    def __init__(self, lm_head_weight: Tensor, d2t: Tensor, t2d: Tensor, chunk: int):
-        self.weight = lm_head_weight.detach()
-        self.chunk = chunk
+    def __init__(self, lm_head_weight: Tensor, d2t: Tensor, t2d: Tensor):
         v = t2d.shape[0]
-        if self.weight.shape[0] != v:
-            raise ValueError(f"target lm_head has {self.weight.shape[0]} rows but t2d covers {v} target ids")
+        if lm_head_weight.shape[0] != v:
+            raise ValueError(f"target lm_head has {lm_head_weight.shape[0]} rows but t2d covers {v} target ids")
         target_ids = torch.arange(d2t.shape[0]) + d2t.cpu().long()
         to_draft = torch.full((v,), -1, dtype=torch.int64)
         to_draft[target_ids] = torch.arange(d2t.shape[0])
-        self.to_draft = to_draft.to(self.weight.device)
         self.to_draft_host = to_draft  # batches are planned on the host (no device syncs in the step)
-        self.draft_weight = self.weight[target_ids.to(self.weight.device)]  # [draft_vocab, H], draft id order
+        self.to_draft = to_draft.to(lm_head_weight.device)
+        """[V] the draft id of each target id, -1 outside the draft vocab."""
+        self.draft_weight = lm_head_weight.detach()[target_ids.to(lm_head_weight.device)].clone()
+        """[draft_vocab, H] in draft id order, in the dtype the target is served in (its logits are the ones the
+        engine verifies against)."""
         self.draft_vocab = d2t.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.draft_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.draft_weight.dtype
+
     def to(self, device: torch.device | str) -> Teacher:
-        self.weight, self.to_draft = self.weight.to(device), self.to_draft.to(device)
-        self.draft_weight = self.draft_weight.to(device)
+        self.to_draft, self.draft_weight = self.to_draft.to(device), self.draft_weight.to(device)
         return self
-
-    def argmax(self, final: Tensor) -> Tensor:
-        """[...] int64: the full-vocab argmax of the target's logits (a target id)."""
-        return lm_head_argmax(self.weight, final, self.chunk)
-
-    def targets(self, final: Tensor) -> Tensor:
-        """[...] int64: the full-vocab argmax of the target's logits, as a draft id (-1 when out of vocab)."""
-        return self.to_draft[self.argmax(final)]
 
     @torch.no_grad()
     def probs(self, final: Tensor) -> Tensor:
         """[..., draft_vocab] float32: softmax of the target's logits over the draft vocab, in draft id order."""
         lead = final.shape[:-1]
-        x = final.reshape(-1, final.shape[-1]).to(self.weight.dtype)
+        x = final.reshape(-1, final.shape[-1]).to(self.dtype)
         p = (x @ self.draft_weight.T).float()
         p -= p.amax(dim=-1, keepdim=True)
         p.exp_()
         p /= p.sum(dim=-1, keepdim=True)
         return p.view(*lead, self.draft_vocab)
-
-    def __call__(self, final: Tensor) -> TeacherOutput:
-        return TeacherOutput(self.probs(final), self.targets(final))
 
 
 # ----------------------------------------------------------------------------------------------------- loss

@@ -5,10 +5,10 @@ trainer asks for the states of each batch as it goes. A background thread keeps 
 target's forward of batch i+1 overlaps the draft's step on batch i (torch releases the GIL inside its kernels).
 
 Items are the same dicts `HiddenStateDataset` yields, so the trainer cannot tell the two modes apart:
-{"sample_id", "input_ids" int64 [T], "loss_mask" int8 [T], "aux" [T,3H], "final" [T,H]}, plus "target_argmax"
-[T] (the target's full-vocab argmax, as extraction stores it) when an ArgmaxHead is given.
+{"sample_id", "input_ids" int64 [T], "loss_mask" int8 [T], "aux" [T,3H], "final" [T,H], "target_argmax" [T]}
+(the target's full-vocab argmax, computed by an eagle3.loss.ArgmaxHead as extraction does).
 
-    batches = OnlineBatches(backend, prepared.train, index_batches, prefetch=cfg.extract.prefetch)
+    batches = OnlineBatches(backend, prepared.train, index_batches, argmax, prefetch=cfg.extract.prefetch)
     for items in batches: ...      # one list of item dicts per index batch, in order
 """
 
@@ -25,7 +25,7 @@ from eagle3.batching import Prefetch
 log = logging.getLogger("eagle3")
 
 
-def capture_items(backend: Any, dataset: Any, indices: list[int], argmax: Any = None) -> list[dict[str, Any]]:
+def capture_items(backend: Any, dataset: Any, indices: list[int], argmax: Any) -> list[dict[str, Any]]:
     """The item dicts for `indices` of a prepared split, computed by `backend` now.
 
     A sample whose states are not all finite (NaN/inf from the target) must never be trained on, but dropping it
@@ -41,11 +41,8 @@ def capture_items(backend: Any, dataset: Any, indices: list[int], argmax: Any = 
             log.warning("online: sample %r: the target returned NaN/inf hidden states; blanked (zero states, no "
                         "loss positions), never trained on", sid)
             aux, final, loss_mask = torch.zeros_like(aux), torch.zeros_like(final), torch.zeros_like(loss_mask)
-        item = {"sample_id": sid, "input_ids": torch.tensor(ids, dtype=torch.int64), "loss_mask": loss_mask,
-                "aux": aux, "final": final}
-        if argmax is not None:
-            item["target_argmax"] = argmax(final).long()
-        items.append(item)
+        items.append({"sample_id": sid, "input_ids": torch.tensor(ids, dtype=torch.int64), "loss_mask": loss_mask,
+                      "aux": aux, "final": final, "target_argmax": argmax(final).long()})
     return items
 
 
@@ -53,8 +50,8 @@ class OnlineBatches:
     """Iterate over `index_batches` (chosen by the trainer), yielding each batch's item dicts, `prefetch` batches
     ahead in a background thread (eagle3.batching.Prefetch: closed and joined when the iteration ends)."""
 
-    def __init__(self, backend: Any, dataset: Any, index_batches: Iterable[list[int]], prefetch: int = 2,
-                 argmax: Any = None):
+    def __init__(self, backend: Any, dataset: Any, index_batches: Iterable[list[int]], argmax: Any,
+                 prefetch: int = 2):
         self.backend, self.dataset, self.argmax = backend, dataset, argmax
         self.index_batches = index_batches
         self.prefetch = prefetch
@@ -75,15 +72,16 @@ class OnlineSource:
     """Online mode: a prepared split whose states the target computes batch by batch, with `lengths` for the
     batch planner; the trainer cannot tell it from a cache split."""
 
-    def __init__(self, backend: Any, split: Any, prefetch: int, argmax: Any = None):
+    def __init__(self, backend: Any, split: Any, prefetch: int, argmax: Any):
         self.backend, self.split, self.prefetch, self.argmax = backend, split, prefetch, argmax
         self.lengths = [len(x) for x in split["input_ids"]]
 
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def iter_collated(self, index_batches: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
-        from eagle3.batching import collate
+    def iter_collated(self, index_batches: list[list[int]], pin: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """Collated batches of `index_batches`, computed by the target now (`pin`: pinned for a CUDA copy)."""
+        from eagle3.batching import collate, pinned
 
-        for items in OnlineBatches(self.backend, self.split, index_batches, self.prefetch, self.argmax):
-            yield collate(items)
+        for items in OnlineBatches(self.backend, self.split, index_batches, self.argmax, self.prefetch):
+            yield pinned(collate(items)) if pin else collate(items)

@@ -27,19 +27,18 @@ from typing import Any
 import torch
 
 from eagle3 import threads
-from eagle3.batching import EpochPlan, iter_batches, plan_epoch
+from eagle3.batching import EpochPlan, plan_epoch
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab
 from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily
 from eagle3.logs import Progress, UserError, setup_logging
-from eagle3.loss import ArgmaxHead, SoftCE, StepStats, Teacher, summarise, ttt_loss
+from eagle3.loss import ArgmaxHead, StepStats, Teacher, summarise
 from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
+from eagle3.objective import Objective
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
-from eagle3.rows import Rows, plan_rows
-from eagle3.storage import dense
 from eagle3.targets.info import TargetInfo
 from eagle3.targets.weights import load_target_head
 from eagle3.tracking import Tracker
@@ -69,48 +68,15 @@ def make_accelerator(cfg: Config):
     )
 
 
-class TeacherTargets:
-    """A cache split whose items all carry the teacher's full-vocab argmax (`target_argmax`, target ids).
-
-    That argmax depends on the sample only, but it reads every row of the target's lm_head (eagle3.loss.
-    ArgmaxHead). Extraction stores it; for a cache written before it did, the trainer computes it the first
-    time it sees a sample and keeps it here (int32, 4 bytes a token next to the cache's thousands), so later
-    epochs and evals multiply only the draft vocab's rows.
-    """
-
-    def __init__(self, dataset: Any):
-        self.dataset = dataset
-        self._kept: dict[int, torch.Tensor] = {}
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    @property
-    def lengths(self) -> list[int]:
-        return self.dataset.lengths
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        item = self.dataset[i]
-        kept = self._kept.get(i)
-        return item if kept is None or "target_argmax" in item else {**item, "target_argmax": kept}
-
-    def remember(self, indices: list[int], target_argmax: torch.Tensor, lengths: torch.Tensor) -> None:
-        rows = target_argmax.to("cpu", torch.int32)
-        for row, (i, n) in enumerate(zip(indices, lengths.tolist(), strict=True)):
-            self._kept[i] = rows[row, :n].clone()
-
-
-def batch_iter(source: Any, index_batches: list[list[int]], device: torch.device | None = None):
-    """Collated batches of an offline cache split (prefetched; pinned for a CUDA device) or an online source
-    (target-computed)."""
-    if isinstance(source, OnlineSource):
-        return source.iter_collated(index_batches)
-    return iter_batches(source, index_batches, pin=device is not None and device.type == "cuda")
+def _pin(accelerator: Any) -> bool:
+    """Pinned host batches copy to a CUDA device asynchronously."""
+    return accelerator.device.type == "cuda"
 
 
 def open_datasets(cfg: Config) -> tuple[Any, Any]:
     """(train, eval): cache splits (HiddenStateDataset) or, in online mode, OnlineSource over the prepared data.
-    Items are dicts {input_ids, loss_mask, aux, final, sample_id}; both kinds have `.lengths`."""
+    Both have `.lengths` and `iter_collated(index_batches, pin)`, whose batches hold the same keys (eagle3.batching
+    .collate): the only place the trainer tells the two modes apart is here."""
     if cfg.extract.mode == "online":
         from eagle3.data.prepared import load_prepared
         from eagle3.targets import make_backend
@@ -127,6 +93,8 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
                                 "(or set extract.mode=online)")
     # Refuse a cache extracted from another target / dtype / layer ids / prepared data before any work.
     check_fingerprint(cfg.cache_dir, expected_fingerprint(cfg))
+    if cfg.train.verify_cache:
+        verify_before_training(cfg.cache_dir)
     train = HiddenStateDataset(cfg.cache_dir, "train")
     try:
         evald = HiddenStateDataset(cfg.cache_dir, "eval")
@@ -136,6 +104,23 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     if len(train) == 0:
         raise ValueError(f"cache {cfg.cache_dir}: the train split is empty")
     return train, evald
+
+
+def verify_before_training(cache_dir: Path) -> None:
+    """Every shard's checksum, each rank hashing its share; all ranks stop together when one finds damage."""
+    from accelerate import PartialState
+
+    from eagle3.cache import damaged_error, verify_cache
+
+    state = PartialState()
+    problems = verify_cache(cache_dir, part=(state.process_index, state.num_processes))
+    if state.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        problems = [p for part in gather_object([problems]) for p in part]
+    if problems:
+        raise damaged_error(cache_dir, sorted(problems))
+    log.info("cache %s: every shard's checksum matches its manifest", cache_dir)
 
 
 def build_draft(cfg: Config, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
@@ -195,57 +180,12 @@ def refuse_non_finite(loss: torch.Tensor, grad_norm: torch.Tensor, step: int, sa
         "usual cause (check them with `eagle3 verify-extraction --config ... --source cache`); else lower train.lr")
 
 
-# ------------------------------------------------------------------------------------------------- one step
-def to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The batch on `device`, its fp8 states (eagle3.storage) dequantised to `dtype` there: a GPU copies half the
-    bytes and the host never holds a dequantised copy."""
-    return dense({k: v.to(device, non_blocking=True) for k, v in batch.items()}, dtype)
-
-
-@dataclass
-class Micro:
-    """A micro-batch on the host with its rows planned (eagle3.rows.Rows): planning needs only the loss mask and
-    the teacher's argmax, so an accumulation group knows its loss denominators before its first backward."""
-
-    batch: dict[str, torch.Tensor]
-    rows: Rows
-    top: torch.Tensor
-    """[B, T] the teacher's full-vocab argmax (target ids)."""
-
-
-def plan_micro(teacher: Teacher, batch: dict[str, torch.Tensor], cfg: Config, device: torch.device,
-               kept: TeacherTargets | None = None, indices: list[int] | None = None) -> Micro:
-    """Plan a host batch; its argmax is computed on `device` (and kept, for `indices` of `kept`) when the batch
-    does not carry it."""
-    top = batch.get("target_argmax")
-    if top is None:
-        final = {k: v for k, v in batch.items() if k.startswith("final")}
-        top = teacher.argmax(to_device(final, device, teacher.weight.dtype)["final"]).cpu()
-        if kept is not None and indices is not None:
-            kept.remember(indices, top, batch["lengths"])
-    rows = plan_rows(batch["loss_mask"], teacher.to_draft_host[top], cfg.train.ttt_steps, cfg.train.mask_out_of_vocab)
-    return Micro(batch, rows, top)
-
-
-def forward_loss(model, teacher: Teacher, micro: Micro, cfg: Config, device: torch.device,
-                 norm: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
-    """The loss of one planned micro-batch (eagle3.loss.SoftCE, ttt_loss; `norm` as there)."""
-    batch, rows = to_device(micro.batch, device, teacher.weight.dtype), micro.rows.to(device)
-    top = micro.top.to(device, non_blocking=True)
-    target = teacher.to_draft[top]
-    probs = teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
-    head = SoftCE(probs, rows, cfg.train.step_decay, norm, cfg.train.loss_chunk_rows)
-    out = model(batch["aux"], batch["input_ids"], rows, head=head)
-    greedy = (batch["input_ids"], top, batch["loss_mask"])
-    return ttt_loss(out, target.flatten()[rows.teacher_pos], rows, greedy)
-
-
 def _reduce(accelerator, stats: StepStats) -> StepStats:
     return StepStats(*accelerator.reduce(stats.packed(), reduction="sum"))
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) -> dict[str, float]:
+def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config) -> dict[str, float]:
     """acc_j, loss_j and the simulated acceptance length over the eval split (sharded across ranks)."""
     n = len(dataset)
     if cfg.train.eval_max_samples:
@@ -253,12 +193,10 @@ def evaluate(accelerator, model, teacher: Teacher, dataset: Any, cfg: Config) ->
     plan = plan_epoch(dataset.lengths[:n], cfg.train.batch_tokens, cfg.train.seed, 0,
                       accelerator.process_index, accelerator.num_processes, shuffle=False)
     total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
-    kept = dataset if isinstance(dataset, TeacherTargets) else None
     model.eval()
-    with closing(batch_iter(dataset, plan.batches, accelerator.device)) as batches:
-        for indices, batch in zip(plan.batches, batches):
-            micro = plan_micro(teacher, batch, cfg, accelerator.device, kept, indices)
-            _, st = forward_loss(model, teacher, micro, cfg, accelerator.device)
+    with closing(dataset.iter_collated(plan.batches, pin=_pin(accelerator))) as batches:
+        for batch in batches:
+            _, st = objective.loss(model, objective.plan(batch))
             total = total + st
     model.train()
     return summarise(_reduce(accelerator, total))
@@ -283,11 +221,9 @@ class Session:
     model: Any
     optimizer: Any
     scheduler: Any
-    teacher: Teacher
+    objective: Objective
     train_ds: Any
     eval_ds: Any
-    kept: TeacherTargets | None
-    """The cache's train split when its argmax is computed here and remembered (caches without target_argmax)."""
     state: TrainState
     tracker: Tracker
     d2t: torch.Tensor
@@ -307,14 +243,10 @@ def set_up(cfg: Config) -> Session:
     embed, lm_head, hf_config = load_target_head(cfg)
     train_ds, eval_ds = open_datasets(cfg)
     draft = build_draft(cfg, hf_config, d2t, t2d, embed, lm_head)
-    # The teacher multiplies in the dtype the target is served in (its logits are the ones the engine verifies
-    # against), whatever dtype the checkpoint stores its lm_head in.
-    teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d, tc.teacher_chunk).to(accelerator.device)
+    # The teacher multiplies in the dtype the target is served in, whatever dtype the checkpoint stores it in.
+    teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
+    objective = Objective(teacher, tc)
     del embed, lm_head
-    if not isinstance(train_ds, OnlineSource):  # online capture hands the argmax over with the states
-        train_ds = TeacherTargets(train_ds)
-        eval_ds = TeacherTargets(eval_ds) if eval_ds is not None else None
-    kept = train_ds if isinstance(train_ds, TeacherTargets) else None
 
     rank, world = accelerator.process_index, accelerator.num_processes
     first = plan_epoch(train_ds.lengths, tc.batch_tokens, tc.seed, 0, rank, world)
@@ -337,7 +269,7 @@ def set_up(cfg: Config) -> Session:
     tracker.info("metrics: acc_j = draft argmax == target argmax at TTT step j (out-of-vocab = miss); "
                  "sim_accept_len = 1 + sum_k prod_{j<=k} chain_acc_j, chain_acc_j = step j's hit rate given "
                  "steps < j hit, on text the target agrees with (counts the bonus token, like SGLang/vLLM)")
-    return Session(cfg, accelerator, model, optimizer, scheduler, teacher, train_ds, eval_ds, kept, state, tracker,
+    return Session(cfg, accelerator, model, optimizer, scheduler, objective, train_ds, eval_ds, state, tracker,
                    d2t, t2d, total_steps)
 
 
@@ -355,7 +287,7 @@ def train_loop(s: Session) -> dict[str, Any]:
             state.epoch, state.batch_index = state.epoch + 1, 0
             continue
         # closing() stops and joins the prefetch thread however the loop ends (max_steps may end an epoch early)
-        with closing(batch_iter(s.train_ds, plan.batches[state.batch_index:usable], s.accelerator.device)) as batches:
+        with closing(s.train_ds.iter_collated(plan.batches[state.batch_index:usable], _pin(s.accelerator))) as batches:
             while state.step < s.total_steps and state.batch_index + tc.grad_accum <= usable:
                 threads.adjust()
                 metrics = train_step(s, batches, plan)
@@ -376,21 +308,20 @@ def train_step(s: Session, batches: Any, plan: EpochPlan) -> dict[str, Any]:
     stats = StepStats.zeros(tc.ttt_steps, accelerator.device)
     loss_total = torch.zeros((), device=accelerator.device)
     group = []
-    for micro in range(tc.grad_accum):
+    for _ in range(tc.grad_accum):
         tw = time.perf_counter()
         batch = next(batches)
         wait += time.perf_counter() - tw
         tokens += int(batch["lengths"].sum())
-        group.append(plan_micro(s.teacher, batch, s.cfg, accelerator.device, s.kept,
-                                plan.batches[state.batch_index + micro]))
+        group.append(s.objective.plan(batch))
     # Each step's loss is a mean over the scored positions of the whole group on every rank; DDP averages
     # gradients over ranks, hence the factor `world`.
-    norm = accelerator.reduce(sum(m.rows.scored() for m in group).to(accelerator.device), "sum")
-    for micro, m in enumerate(group):
-        sync = micro == tc.grad_accum - 1
+    denominators = accelerator.reduce(sum(m.scored() for m in group).to(accelerator.device), "sum")
+    for i, planned in enumerate(group):
+        sync = i == tc.grad_accum - 1
         # Gradients are all-reduced only on the last micro-batch of an accumulation group.
         with accelerator.no_sync(s.model) if not sync else nullcontext():
-            loss, st = forward_loss(s.model, s.teacher, m, s.cfg, accelerator.device, norm)
+            loss, st = s.objective.loss(s.model, planned, denominators)
             accelerator.backward(loss * world)
         loss_total += loss.detach()  # no host sync per micro-batch: one at the step's end
         stats = stats + st
@@ -425,7 +356,7 @@ def after_step(s: Session, metrics: dict[str, Any]) -> None:
                      metrics["sim_accept_len"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
                      100 * metrics["data_wait_share"], 100 * metrics["padding_share"])
     if s.eval_ds is not None and len(s.eval_ds) and (state.step % tc.eval_every == 0 or last):
-        ev = evaluate(s.accelerator, s.model, s.teacher, s.eval_ds, s.cfg)
+        ev = evaluate(s.accelerator, s.model, s.objective, s.eval_ds, s.cfg)
         tracker.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
         tracker.info("eval @ step %d: sim_accept_len %.3f (teacher-forced %.3f), %s", state.step,
                      ev["sim_accept_len"], ev["sim_accept_len_tf"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -10,11 +12,11 @@ from eagle3.cache import (
     CacheError,
     HiddenStateDataset,
     Manifest,
-    ShardEntry,
     ShardWriter,
     check_fingerprint,
     print_info,
     shard_name,
+    verify_cache,
 )
 from eagle3.fsutil import write_json_atomic
 
@@ -22,7 +24,7 @@ H = 8
 
 
 def _fingerprint(dtype: str = "bfloat16") -> dict:
-    return {"format": 1, "target_path": "t", "revision": None, "weights_id": "w", "architectures": ["X"],
+    return {"format": 2, "storage": "exact", "target_path": "t", "revision": None, "weights_id": "w", "architectures": ["X"],
             "num_layers": 6, "hidden_size": H, "dtype": dtype, "layer_ids": [2, 3, 4],
             "layer_id_convention": "input-of-layer", "prepared_fingerprint": "p", "max_length": 64}
 
@@ -42,14 +44,13 @@ def _write_cache(root, dtype: torch.dtype, samples: list[int], per_batch: int = 
     (root / "eval").mkdir()
     write_json_atomic(root / "meta.json", {"fingerprint": fp, "layout": {"world_size": world}})
     rows = [{"sample_id": f"s{i}", "input_ids": list(range(3, 3 + t)), "loss_mask": [i % 2] * t,
-             "aux": _special(t, 3 * H, dtype, i), "final": _special(t, H, dtype, 100 + i)}
-            for i, t in enumerate(samples)]
+             "aux": _special(t, 3 * H, dtype, i), "final": _special(t, H, dtype, 100 + i),
+             "target_argmax": list(range(t))} for i, t in enumerate(samples)]
     w = ShardWriter(root / "train" / shard_name(0, world, 0), H, dtype)
     for k in range(0, len(rows), per_batch):
         w.write(rows[k: k + per_batch])
-    size = w.commit()
-    assert not w.tmp.exists()
-    entry = ShardEntry(0, shard_name(0, world, 0), len(rows), sum(samples), size)
+    entry = w.commit(0)
+    assert not w.tmp.exists() and entry.num_samples == len(rows) and entry.num_tokens == sum(samples)
     Manifest("train", 0, world, len(rows), 1, [entry]).save(root)
     Manifest("eval", 0, world, 0, 0).save(root)
     return rows
@@ -123,3 +124,53 @@ def test_print_info(tmp_path, capsys):
     assert "train: 2 samples, 30 tokens" in out
     assert f"payload minimum {4 * H * 2 + 5}" in out
     assert "layer ids: [2, 3, 4]" in out and "complete" in out
+
+
+# -------------------------------------------------------------------------------------------------- integrity
+def _flip(path, at: int, n: int = 64) -> None:
+    """Overwrite n bytes in place (same size): what a bad copy or a failing disk leaves."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in old))
+
+
+def test_a_shard_damaged_in_place_is_found_by_its_checksum(tmp_path, capsys):
+    _write_cache(tmp_path, torch.bfloat16, [10, 20, 30])
+    assert print_info(tmp_path, verify=True) == 0
+    assert "integrity: all 1 shards intact" in capsys.readouterr().out
+    shard = tmp_path / "train" / shard_name(0, 1, 0)
+    _flip(shard, shard.stat().st_size // 2)
+    assert len(HiddenStateDataset(tmp_path, "train")) == 3  # size and rows still match: only the checksum knows
+    with pytest.raises(CacheError, match=rf"1 shard\(s\) are missing or damaged:\n  train/{shard.name}: its "
+                                         r"SHA-256 differs.*\nRe-run the same `eagle3 extract"):
+        print_info(tmp_path, verify=True)
+    assert verify_cache(tmp_path, full=False) == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garbage-header"])
+def test_a_cut_or_missing_shard_is_named_on_every_read(tmp_path, damage):
+    _write_cache(tmp_path, torch.bfloat16, [10, 20, 30])
+    shard = tmp_path / "train" / shard_name(0, 1, 0)
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    elif damage == "delete":
+        shard.unlink()
+    else:
+        _flip(shard, 0, 16)
+    want = {"truncate": r"\d+ bytes where the manifest records", "delete": "missing",
+            "garbage-header": "unreadable"}[damage]
+    with pytest.raises(CacheError, match=rf"train/{shard.name}: {want}"):
+        HiddenStateDataset(tmp_path, "train")
+    if damage != "garbage-header":  # the cheap check (size) already finds it
+        assert verify_cache(tmp_path, full=False) == verify_cache(tmp_path) != []
+
+
+def test_a_format_1_cache_is_refused_with_the_upgrade_command(tmp_path):
+    _write_cache(tmp_path, torch.bfloat16, [3])
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    meta["fingerprint"]["format"] = 1
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CacheError, match=rf"format 1; .*eagle3 cache upgrade {tmp_path} --config"):
+        HiddenStateDataset(tmp_path, "train")

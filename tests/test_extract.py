@@ -197,8 +197,7 @@ def test_online_equals_offline(world, tmp_path, dtype, max_batch):
     index_batches = [[7, 0, 3], [9], [1, 2, 4, 5, 6, 8]]  # the trainer's choice, unlike the extraction batches
     seen = 0
     backend = HFTarget(cfg)
-    online = OnlineBatches(backend, prepared.train, index_batches, prefetch=2,
-                           argmax=ArgmaxHead.for_backend(cfg, backend))
+    online = OnlineBatches(backend, prepared.train, index_batches, ArgmaxHead.for_backend(cfg, backend), prefetch=2)
     where = {cache[i]["sample_id"]: i for i in range(len(cache))}
     for idx, items in zip(index_batches, online, strict=True):
         assert [it["sample_id"] for it in items] == [prepared.train[i]["id"] for i in idx]
@@ -228,5 +227,5 @@ def test_online_propagates_errors_and_stops(world, tmp_path):
 
     prepared = load_prepared(world["prepared"])
     with pytest.raises(RuntimeError, match="online target failed") as e:
-        list(OnlineBatches(Broken(), prepared.train, [[0], [1]], prefetch=1))
+        list(OnlineBatches(Broken(), prepared.train, [[0], [1]], argmax=None, prefetch=1))
     assert "target fell over" in str(e.value.__cause__)

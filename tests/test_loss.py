@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,15 +12,27 @@ from eagle3.loss import (
     SoftCE,
     StepStats,
     Teacher,
-    TeacherOutput,
     acceptance_length,
     linear_soft_ce,
+    lm_head_argmax,
     row_max,
     summarise,
     ttt_loss,
 )
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_attention_dense, ttt_attention_fast, ttt_unroll
 from eagle3.rows import plan_rows, valid_positions
+
+
+class Taught(NamedTuple):
+    probs: torch.Tensor
+    """[..., draft_vocab] the target's distribution over the draft vocab."""
+    draft_target: torch.Tensor
+    """[...] the target's full-vocab argmax as a draft id, -1 outside the draft vocab."""
+
+
+def taught(teacher: Teacher, lm_head: torch.Tensor, final: torch.Tensor, chunk: int = 64) -> Taught:
+    """What the trainer has of a batch: the teacher's probs, and the argmax extraction stored (as a draft id)."""
+    return Taught(teacher.probs(final), teacher.to_draft[lm_head_argmax(lm_head, final, chunk)])
 
 
 def draft(seed: int = 0) -> Eagle3Draft:
@@ -117,12 +131,12 @@ GOLDEN_MASKED = {0: [1, 2, 3, 6, 7], 1: [0, 1, 2, 5, 6], 2: [0, 1, 4, 5], 3: [0,
 GOLDEN_ALL = {0: [1, 2, 3, 5, 6, 7], 1: [0, 1, 2, 4, 5, 6], 2: [0, 1, 3, 4, 5], 3: [0, 2, 3, 4]}
 
 
-def _golden_teacher() -> TeacherOutput:
+def _golden_teacher() -> Taught:
     torch.manual_seed(1)
     probs = torch.softmax(torch.randn(1, 10, 5), -1)
     target = torch.tensor([[0, 1, 2, 3, 4, 0, -1, 1, 2, 3]])
     assert target[0, OOV_AT] == -1
-    return TeacherOutput(probs, target)
+    return Taught(probs, target)
 
 
 @pytest.mark.parametrize("mask_oov,golden", [(True, GOLDEN_MASKED), (False, GOLDEN_ALL)])
@@ -170,9 +184,10 @@ def test_pruned_rows_match_every_row_loss_and_gradients(mask_oov, steps):
     ids = torch.randint(0, 200, (b, t))
     mask = (torch.rand(b, t) < 0.6).long()
     mask[2, 11:] = 0  # a padded row
-    teacher = Teacher(torch.randn(200, h), m.d2t, m.t2d, 64)
+    w = torch.randn(200, h)
+    teacher = Teacher(w, m.d2t, m.t2d)
     final = torch.randn(b, t, h)
-    out = teacher(final)
+    out = taught(teacher, w, final)
     assert (out.draft_target == -1).any()
 
     def reference():
@@ -317,10 +332,11 @@ def test_a_batch_with_nothing_to_score_still_reaches_every_parameter():
     DDP expects of every rank at every step."""
     m = draft(4)
     b, t, h = 2, 9, 48
-    teacher = Teacher(torch.randn(200, h), m.d2t, m.t2d, 64)
+    w = torch.randn(200, h)
+    teacher = Teacher(w, m.d2t, m.t2d)
     final = torch.randn(b, t, h)
     mask = torch.zeros(b, t, dtype=torch.long)
-    target = teacher.targets(final)
+    target = taught(teacher, w, final).draft_target
     rows = plan_rows(mask, target, 3, True)
     head = SoftCE(teacher.probs(final.flatten(0, 1)[rows.teacher_pos]), rows, 0.8)
     out = m(torch.randn(b, t, 3 * h), torch.randint(0, 200, (b, t)), rows, head=head)
@@ -389,7 +405,7 @@ def test_teacher_matches_full_softmax(chunk):
     t2d = torch.zeros(v, dtype=torch.bool)
     t2d[ids] = True
     final = torch.randn(3, 11, h)
-    out = Teacher(w, d2t, t2d, chunk)(final)
+    out = taught(Teacher(w, d2t, t2d), w, final, chunk)
     logits = final @ w.T
     torch.testing.assert_close(out.probs, torch.softmax(logits[..., ids], -1), atol=1e-6, rtol=1e-5)
     full = logits.argmax(-1)
@@ -423,10 +439,10 @@ def _teacher_peak(v: int, h: int, n: int, vd: int, chunk: int, dtype: torch.dtyp
     ids = torch.arange(vd) * (v // vd)
     t2d = torch.zeros(v, dtype=torch.bool)
     t2d[ids] = True
-    teacher = Teacher(w, ids - torch.arange(vd), t2d, chunk)
+    teacher = Teacher(w, ids - torch.arange(vd), t2d)
     final = torch.randn(n, h, dtype=dtype)
-    teacher(final[:8])  # warm up kernels and allocator
-    peak, out = _peak_extra(lambda: teacher(final))
+    taught(teacher, w, final[:8], chunk)  # warm up kernels and allocator
+    peak, out = _peak_extra(lambda: taught(teacher, w, final, chunk))
     return {"peak_extra": peak, "probs_bytes": out.probs.numel() * 4}
 
 
@@ -467,7 +483,7 @@ def test_teacher_probs_are_a_distribution_over_the_draft_vocab():
     w = torch.randn(100, 16)
     t2d = torch.zeros(100, dtype=torch.bool)
     t2d[:10] = True
-    out = Teacher(w, torch.zeros(10, dtype=torch.long), t2d, 32)(torch.randn(5, 16))
+    out = taught(Teacher(w, torch.zeros(10, dtype=torch.long), t2d), w, torch.randn(5, 16), 32)
     torch.testing.assert_close(out.probs.sum(-1), torch.ones(5))
     assert F.one_hot(out.draft_target.clamp(min=0), 10).shape == (5, 10)
 
@@ -479,20 +495,21 @@ def test_group_normalised_micro_batches_add_up_to_one_batch():
     m = draft(5)
     h = 48
     torch.manual_seed(5)
-    teacher = Teacher(torch.randn(200, h), m.d2t, m.t2d, 64)
+    w = torch.randn(200, h)
+    teacher = Teacher(w, m.d2t, m.t2d)
     parts = []
     for b, share in ((2, 0.8), (1, 0.3)):
         parts.append({"aux": torch.randn(b, 15, 3 * h), "ids": torch.randint(0, 200, (b, 15)),
                       "mask": (torch.rand(b, 15) < share).long(), "final": torch.randn(b, 15, h)})
 
     def loss_of(p, norm=None):
-        target = teacher.targets(p["final"])
+        target = taught(teacher, w, p["final"]).draft_target
         rows = plan_rows(p["mask"], target, 3, True)
         head = SoftCE(teacher.probs(p["final"].flatten(0, 1)[rows.teacher_pos]), rows, 0.8, norm)
         loss, _ = ttt_loss(m(p["aux"], p["ids"], rows, head=head), target.flatten()[rows.teacher_pos], rows)
         return loss, rows
 
-    rows = [plan_rows(p["mask"], teacher.targets(p["final"]), 3, True) for p in parts]
+    rows = [plan_rows(p["mask"], taught(teacher, w, p["final"]).draft_target, 3, True) for p in parts]
     norm = rows[0].scored() + rows[1].scored()
     assert rows[0].scored()[0] != rows[1].scored()[0]
     group = loss_of(parts[0], norm)[0] + loss_of(parts[1], norm)[0]

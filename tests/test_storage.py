@@ -15,6 +15,7 @@ from eagle3.batching import collate
 from eagle3.cache import (
     CacheError,
     HiddenStateDataset,
+    Manifest,
     ShardWriter,
     check_fingerprint,
     convert,
@@ -25,7 +26,6 @@ from eagle3.cache import (
 )
 from eagle3.extract import run as extract
 from eagle3.storage import FP8_MAX, dense, dequantize, quantize
-from eagle3.trainer import to_device
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +130,21 @@ def test_fp8_items_dequantise_close_to_the_exact_cache(caches):
                 torch.testing.assert_close(b["final"], a["final"], rtol=2**-4, atol=1e-3 * float(a["final"].abs().max()))
 
 
+def _objective(dtype: torch.dtype):
+    from eagle3.config import TrainConfig
+    from eagle3.loss import Teacher
+    from eagle3.objective import Objective
+
+    return Objective(Teacher(torch.zeros(4, 2, dtype=dtype), torch.zeros(2, dtype=torch.long),
+                             torch.ones(4, dtype=torch.bool)), TrainConfig())
+
+
 def test_collate_keeps_fp8_and_the_device_step_dequantises(caches):
     ds = HiddenStateDataset(caches["fp8"].cache_dir, "train")
     items = [ds[i] for i in range(3)]
     batch = collate(items)
     assert batch["aux"].dtype == torch.float8_e4m3fn and batch["aux_scale"].shape[:2] == batch["input_ids"].shape
-    on_dev = to_device(batch, torch.device("cpu"), torch.float32)
+    on_dev = _objective(torch.float32).to_device(batch)
     assert "aux_scale" not in on_dev and on_dev["aux"].dtype == torch.float32
     for i, it in enumerate(items):
         n = len(it["input_ids"])
@@ -170,24 +179,16 @@ def test_storages_are_never_mixed(caches, tmp_path):
     shutil.copytree(exact.cache_dir, mixed)
     name = shard_name(0, 1, 0)
     shutil.copy(fp8.cache_dir / "train" / name, mixed / "train" / name)
+    manifest = Manifest.path(mixed, "train", 0, 1)
+    m = Manifest.load(manifest)  # ... with its size and checksum: the schema check is what must catch it
+    m.shards[0].bytes, m.shards[0].sha256 = Manifest.load(Manifest.path(fp8.cache_dir, "train", 0, 1)).shards[0].bytes, ""
+    m.save(mixed)
     with pytest.raises(CacheError, match=f"shard train/{name} stores float32 states as 'fp8'.*never mixed"):
         HiddenStateDataset(mixed, "train")
 
 
 def _world_of(cfg):
     return {"llama": cfg.target.path, "prepared": cfg.data.output_dir}
-
-
-def test_caches_without_a_storage_field_are_exact(caches, tmp_path):
-    """Caches written before extract.storage existed have no `storage` in meta.json: they are exact and still
-    match an exact config."""
-    old = tmp_path / "old"
-    shutil.copytree(caches["exact"].cache_dir, old)
-    meta = json.loads((old / "meta.json").read_text())
-    del meta["fingerprint"]["storage"]
-    (old / "meta.json").write_text(json.dumps(meta))
-    check_fingerprint(old, expected_fingerprint(caches["exact"]))
-    assert HiddenStateDataset(old, "train").storage == "exact"
 
 
 def test_convert_equals_extracting_fp8(caches, tmp_path):

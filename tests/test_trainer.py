@@ -12,6 +12,7 @@ import torch
 from eagle3 import trainer
 from eagle3.batching import collate, plan_epoch
 from eagle3.formats import load_draft
+from eagle3.objective import Objective
 
 sys.path.append(str(Path(__file__).parent))  # tests/models.py (appended: never shadow installed packages)
 from models import make_prepared, tiny_llama, tiny_target_cfg  # noqa: E402
@@ -152,17 +153,17 @@ def test_nan_states_stop_training_before_they_reach_the_weights(tiny_cache, tmp_
     from eagle3.logs import UserError
 
     cfg = make_cfg(tiny_cache, tmp_path / "nan", max_steps=8, save_every=2, eval_every=2)
-    real_plan = trainer.plan_micro
+    real_plan = Objective.plan
     seen: list[int] = []
 
-    def plan_with_a_damaged_sample(teacher, batch, cfg_, device, kept=None, indices=None):
+    def plan_with_a_damaged_sample(self, batch):
         seen.append(1)
         if len(seen) == 5:  # a micro-batch after the step-2 checkpoint and eval
             batch = {**batch, "aux": batch["aux"].clone()}
             batch["aux"][0, 1] = float("nan")
-        return real_plan(teacher, batch, cfg_, device, kept, indices)
+        return real_plan(self, batch)
 
-    monkeypatch.setattr(trainer, "plan_micro", plan_with_a_damaged_sample)
+    monkeypatch.setattr(Objective, "plan", plan_with_a_damaged_sample)
     with pytest.raises(UserError, match=r"step \d: the loss \(nan\) or gradient norm .* not finite.*train samples \[\[") as e:
         trainer.run(cfg)
     step = int(str(e.value).split(":")[0].removeprefix("step "))
@@ -194,36 +195,54 @@ def test_init_from_a_draft_folder_fine_tunes(tiny_cache, tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)  # started from it (lr ~ 0)
 
 
-def test_stored_argmax_is_the_teachers_and_old_caches_train_the_same(tiny_cache, tmp_path, monkeypatch):
-    """Extraction stores the target's full-vocab argmax; it is exactly what the trainer's teacher computes from
-    the stored final states. A cache written before that column existed still trains, to the same losses (the
-    trainer computes the argmax in its first epoch and keeps it), over several epochs."""
-    from eagle3.cache import HiddenStateDataset
-    from eagle3.loss import Teacher
+def test_stored_argmax_is_the_targets_and_a_format_1_cache_is_upgraded_to_the_same_bytes(tiny_cache, tmp_path):
+    """Extraction stores the target's full-vocab argmax (exactly lm_head_argmax of the stored final states). A
+    format-1 cache (no argmax column, no checksums) is refused with the command that upgrades it; the upgrade
+    computes the argmax once and leaves shards byte-identical to the ones extraction writes today."""
+    import shutil
+
+    import pyarrow as pa
+
+    from eagle3.cache import CacheError, HiddenStateDataset, Manifest, read_meta, sha256_file
+    from eagle3.cli import main
+    from eagle3.config import dump_config
+    from eagle3.fsutil import write_json_atomic
+    from eagle3.loss import lm_head_argmax
     from eagle3.targets.weights import load_target_head
 
-    cfg = make_cfg(tiny_cache, tmp_path / "new", max_steps=12, eval_every=6)
+    cfg = make_cfg(tiny_cache, tmp_path / "new", max_steps=1)
     ds = HiddenStateDataset(tiny_cache["cache"], "train")
     _, lm_head, _ = load_target_head(cfg)
-    teacher = Teacher(lm_head, torch.arange(64) * 0, torch.arange(256) < 64, cfg.train.teacher_chunk)
     for i in range(len(ds)):
-        assert torch.equal(ds[i]["target_argmax"], teacher.argmax(ds[i]["final"])), i
-    trainer.run(cfg)
-    real_getitem = HiddenStateDataset.__getitem__
+        assert torch.equal(ds[i]["target_argmax"], lm_head_argmax(lm_head, ds[i]["final"], cfg.train.teacher_chunk))
 
-    def without_argmax(self, i):
-        item = real_getitem(self, i)
-        item.pop("target_argmax")
-        return item
+    old = tmp_path / "v1-cache"
+    shutil.copytree(tiny_cache["cache"], old)
+    meta = read_meta(old)
+    fp1 = {k: v for k, v in meta["fingerprint"].items() if k != "storage"} | {"format": 1}
+    for manifest in sorted(old.glob("*/rank-*.json")):
+        m = Manifest.load(manifest)
+        for e in m.shards:  # the same record batches without the argmax column, as format 1 wrote them
+            path = manifest.parent / e.file
+            batches = [rb.drop_columns(["target_argmax"]) for rb in pa.ipc.open_stream(path.read_bytes())]
+            with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, batches[0].schema) as w:
+                for rb in batches:
+                    w.write_batch(rb)
+            e.bytes, e.sha256 = path.stat().st_size, ""
+        m.fingerprint = fp1
+        m.save(old)
+    write_json_atomic(old / "meta.json", {**meta, "fingerprint": fp1})
 
-    monkeypatch.setattr(HiddenStateDataset, "__getitem__", without_argmax)
-    old = make_cfg(tiny_cache, tmp_path / "old", max_steps=12, eval_every=6)
-    trainer.run(old)
-    a, b = read_log(tmp_path / "new"), read_log(tmp_path / "old")
-    assert max(r["epoch"] for r in a.values()) >= 2
-    for step in a:
-        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-6), step
-        assert b[step]["acc_0"] == a[step]["acc_0"], step
+    cfg.extract.cache_dir = str(old)
+    with pytest.raises(CacheError, match=f"format 1.*eagle3 cache upgrade {old} --config"):
+        trainer.run(cfg)
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(dump_config(cfg))
+    assert main(["cache", "upgrade", str(old), "--config", str(cfg_file)]) == 0
+    for shard in sorted(tiny_cache["cache"].glob("*/*.arrow")):
+        assert sha256_file(old / shard.parent.name / shard.name) == sha256_file(shard), shard.name
+    assert read_meta(old)["fingerprint"] == read_meta(tiny_cache["cache"])["fingerprint"]
+    assert main(["cache", "upgrade", str(old), "--config", str(cfg_file)]) == 0  # nothing left to do
 
 
 def test_online_mode_matches_offline(tiny_cache, tmp_path):

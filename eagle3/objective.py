@@ -1,0 +1,67 @@
+"""The training objective of one micro-batch: the positions each TTT step scores, the draft's unrolled forward on
+them, and the loss and metrics. The trainer calls `plan` when a batch arrives and `loss` once per micro-batch; it
+never learns whether the features came from a cache or from a live target (both hand over the same batch dicts,
+with the target's full-vocab argmax: eagle3.cache, eagle3.online).
+
+    objective = Objective(teacher, cfg.train)
+    planned = objective.plan(batch)                            # host only: no device sync inside a step
+    loss, stats = objective.loss(model, planned, denominators)
+
+Planning needs only the loss mask and the target's argmax (eagle3.rows), so an accumulation group knows the loss's
+denominators (the scored positions of the whole group on all ranks) before its first backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from eagle3.config import TrainConfig
+from eagle3.loss import SoftCE, StepStats, Teacher, ttt_loss
+from eagle3.rows import Rows, plan_rows
+from eagle3.storage import dense
+
+
+@dataclass
+class PlannedBatch:
+    """A collated batch on the host and the positions its TTT steps compute and score."""
+
+    batch: dict[str, Tensor]
+    rows: Rows
+
+    def scored(self) -> Tensor:
+        """[steps] positions scored at each step (a share of the loss's denominators)."""
+        return self.rows.scored()
+
+
+class Objective:
+    """EAGLE-3's training-time test against the target's distribution over the draft vocab (eagle3.loss)."""
+
+    def __init__(self, teacher: Teacher, train: TrainConfig):
+        self.teacher, self.train = teacher, train
+        self.device = teacher.device
+
+    def plan(self, batch: dict[str, Tensor]) -> PlannedBatch:
+        draft_argmax = self.teacher.to_draft_host[batch["target_argmax"]]
+        return PlannedBatch(batch, plan_rows(batch["loss_mask"], draft_argmax, self.train.ttt_steps,
+                                             self.train.mask_out_of_vocab))
+
+    def loss(self, model: torch.nn.Module, planned: PlannedBatch, denominators: Tensor | None = None,
+             ) -> tuple[Tensor, StepStats]:
+        """The micro-batch's share of the loss (each step's scored positions weigh 1 / denominators[j]; None: this
+        batch's own counts) and its per-step sums for the metrics."""
+        batch = self.to_device(planned.batch)
+        rows = planned.rows.to(self.device)
+        argmax = batch["target_argmax"]
+        probs = self.teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
+        head = SoftCE(probs, rows, self.train.step_decay, denominators, self.train.loss_chunk_rows)
+        out = model(batch["aux"], batch["input_ids"], rows, head=head)
+        draft_target = self.teacher.to_draft[argmax].flatten()[rows.teacher_pos]
+        return ttt_loss(out, draft_target, rows, (batch["input_ids"], argmax, batch["loss_mask"]))
+
+    def to_device(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The batch on the device, fp8 states (eagle3.storage) dequantised there to the target's dtype: a GPU
+        copies half the bytes and the host never holds a dequantised copy."""
+        return dense({k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, self.teacher.dtype)
