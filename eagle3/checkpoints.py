@@ -1,11 +1,14 @@
 """The trainer's checkpoint folder, `<output_dir>/checkpoints/`, and finding the draft to evaluate or export.
 
     checkpoints/step_N/    accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json (TrainState)
-                           + vocab.safetensors + draft/ (the head as eagle3.model saves it)
+                           + vocab.safetensors + draft/ (the head as eagle3.formats saves it)
+                           + checksums.json (every other file's size and SHA-256)
     checkpoints/best/      the head with the best held-out simulated acceptance (a draft folder)
 
 A folder gets its final name only once whole (built in a hidden sibling and renamed), so a listed checkpoint is
-always complete; a save killed half-way leaves a hidden leftover, removed at the next start.
+always complete; a save killed half-way leaves a hidden leftover, removed at the next start. A checkpoint damaged
+later (a truncated copy, a bad disk) fails its checksums: resume says so and falls back to the newest intact one
+(the data plan is a function of the step, so the run still matches an uninterrupted one).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import pickle
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -24,12 +28,14 @@ import torch
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.formats import CONFIG_NAME, save_draft
-from eagle3.fsutil import remove_stale_in, replace_dir, tmp_sibling
+from eagle3.fsutil import damaged_files, file_records, remove_stale_in, replace_dir, tmp_sibling
+from eagle3.logs import UserError
 from eagle3.model import SHAPE_FIELDS, Eagle3DraftConfig
 
 log = logging.getLogger("eagle3")
 
 STATE_FILE = "trainer_state.json"
+CHECKSUMS = "checksums.json"
 
 
 @dataclass
@@ -84,6 +90,7 @@ def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: tor
             save_draft(accelerator.unwrap_model(model), tmp / "draft", state_dict=sd)
             save_vocab(tmp / "vocab.safetensors", d2t, t2d)
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+            (tmp / CHECKSUMS).write_text(json.dumps(file_records(tmp, skip=(CHECKSUMS,)), indent=1) + "\n")
             replace_dir(tmp, final)
             for _, old in list_checkpoints(ckpt_dir)[: -cfg.train.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -102,7 +109,7 @@ def _dir_bytes(path: Path) -> int:
 
 def _raise_if_disk_full(e: BaseException, final: Path, ckpt_dir: Path, previous: list[tuple[int, Path]]) -> None:
     """torch.save / safetensors report a full disk without naming the folder; say which checkpoint and how much."""
-    from eagle3.logs import UserError, disk_full_error
+    from eagle3.logs import disk_full_error
 
     need = _dir_bytes(previous[-1][1]) if previous else 0
     try:
@@ -143,23 +150,53 @@ def save_best(accelerator, model, cfg: Config) -> Path:
 
 
 def resume(accelerator: Any, model: Any, cfg: Config, d2t: torch.Tensor) -> TrainState:
-    """Load the newest checkpoint into `model` and the accelerator's registered objects when `train.resume` and
-    there is one (after checking it was trained with the same draft vocab and dimensions); the loop's state."""
+    """Load the newest intact checkpoint into `model` and the accelerator's registered objects when `train.resume`
+    and there is one (after checking it was trained with the same draft vocab and dimensions); the loop's state.
+    A damaged checkpoint is named and skipped for the one before it; none intact is an error."""
     state = TrainState()
     ckpts = list_checkpoints(cfg.checkpoint_dir)
-    if cfg.train.resume and ckpts:
-        _, path = ckpts[-1]
-        saved_d2t, _ = load_vocab(path / "vocab.safetensors")
-        if not torch.equal(saved_d2t, d2t):
-            raise ValueError(f"checkpoint {path} was trained with another draft vocab than {cfg.prepared_dir}; "
-                             "use a new output_dir or train.resume=false")
-        check_same_draft(path, accelerator.unwrap_model(model).config)
-        accelerator.load_state(str(path))
-        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+    damaged: list[str] = []
+    for _, path in reversed(ckpts if cfg.train.resume else []):
+        problems = checkpoint_problems(path)
+        if not problems:
+            check_same_vocab(path, d2t, cfg)
+            check_same_draft(path, accelerator.unwrap_model(model).config)
+            try:
+                accelerator.load_state(str(path))
+                state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+            except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+                problems = [f"it does not load ({type(e).__name__}: {str(e)[:200]})"]
+        if problems:
+            damaged.append(f"{path.name}: {'; '.join(problems)}")
+            log.warning("checkpoint %s is damaged (%s); trying the one before it", path, "; ".join(problems))
+            continue
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, state.step, state.epoch, state.batch_index)
+        break
+    if damaged and state.step == 0:
+        raise UserError(f"every checkpoint in {cfg.checkpoint_dir} is damaged ({' | '.join(damaged)}): move them "
+                        "aside to start over, or set train.resume=false")
     if accelerator.is_main_process and cfg.checkpoint_dir.is_dir():  # leftovers of a save that was killed
         remove_stale_in(cfg.checkpoint_dir)
     return state
+
+
+def checkpoint_problems(path: Path) -> list[str]:
+    """What is wrong with a step folder's files against its checksums.json (a folder without one: unchecked)."""
+    records_file = path / CHECKSUMS
+    if not records_file.is_file():
+        return []
+    try:
+        records = json.loads(records_file.read_text())
+    except ValueError as e:
+        return [f"{CHECKSUMS} is not valid JSON ({e})"]
+    return damaged_files(path, records)
+
+
+def check_same_vocab(path: Path, d2t: torch.Tensor, cfg: Config) -> None:
+    saved_d2t, _ = load_vocab(path / "vocab.safetensors")
+    if not torch.equal(saved_d2t, d2t):
+        raise ValueError(f"checkpoint {path} was trained with another draft vocab than {cfg.prepared_dir}; "
+                         "use a new output_dir or train.resume=false")
 
 
 # ------------------------------------------------------------------------------------------ the draft to use

@@ -52,6 +52,7 @@ from eagle3.cache import (
 from eagle3.data.prepared import load_prepared
 from eagle3.logs import Progress, disk_full_error, setup_logging
 from eagle3.loss import ArgmaxHead
+from eagle3.prepare import check_prepared
 
 log = logging.getLogger("eagle3")
 
@@ -136,6 +137,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
         cfg.target.device = f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
     cache_dir = cfg.cache_dir
     prepared = load_prepared(cfg.prepared_dir)
+    check_prepared(cfg, prepared.meta, "extract")
     fp = expected_fingerprint(cfg, prepared.meta)
     layout = {"world_size": world, "shard_samples": cfg.extract.shard_samples, "max_samples": cfg.extract.max_samples}
     open_cache(cache_dir, fp, layout, rank)

@@ -9,6 +9,7 @@ only then is the old one deleted. A kill between the two renames leaves no `dest
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -97,3 +98,33 @@ def write_json_atomic(path: Path, data: dict[str, Any], tmp_tag: str = "", defau
     except BaseException:
         tmp.unlink(missing_ok=True)  # e.g. a full disk: keep the old file, leave no half-written .tmp
         raise
+
+
+def sha256_file(path: Path, block: int = 1 << 24) -> str:
+    """A file's SHA-256 (hex), read in blocks: the checksum every integrity record of eagle3 uses."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_records(root: Path, skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """{relative path: {bytes, sha256}} of every file under `root` (but `skip`): a folder's integrity record."""
+    return {str(f.relative_to(root)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+            for f in sorted(root.rglob("*")) if f.is_file() and str(f.relative_to(root)) not in skip}
+
+
+def damaged_files(root: Path, records: dict[str, dict[str, Any]]) -> list[str]:
+    """'<file>: <problem>' for every recorded file under `root` that is missing, of another size or another
+    SHA-256 (cut short, or damaged in place)."""
+    out = []
+    for name, rec in records.items():
+        f = root / name
+        if not f.is_file():
+            out.append(f"{name}: missing")
+        elif f.stat().st_size != rec["bytes"]:
+            out.append(f"{name}: {f.stat().st_size} bytes where {rec['bytes']} were written (cut short or overwritten)")
+        elif sha256_file(f) != rec["sha256"]:
+            out.append(f"{name}: its SHA-256 differs from the one recorded when it was written (damaged in place)")
+    return out

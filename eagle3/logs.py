@@ -15,6 +15,7 @@ keeps its full traceback.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -94,13 +95,45 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: object) -> No
     if issubclass(kind, KeyboardInterrupt) and not os.environ.get("EAGLE3_TRACEBACK"):
         sys.stderr.write("interrupted: what was completed before is kept; re-run the same command to resume\n")
         sys.stderr.flush()
+        _leave_process_group()
         return
     msg = None if os.environ.get("EAGLE3_TRACEBACK") else user_message(exc)
     if msg is None:
         sys.__excepthook__(kind, exc, tb)  # type: ignore[arg-type]
+        _leave_process_group()
         return
-    sys.stderr.write("error: " + msg.replace("\n", "\n  ") + "\n")
+    text = "error: " + msg.replace("\n", "\n  ")
+    sys.stderr.write(text + "\n")
     sys.stderr.flush()
+    _tell_the_launcher(text)
+    _leave_process_group()
+
+
+def _tell_the_launcher(text: str) -> None:
+    """Under torchrun / `accelerate launch` with several processes, the launcher ends with a summary of the failed
+    ranks that reads each one's TORCHELASTIC_ERROR_FILE: the user's error goes there, so the summary's root cause
+    is the one-line error, not a bare exit status under the launcher's own traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+def _leave_process_group() -> None:
+    """Tear the process group down before the interpreter does: its threads, still joinable at exit, otherwise
+    abort the process (SIGABRT, "terminate called without an active exception") after the error was printed,
+    and the launcher reports the abort instead of the exit status 1."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass
 
 
 def setup_logging(level: int = logging.INFO) -> None:

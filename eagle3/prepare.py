@@ -30,12 +30,12 @@ import numpy as np
 import pyarrow as pa
 
 from eagle3.config import Config, SourceConfig
-from eagle3.data.prepared import is_prepared, save_vocab
+from eagle3.data.prepared import PreparedError, is_prepared, read_prepared_meta, save_vocab
 from eagle3.data.sources import SourceStats, read_conversations, resolve_source_path, source_name
 from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, render, resolve_template
 from eagle3.data.types import Conversation, Turn
 from eagle3.data.vocab import DraftVocab, build_draft_vocab
-from eagle3.fsutil import atomic_dir, current_umask
+from eagle3.fsutil import atomic_dir, current_umask, file_records
 from eagle3.logs import Progress, log
 
 PREPARE_VERSION = 1
@@ -92,14 +92,19 @@ def target_vocab_size(cfg: Config, tokenizer: Any) -> int:
     return size if isinstance(size, int) and size > 0 else len(tokenizer)
 
 
-def fingerprint_inputs(cfg: Config, tokenizer: Any, tpl: ChatTemplate, vocab_size: int) -> dict[str, Any]:
+def fingerprint_inputs(cfg: Config, tokenizer: Any, tpl: ChatTemplate | None, vocab_size: int) -> dict[str, Any]:
+    """Everything that decides the prepared data (without `tokenizer` and `tpl`: their keys are left empty, and a
+    source is named without reading it)."""
     d = cfg.data
     return {
         "version": PREPARE_VERSION,
-        "sources": [source_identity(s) for s in d.sources],
-        "tokenizer": tokenizer_identity(tokenizer),
+        "sources": [source_identity(s) if tokenizer is not None else {"path": s.path, "format": s.format,
+                                                                      "split": s.split, "max_records": s.max_records}
+                    for s in d.sources],
+        "tokenizer": tokenizer_identity(tokenizer) if tokenizer is not None else None,
         "target_vocab_size": vocab_size,
-        "template": {"name": tpl.name, "sha256": _sha256_bytes(tpl.text.encode()), "eot": list(tpl.eot)},
+        "template": {"name": tpl.name, "sha256": _sha256_bytes(tpl.text.encode()), "eot": list(tpl.eot)}
+        if tpl is not None else None,
         "thinking": d.thinking,
         "system_prompt": d.system_prompt,
         "max_length": d.max_length,
@@ -341,7 +346,11 @@ def _reusable(out: Path, fp: str, fp_in: dict[str, Any]) -> dict[str, Any] | Non
     """The summary of prepared data already in `out` for this very config, else None (and why it is rebuilt)."""
     if not is_prepared(out):
         return None
-    meta = json.loads((out / "meta.json").read_text())
+    try:
+        meta = read_prepared_meta(out)
+    except PreparedError as e:
+        log.warning(f"{e}; rebuilding")
+        return None
     if meta.get("fingerprint") == fp:
         log.info(f"reusing prepared data at {out} (fingerprint {fp[:12]})")
         print(f"reusing prepared data at {out} (fingerprint {fp[:12]})", flush=True)
@@ -350,6 +359,54 @@ def _reusable(out: Path, fp: str, fp_in: dict[str, Any]) -> dict[str, Any] | Non
     changed = sorted(k for k in set(old) | set(fp_in) if old.get(k) != fp_in.get(k))
     log.info(f"prepared data at {out} is from a different config (changed: {', '.join(changed)}); rebuilding")
     return None
+
+
+_CONFIG_KEYS = {
+    "max_length": "data.max_length", "overlength": "data.overlength", "max_samples": "data.max_samples",
+    "eval_size": "data.eval_size", "seed": "data.seed", "thinking": "data.thinking",
+    "system_prompt": "data.system_prompt", "template": "data.chat_template", "sources": "data.sources",
+    "draft_vocab_size": "draft.vocab_size", "tokenizer": "the target's tokenizer (target.path)",
+    "target_vocab_size": "the target's vocab size (target.path)", "version": "the prepare rules (eagle3's version)",
+}
+
+
+def _config_part(fp_in: dict[str, Any]) -> dict[str, Any]:
+    """What the config decides of the prepared data: the fingerprint inputs with each source as the config names it
+    (a big source file's size and mtime change when it is copied to another machine; its samples do not)."""
+    keep = ("path", "format", "split", "max_records")
+    return {**fp_in, "sources": [{k: s.get(k) for k in keep} for s in fp_in.get("sources", [])]}
+
+
+def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
+    """Refuse a config that changed the data since `prepare` made it (data.max_length, the template, the sources,
+    draft.vocab_size for training, ...): `extract` and `train` would otherwise run on the old data. Names each key
+    with both values and the command that re-prepares. A folder `prepare` did not write (no recorded inputs) has
+    nothing to compare; where the target has no tokenizer, the keys that need one are not compared."""
+    then = meta.get("fingerprint_inputs")
+    if then is None:
+        return
+    try:
+        tokenizer = load_tokenizer(cfg)
+        now = fingerprint_inputs(cfg, tokenizer, resolve_template(cfg.data.chat_template, tokenizer),
+                                 target_vocab_size(cfg, tokenizer))
+    except (OSError, ValueError, RuntimeError, TemplateError):
+        now = {k: v for k, v in fingerprint_inputs(cfg, None, None, 0).items()
+               if k not in ("tokenizer", "template", "target_vocab_size")}
+    now, then = _config_part(now), _config_part(then)
+    skip = {"draft_vocab_size"} if stage == "extract" else set()  # hidden states do not depend on the draft vocab
+    changed = sorted(k for k in now if k not in skip and now.get(k) != then.get(k))
+    if not changed:
+        return
+    lines = "\n".join(f"  {_CONFIG_KEYS.get(k, k)}: prepared with {_short(then.get(k))}, this config has "
+                      f"{_short(now.get(k))}" for k in changed)
+    raise PreparedError(f"the prepared data in {cfg.prepared_dir} was made from another config than this one:\n"
+                        f"{lines}\nRe-run `eagle3 prepare --config ...` with this config before `eagle3 {stage}` "
+                        "(or set the keys back).")
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v, sort_keys=True) if not isinstance(v, str) else repr(v)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any,
@@ -417,5 +474,6 @@ def _write(out: Path, meta: dict[str, Any], train_s: list[Any], eval_s: list[Any
             if bars:
                 enable_progress_bar()
         save_vocab(tmp / "vocab.safetensors", vocab.d2t, vocab.t2d)
+        meta = {**meta, "files": file_records(tmp)}  # every later read checks them (eagle3.data.prepared)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
         _open_permissions(tmp)

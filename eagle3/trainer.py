@@ -30,7 +30,7 @@ from eagle3 import threads
 from eagle3.batching import EpochPlan, plan_epoch
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
-from eagle3.data.prepared import load_vocab
+from eagle3.data.prepared import load_vocab, read_prepared_meta
 from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily
 from eagle3.logs import Progress, UserError, setup_logging
@@ -39,6 +39,7 @@ from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
 from eagle3.objective import Objective
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
+from eagle3.prepare import check_prepared
 from eagle3.targets.info import TargetInfo
 from eagle3.targets.weights import load_target_head
 from eagle3.tracking import Tracker
@@ -239,6 +240,7 @@ def set_up(cfg: Config) -> Session:
     accelerator = make_accelerator(cfg)
     set_seed(cfg.train.seed)
     tc = cfg.train
+    check_prepared(cfg, read_prepared_meta(cfg.prepared_dir), "train")
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg)
     train_ds, eval_ds = open_datasets(cfg)

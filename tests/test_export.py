@@ -219,3 +219,26 @@ def test_full_vocab_head_has_no_mapping_in_the_vllm_export(tmp_path):
     again = load_draft(vllm, embed_weight=draft.embed_tokens.weight)
     for a, b in zip(_outputs(draft), _outputs(again)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "bad-json"])
+def test_a_damaged_draft_folder_is_one_error_naming_it(tmp_path, damage):
+    """A truncated or overwritten head (a copy cut short): export, eval and init_from all read it through
+    eagle3.formats, which names the folder instead of surfacing a safetensors or JSON traceback."""
+    from eagle3.cli import main
+    from eagle3.logs import user_message
+
+    src = tmp_path / "draft"
+    save_draft(make_draft(), src)
+    weights = src / "model.safetensors"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "garbage":
+        weights.write_bytes(b"\xff" * 64 + weights.read_bytes()[64:])
+    else:
+        (src / "config.json").write_text('{"architectures": [')
+    want = "not valid JSON" if damage == "bad-json" else "the weights cannot be read .*damaged or incomplete"
+    with pytest.raises(ExportError, match=want) as e:
+        main(["export", "--to", "sglang", str(src), str(tmp_path / "out")])
+    assert str(src) in str(e.value) and user_message(e.value) is not None
+    assert not (tmp_path / "out").exists()

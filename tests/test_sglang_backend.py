@@ -54,7 +54,7 @@ class FakeSGLang:
 
     `mode` injects faults: "ok", "cached" (reports a radix hit), "chunk" (dumps only the tail of the prompt,
     as a chunked prefill would), "short" (a buggy dump one token short under the prompt's name), "nodump",
-    "radix_on" (server_info says the radix cache is on)."""
+    "radix_on" (server_info says the radix cache is on), "unhealthy" (/health answers 503: still loading)."""
 
     def __init__(self, model_path: Path, dump_dir: Path, layer_ids: list[int], mode: str = "ok"):
         from transformers import AutoModelForCausalLM
@@ -78,7 +78,7 @@ class FakeSGLang:
 
             def do_GET(self):
                 if self.path == "/health":
-                    self._send(200, {})
+                    self._send(503 if fake.mode == "unhealthy" else 200, {})
                 elif self.path == "/server_info":
                     self._send(200, {"disable_radix_cache": fake.mode != "radix_on", "chunked_prefill_size": -1,
                                      "enable_dp_attention": False, "tp_size": 1})
@@ -395,6 +395,38 @@ def test_preflight_catches_a_server_that_writes_nothing(llama, tmp_path):
     with FakeSGLang(llama, tmp_path / "dump", IDS, mode="nodump") as fake:
         with pytest.raises(DumpError, match="preflight probe.*does not run eagle3's capture plugin"):
             SGLangTarget(_cfg(llama, tmp_path, fake.url))
+
+
+def test_a_url_nobody_listens_at_fails_in_seconds_naming_the_key(llama, tmp_path):
+    """A refused connection at target.sglang.url is a wrong URL or a server not started: one clear error after a
+    short grace, never the whole startup timeout (an hour by default) nor a TimeoutError traceback."""
+    import socket
+    import time
+
+    from eagle3.logs import UserError, user_message
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=rf"nothing answers at target.sglang.url=http://127.0.0.1:{port} "
+                                        r"\(connection refused for 10 s\): start the server first") as e:
+        SGLangTarget(_cfg(llama, tmp_path, f"http://127.0.0.1:{port}"))
+    assert 9 < time.monotonic() - t0 < 30 and user_message(e.value) is not None  # one line, no traceback
+
+
+def test_startup_timeout_is_the_configured_one(llama, tmp_path):
+    """A server that listens but never gets healthy: target.sglang.startup_timeout_s is the wait, and the error
+    names the key."""
+    import time
+
+    from eagle3.logs import UserError
+
+    with FakeSGLang(llama, tmp_path / "dump", IDS, mode="unhealthy") as fake:
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match=r"not healthy after 3 s \(target.sglang.startup_timeout_s\)"):
+            SGLangTarget(_cfg(llama, tmp_path, fake.url, startup_timeout_s=3.0))
+        assert time.monotonic() - t0 < 15
 
 
 _FAKE_SERVER_MAIN = """

@@ -82,8 +82,10 @@ from eagle3.targets.sglang_server import (
 log = logging.getLogger("eagle3")
 
 DEFAULT_PORT = 30000
-STARTUP_TIMEOUT_S = 3600.0
-"""Loading Kimi-K2.5 onto 8 GPUs takes tens of minutes (docs/kimi-k2.5.md "Budget"); a tiny server about one."""
+REFUSED_GRACE_S = 10.0
+"""How long a server given by `target.sglang.url` may refuse connections (a restart) before that is an error:
+nothing listening there is a wrong URL or a server not started, and waiting the whole startup timeout for it
+(an hour by default) would hide that."""
 
 # Flags eagle3 sets itself, or that would drop/split tokens or shard the states: refused in launch_args.
 _REFUSED_FLAGS = {
@@ -163,7 +165,7 @@ class SGLangTarget:
     dump_grace_s = 5.0
     """How long to wait for a dump the server should already have written (filesystem visibility only)."""
 
-    def __init__(self, cfg: Config, *, preflight: bool | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    def __init__(self, cfg: Config, *, preflight: bool | None = None, startup_timeout_s: float | None = None,
                  info: TargetInfo | None = None):
         s = cfg.target.sglang
         self.cfg = cfg
@@ -191,10 +193,11 @@ class SGLangTarget:
         atexit.register(self.close)
         exit_on_sigterm()
 
+        startup_timeout_s = s.startup_timeout_s if startup_timeout_s is None else startup_timeout_s
         if s.url:
             self.url = s.url.rstrip("/")
             log.info("using the SGLang server at %s (dump folder %s)", self.url, self.dump_dir)
-            wait_healthy(self.url, min(startup_timeout_s, 120.0))
+            wait_healthy(self.url, startup_timeout_s, refused_grace_s=REFUSED_GRACE_S)
         else:
             try:
                 self._launch(startup_timeout_s)

@@ -33,6 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from eagle3.logs import UserError
+
 log = logging.getLogger("eagle3")
 
 ENV_PYTHON = "EAGLE3_SGLANG_PYTHON"
@@ -69,24 +71,42 @@ def log_tail(log_file: Path | None, lines: int = 40) -> str:
     return f"\n--- last {len(tail)} lines of {log_file} ---\n" + "\n".join(tail)
 
 
+class ServerError(UserError, RuntimeError):
+    """An SGLang server that cannot be used (not there, died, never healthy), phrased for the user."""
+
+
+def _refused(e: BaseException) -> bool:
+    """Nothing listens there (or the host name does not resolve): not a server that is still loading."""
+    reason = getattr(e, "reason", e)
+    return isinstance(reason, (ConnectionRefusedError, socket.gaierror))
+
+
 def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                 log_file: Path | None = None) -> None:
-    """Poll `/health` until it answers 200; fail early when the launched process dies (with its log tail)."""
+                 log_file: Path | None = None, refused_grace_s: float | None = None) -> None:
+    """Poll `/health` until it answers 200; fail early when the launched process dies (with its log tail), and,
+    with `refused_grace_s`, when nothing has listened at `url` for that long (a server loading its weights
+    already listens, or is not yet started by a launcher; a refused connection past the grace is a wrong URL)."""
     t0 = time.monotonic()
     last_note = t0
+    refused_since: float | None = None
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the SGLang server exited with code {proc.returncode} before it was healthy"
-                               f"{log_tail(log_file)}")
+            raise ServerError(f"the SGLang server exited with code {proc.returncode} before it was healthy"
+                              f"{log_tail(log_file)}")
         try:
             http_json("GET", f"{url}/health", timeout=5.0)
             log.info("SGLang server at %s is healthy (%.0f s)", url, time.monotonic() - t0)
             return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError):
-            pass
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+            refused_since = (refused_since or time.monotonic()) if _refused(e) else None
         now = time.monotonic()
+        if refused_grace_s is not None and refused_since is not None and now - refused_since >= refused_grace_s:
+            raise ServerError(f"nothing answers at target.sglang.url={url} (connection refused for "
+                              f"{refused_grace_s:.0f} s): start the server first (`eagle3 sglang serve --config "
+                              "...`), fix the URL, or leave target.sglang.url empty to let eagle3 launch one")
         if now - t0 > timeout_s:
-            raise TimeoutError(f"the SGLang server at {url} was not healthy after {timeout_s:.0f} s{log_tail(log_file)}")
+            raise ServerError(f"the SGLang server at {url} was not healthy after {timeout_s:.0f} s "
+                              f"(target.sglang.startup_timeout_s){log_tail(log_file)}")
         if now - last_note >= 30:
             last_note = now
             log.info("waiting for the SGLang server at %s (%.0f s so far%s)", url, now - t0,

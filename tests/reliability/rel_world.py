@@ -111,6 +111,16 @@ def extracted_world(root: Path, run: str, shared_cache: bool = True,
     return w, cfgd
 
 
+def shared_world(root: Path) -> dict[str, Any]:
+    """extracted_world for a module's tests to share: the world, its config dict ("cfgd") and the prepared
+    folder and cache it made (torch on one thread: the tests run subprocesses beside it)."""
+    import torch
+
+    torch.set_num_threads(1)
+    w, cfgd = extracted_world(root, "run")
+    return {**w, "cfgd": cfgd, "prepared": root / "prepared", "cache": root / "cache"}
+
+
 def write_cfg(path: Path, cfg: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -175,3 +185,13 @@ def temp_leftovers(d: Path) -> list[str]:
 
 def no_traceback(stderr: str) -> bool:
     return "Traceback (most recent call last)" not in stderr
+
+
+def error_block(stderr: str) -> str:
+    """The `error:` line and its indented continuation lines; asserts there is exactly one such block."""
+    lines = stderr.splitlines()
+    starts = [i for i, x in enumerate(lines) if x.startswith("error:")]
+    assert len(starts) == 1, stderr[-3000:]
+    block = [lines[starts[0]]]
+    block += [x for x in lines[starts[0] + 1:] if x.startswith("  ")]
+    return "\n".join(block)

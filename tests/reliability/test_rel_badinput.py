@@ -17,9 +17,10 @@ import torch
 from rel_world import (
     CLI,
     TRAIN,
-    extracted_world,
+    error_block,
     no_traceback,
     run_cmd,
+    shared_world,
     write_cfg,
     write_jsonl,
 )
@@ -34,10 +35,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The tiny world, prepared and extracted once (in process)."""
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("bad")
-    w, cfgd = extracted_world(root, "run")
-    return {**w, "cfgd": cfgd, "prepared": root / "prepared", "cache": root / "cache"}
+    return shared_world(tmp_path_factory.mktemp("bad"))
 
 
 @pytest.fixture
@@ -67,16 +65,6 @@ def _copy(cfgd: dict, **top) -> dict:
     out = json.loads(json.dumps(cfgd))
     out.update(top)
     return out
-
-
-def _error_block(stderr: str) -> str:
-    """The `error:` line and its indented continuation lines; asserts there is exactly one such block."""
-    lines = stderr.splitlines()
-    starts = [i for i, x in enumerate(lines) if x.startswith("error:")]
-    assert len(starts) == 1, stderr[-3000:]
-    block = [lines[starts[0]]]
-    block += [x for x in lines[starts[0] + 1:] if x.startswith("  ")]
-    return "\n".join(block)
 
 
 # ------------------------------------------------------------------------------------------------- prepare
@@ -134,7 +122,7 @@ def test_a_source_with_nothing_usable_is_one_line_naming_it(world, tmp_path):
     cfgd["data"] = {**cfgd["data"], "sources": [{"path": str(src)}], "output_dir": None}
     r = run_cmd([*CLI, "prepare", "--config", str(write_cfg(tmp_path / "cfg.yaml", cfgd))])
     assert r.returncode == 1 and no_traceback(r.stderr), r.stderr[-3000:]
-    block = _error_block(r.stderr)
+    block = error_block(r.stderr)
     assert "data.sources: no usable conversation" in block and str(src) in block
     assert not (tmp_path / "run" / "prepared").exists()
 
@@ -285,7 +273,7 @@ def test_a_cache_from_another_target_is_refused_by_the_cli(world, tmp_path):
     cfgd["target"] = {**cfgd["target"], "path": str(other)}
     r = run_cmd([*TRAIN, "--config", str(write_cfg(tmp_path / "cfg.yaml", cfgd))])
     assert r.returncode == 1 and no_traceback(r.stderr), r.stderr[-3000:]
-    block = _error_block(r.stderr)
+    block = error_block(r.stderr)
     assert f"hidden-state cache {world['cache']} does not match the config" in block
     assert "target path" in block and "target weights id" in block
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -340,6 +328,7 @@ def trained(world, tmp_path):
 
 def test_resume_with_another_draft_vocab_is_refused(world, trained, tmp_path):
     from eagle3.data.prepared import save_vocab
+    from eagle3.fsutil import file_records
     from eagle3.trainer import run as train
 
     prepared = tmp_path / "prepared-other-vocab"  # same prepared data and fingerprint, another d2t
@@ -348,6 +337,9 @@ def test_resume_with_another_draft_vocab_is_refused(world, trained, tmp_path):
     t2d = torch.zeros(320, dtype=torch.bool)
     t2d[:64] = True
     save_vocab(prepared / "vocab.safetensors", d2t, t2d)
+    meta = json.loads((prepared / "meta.json").read_text())  # recorded as a prepare run would have
+    meta["files"] = file_records(prepared, skip=("meta.json",))
+    (prepared / "meta.json").write_text(json.dumps(meta))
     cfgd = _copy(trained)
     cfgd["data"] = {**cfgd["data"], "output_dir": str(prepared)}
     cfgd["train"] = {**cfgd["train"], "max_steps": 4}

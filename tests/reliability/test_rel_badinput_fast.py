@@ -181,11 +181,16 @@ def test_user_message_rules(tmp_path):
     assert disk_full_error(wrapped) is not None
     assert user_message(UserError("cache x does not match")) == "cache x does not match"
 
-    from eagle3.data.prepared import load_prepared
+    from eagle3.config import SourceConfig
+    from eagle3.data.prepared import PreparedError, load_prepared
+    from eagle3.data.sources import resolve_source_path
 
     with pytest.raises(FileNotFoundError) as ours:  # raised by eagle3's own code: already phrased for the user
+        resolve_source_path(SourceConfig(path=str(tmp_path / "missing.jsonl")))
+    assert user_message(ours.value) == f"data.sources: {tmp_path / 'missing.jsonl'} does not exist"
+    with pytest.raises(PreparedError) as named:  # a UserError
         load_prepared(tmp_path / "missing")
-    assert "run `eagle3 prepare" in user_message(ours.value)
+    assert "run `eagle3 prepare" in user_message(named.value)
     with pytest.raises(ValueError) as theirs:  # raised inside a library / Python: keeps its traceback
         int("not a number")
     assert user_message(theirs.value) is None
