@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,13 +121,6 @@ def _disk_full(e: BaseException, path: Path, cache_dir: Path, tokens_left: int, 
         f"(or set extract.cache_dir to a bigger disk) and re-run the same command: it resumes. ({e})")
 
 
-def _kill_hook(counter: str, n: int) -> None:
-    """Tests only: SIGKILL this very process after n units (a real, uncatchable kill at a chosen point)."""
-    limit = os.environ.get(f"EAGLE3_TEST_KILL_AFTER_{counter}")
-    if limit is not None and n >= int(limit):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     """Extract this rank's missing shards of every prepared split into `cfg.cache_dir`."""
     setup_logging()
@@ -170,7 +162,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     done = _Done(time.monotonic())
     argmax = ArgmaxHead.for_backend(cfg, backend)
     with Progress(todo_samples, f"extract rank {rank}/{world}", unit="samples") as prog:
-        for shards_done, job in enumerate(jobs, start=1):
+        for job in jobs:
             tokens_at_start, committed = done.tokens, sum(len(m.shards) for m in manifests.values())
             try:
                 entry = _extract_shard(cfg, backend, argmax, data[job.split], lengths[job.split], job, fp, rank,
@@ -184,7 +176,6 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
             manifests[job.split].shards.append(entry)
             manifests[job.split].save(cache_dir)
             done.nonfinite += len(entry.skipped_nonfinite)
-            _kill_hook("SHARDS", shards_done)
     return _report(done, rank, world, todo_samples, len(jobs), cache_dir, fp)
 
 
@@ -244,7 +235,6 @@ def _extract_shard(cfg: Any, backend: Any, argmax: Any, ds: Any, lens: np.ndarra
             done.tokens += sum(len(x) for x in rows["input_ids"])
             done.batches += 1
             prog.update(len(batch), tok_s=f"{done.tokens / max(time.monotonic() - done.t0, 1e-9):.0f}")
-            _kill_hook("BATCHES", done.batches)
         return writer.commit(job.shard, skipped)
     except BaseException:
         writer.abort()

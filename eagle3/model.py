@@ -45,7 +45,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eagle3.layer_ids import LAYER_ID_CONVENTION, default_layer_ids, validate_layer_ids
-from eagle3.rows import Rows, every_row, shift_tokens
+from eagle3.rows import Rows, shift_tokens
 from eagle3.targets.info import TargetInfo
 
 log = logging.getLogger("eagle3")
@@ -610,11 +610,3 @@ def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows
         hidden = draft.block(hidden, rows.unpack(j, out))
         states.append(draft.norm(hidden[rows.score[j]]))
     return states
-
-
-def ttt_unroll(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, steps: int,
-               attention: Attention = "fast") -> list[Tensor]:
-    """Logits [B, T, draft_vocab] of every position at each of `steps` unrolled steps (the reference)."""
-    b, t = input_ids.shape
-    rows = every_row(b, t, steps, input_ids.device)
-    return [draft.lm_head(x).view(b, t, -1) for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention)]

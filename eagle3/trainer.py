@@ -97,10 +97,10 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     if cfg.train.verify_cache:
         verify_before_training(cfg.cache_dir)
     train = HiddenStateDataset(cfg.cache_dir, "train")
-    try:
-        evald = HiddenStateDataset(cfg.cache_dir, "eval")
-    except Exception as e:  # noqa: BLE001 - no eval split is allowed; say so
-        log.warning("no usable eval split in %s (%s); eval metrics will be skipped", cfg.cache_dir, e)
+    evald = HiddenStateDataset(cfg.cache_dir, "eval")  # a damaged eval shard is an error, never a skipped eval
+    if len(evald) == 0:
+        log.warning("the eval split of %s is empty (data.eval_size=0?): eval metrics are skipped and `best` is the "
+                    "last step's head", cfg.cache_dir)
         evald = None
     if len(train) == 0:
         raise ValueError(f"cache {cfg.cache_dir}: the train split is empty")

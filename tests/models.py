@@ -10,6 +10,7 @@ Other tests import these builders; every one is deterministic (fixed seed), so t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -143,3 +144,36 @@ def tiny_target_cfg(target: Path, prepared: Path, out: Path, **extract):
     for k, v in extract.items():
         setattr(cfg.extract, k, v)
     return cfg
+
+
+# --------------------------------------------------------------------------------------- the TTT reference
+def ttt_unroll(draft, hidden0: torch.Tensor, input_ids: torch.Tensor, steps: int,
+               attention: str = "fast") -> list[torch.Tensor]:
+    """Logits [B, T, draft_vocab] of every position at each of `steps` unrolled steps: the draft's TTT forward
+    with nothing pruned (eagle3.rows.every_row), the reference the pruned trainer is compared with."""
+    from eagle3.model import ttt_unroll_rows
+    from eagle3.rows import every_row
+
+    b, t = input_ids.shape
+    rows = every_row(b, t, steps, input_ids.device)
+    return [draft.lm_head(x).view(b, t, -1) for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention)]
+
+
+def assert_fast_equals_dense(draft, aux: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The fast TTT attention gives the dense reference's logits and parameter gradients; the fast logits."""
+    fast = ttt_unroll(draft, draft.project(aux), ids, steps, "fast")
+    dense = ttt_unroll(draft, draft.project(aux), ids, steps, "dense")
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    gf = torch.autograd.grad(sum(x.square().mean() for x in fast), list(draft.parameters()), retain_graph=True)
+    gd = torch.autograd.grad(sum(x.square().mean() for x in dense), list(draft.parameters()))
+    for a, b in zip(gf, gd, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    return fast
+
+
+def kill_after_batches(n: int) -> dict[str, str]:
+    """Environment for a child `eagle3 extract` that SIGKILLs itself after its n-th forward batch is written
+    (tests/killhook/sitecustomize.py); the repo stays importable."""
+    here = Path(__file__).resolve().parent
+    return {"EAGLE3_TEST_KILL_AFTER_BATCHES": str(n), "PYTHONPATH": f"{here / 'killhook'}{os.pathsep}{here.parent}"}

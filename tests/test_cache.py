@@ -174,3 +174,30 @@ def test_a_format_1_cache_is_refused_with_the_upgrade_command(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CacheError, match=rf"format 1; .*eagle3 cache upgrade {tmp_path} --config"):
         HiddenStateDataset(tmp_path, "train")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fuzzed_damage_is_always_found_and_never_a_library_traceback(tmp_path, seed):
+    """Random damage to a shard (bytes flipped anywhere, cut anywhere, or deleted): the full check always finds
+    it, and a reader either loads (damage the size check cannot see) or raises a CacheError naming the shard,
+    never a pyarrow exception."""
+    import random
+
+    rng = random.Random(seed)
+    _write_cache(tmp_path, torch.bfloat16, [rng.randint(1, 40) for _ in range(6)])
+    shard = tmp_path / "train" / shard_name(0, 1, 0)
+    size = shard.stat().st_size
+    kind = ("flip", "cut", "delete")[seed % 3]
+    if kind == "flip":
+        _flip(shard, rng.randrange(size), rng.randint(1, 512))
+    elif kind == "cut":
+        shard.write_bytes(shard.read_bytes()[: rng.randrange(size)])
+    else:
+        shard.unlink()
+    assert verify_cache(tmp_path) and verify_cache(tmp_path)[0].startswith(f"train/{shard.name}: ")
+    try:
+        ds = HiddenStateDataset(tmp_path, "train")
+    except CacheError as e:
+        assert f"train/{shard.name}" in str(e)
+    else:
+        assert kind == "flip" and len(ds) == 6

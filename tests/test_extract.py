@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from models import make_prepared, tiny_deepseek_v3, tiny_llama, tiny_target_cfg
+from models import kill_after_batches, make_prepared, tiny_deepseek_v3, tiny_llama, tiny_target_cfg
 
 from eagle3.cache import CacheError, HiddenStateDataset, expected_fingerprint, summary
 from eagle3.config import dump_config
@@ -125,7 +125,7 @@ def test_sigkill_then_resume_is_byte_identical(world, tmp_path, storage):
     run(_cfg_at(world, tmp_path / "ref", storage=storage))
     # A real SIGKILL after 3 forward batches: shard 0 (2 batches) committed, shard 1 half written.
     cfg_path = _write_cfg(world, tmp_path / "run", storage=storage)
-    r = _extract(cfg_path, EAGLE3_TEST_KILL_AFTER_BATCHES=3)
+    r = _extract(cfg_path, **kill_after_batches(3))
     assert r.returncode == -signal.SIGKILL, r.stderr
     cache = tmp_path / "run" / "cache"
     assert sorted(p.name for p in (cache / "train").glob("*.arrow")) == ["rank-00000-of-00001-shard-00000.arrow"]

@@ -12,11 +12,11 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.config import Config
 from eagle3.formats import load_draft, save_draft
-from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_unroll
+from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.targets.weights import load_target_head
 
 sys.path.append(str(Path(__file__).parent))  # tests/models.py (appended: never shadow installed packages)
-from models import kimi_wrapped, tiny_llama  # noqa: E402
+from models import kimi_wrapped, tiny_llama, ttt_unroll  # noqa: E402
 
 H, V, VD = 64, 300, 100
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import kimi_wrapped, tiny_llama
+from models import kill_after_batches, kimi_wrapped, tiny_llama
 from sglang_cpu.tiny_models import sglang_deepseek_fields, sglang_tiny_deepseek_v3
 from tokenizer_builders import kimi_test_tokenizer, llama_test_tokenizer
 
@@ -220,7 +220,7 @@ def test_killed_extraction_resumes_to_the_same_bytes(case):
     killed = cfg.model_copy(deep=True)
     killed.extract.cache_dir = str(root / "cache-killed")
     killed_file = write_cfg(killed, root / "killed.yaml")
-    r = eagle3_cli("extract", "--config", str(killed_file), env={"EAGLE3_TEST_KILL_AFTER_BATCHES": "2"})
+    r = eagle3_cli("extract", "--config", str(killed_file), env=kill_after_batches(2))
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     r = eagle3_cli("extract", "--config", str(killed_file))
     assert r.returncode == 0, r.stderr[-4000:]
@@ -283,7 +283,7 @@ def test_a_launched_capture_server_dies_with_a_killed_client(tmp_path, sglang_en
     prepare(cfg)
     _omp_bind(1)
     cfg_file = write_cfg(cfg, root / "c.yaml")
-    r = eagle3_cli("extract", "--config", str(cfg_file), env={"EAGLE3_TEST_KILL_AFTER_BATCHES": "1"})
+    r = eagle3_cli("extract", "--config", str(cfg_file), env=kill_after_batches(1))
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert "launching the SGLang capture server" in r.stderr
     log = next((root / "run" / "logs").glob("sglang-capture-*.log"))

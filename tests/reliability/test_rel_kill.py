@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import kill_after_batches
 from rel_world import (
     CLI,
     EXTRACT,
@@ -167,7 +168,7 @@ def test_extract_killed_at_seeded_batches_then_rerun_is_byte_identical(prepared_
     # ~17 forward batches in all: kill three times, each after a seeded number of the batches left to do
     # (the hook counts batches of the current process), and once as soon as the first shard file appears.
     for n in (rnd.randint(1, 4), rnd.randint(1, 4), rnd.randint(1, 4)):
-        r = run_cmd([*EXTRACT, "--config", str(cfg_path)], EAGLE3_TEST_KILL_AFTER_BATCHES=n)
+        r = run_cmd([*EXTRACT, "--config", str(cfg_path)], **kill_after_batches(n))
         assert r.returncode == KILLED, r.stderr[-2000:]
     shards_before = len(list((cache / "train").glob("*.arrow")))
     rc, log = kill_when([*EXTRACT, "--config", str(cfg_path)], tmp_path / "x.log",

@@ -1,0 +1,26 @@
+"""Tests only: a real, uncatchable SIGKILL of an extraction at a chosen point, from outside the package.
+
+Python imports `sitecustomize` at start-up from the first folder of sys.path that has one; a test puts this
+folder on the child's PYTHONPATH (tests/models.py `kill_after_batches`) with EAGLE3_TEST_KILL_AFTER_BATCHES=N,
+and the child is killed right after its N-th forward batch is written into a shard (a batch that is on disk in
+the `.tmp` shard, not yet committed), the point a kill hurts most.
+"""
+
+import os
+
+_N = os.environ.get("EAGLE3_TEST_KILL_AFTER_BATCHES")
+if _N:
+    import signal
+
+    from eagle3 import cache
+
+    _write = cache.ShardWriter.write
+    _done = [0]
+
+    def _write_then_maybe_die(self, rows):  # noqa: ANN001, ANN202 - the patched method's own signature
+        _write(self, rows)
+        _done[0] += 1
+        if _done[0] >= int(_N):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    cache.ShardWriter.write = _write_then_maybe_die
