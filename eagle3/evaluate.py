@@ -222,7 +222,7 @@ def write_report(report: dict[str, Any], eval_dir: Path) -> None:
 def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
     """`eval.builtin: false`: SGLang decodes every turn with the head; no target is loaded in this process."""
     from eagle3.data.templates import load_tokenizer
-    from eagle3.engines.sglang_check import run_sglang_dialogues
+    from eagle3.engines.sglang_eval import run_sglang_dialogues
 
     folder = resolve_checkpoint(cfg)
     log.info("eval in SGLang only: target %s (TP=%d), draft %s", cfg.target.path, cfg.target.sglang.tp_size, folder)
@@ -257,11 +257,11 @@ def run(cfg: Config) -> dict[str, Any]:
         all_prompts = [p for ps in rendered.values() for p in ps]
         builtin_tau = _pooled_tau(report)
         if engine == "vllm":
-            from eagle3.engines.vllm_check import run_vllm
+            from eagle3.engines.vllm_eval import run_vllm
 
             result = run_vllm(cfg, folder, all_prompts)
         else:
-            from eagle3.engines.sglang_check import run_sglang
+            from eagle3.engines.sglang_eval import run_sglang
 
             result = run_sglang(cfg, all_prompts, folder)
             # SGLang counts emitted tokens: the built-in's last step of a turn, cut at max_new_tokens or eos, must

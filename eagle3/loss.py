@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from eagle3.rows import Rows, shift_tokens, valid_positions
+from eagle3.rows import TTTPlan, shift_tokens, valid_positions
 
 
 # -------------------------------------------------------------------------------------------------- teacher
@@ -164,7 +164,7 @@ class StepStats:
         return torch.stack([getattr(self, f.name) for f in fields(self)])
 
 
-def greedy_chain(rows: Rows, hits: list[Tensor], input_ids: Tensor, target_argmax: Tensor,
+def greedy_chain(rows: TTTPlan, hits: list[Tensor], input_ids: Tensor, target_argmax: Tensor,
                  loss_mask: Tensor) -> tuple[Tensor, Tensor]:
     """([steps] alive, [steps] hit): the draft chains of the batch as an engine runs them on greedy text.
 
@@ -286,7 +286,7 @@ class SoftCE:
     `chunk` rows of logits are computed at a time (train.loss_chunk_rows).
     """
 
-    def __init__(self, probs: Tensor, rows: Rows, decay: float, norm: Tensor | None = None, chunk: int = 4096):
+    def __init__(self, probs: Tensor, rows: TTTPlan, decay: float, norm: Tensor | None = None, chunk: int = 4096):
         counts = rows.scored().to(probs.device) if norm is None else norm.to(probs.device, torch.float32)
         decays = torch.tensor([decay**j for j in range(rows.steps)], device=probs.device)
         self.probs, self.rows, self.chunk = probs, rows, chunk
@@ -306,7 +306,7 @@ def linear_soft_ce(xs: list[Tensor], weight: Tensor, probs: Tensor, index: list[
     return HeadOut(total, ce_sum, tuple(am))
 
 
-def ttt_loss(out: HeadOut, draft_target: Tensor, rows: Rows, greedy: tuple[Tensor, Tensor, Tensor] | None = None,
+def ttt_loss(out: HeadOut, draft_target: Tensor, rows: TTTPlan, greedy: tuple[Tensor, Tensor, Tensor] | None = None,
              ) -> tuple[Tensor, StepStats]:
     """The micro-batch's loss (SoftCE: sum_j decay**j * soft-CE(teacher, draft) over step j's scored rows / norm_j)
     and its per-step sums. draft_target [len(teacher_pos)]: the teacher's argmax as a draft id at

@@ -45,7 +45,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eagle3.layer_ids import LAYER_ID_CONVENTION, default_layer_ids, validate_layer_ids
-from eagle3.rows import Rows, shift_tokens
+from eagle3.rows import TTTPlan, shift_tokens
 from eagle3.targets.info import TargetInfo
 
 log = logging.getLogger("eagle3")
@@ -454,7 +454,7 @@ class Eagle3Draft(nn.Module):
     def logits(self, out_hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(out_hidden))
 
-    def forward(self, aux: Tensor, input_ids: Tensor, rows: Rows, attention: Attention = "fast",
+    def forward(self, aux: Tensor, input_ids: Tensor, rows: TTTPlan, attention: Attention = "fast",
                 head: Callable[[list[Tensor], Tensor], Any] | None = None) -> Any:
         """Training: the TTT unroll over `rows` (`ttt_unroll_rows` below) -> head(final-normed scored rows of
         each step, lm_head weight); without `head`, each step's logits. Lives in `forward`, the head included,
@@ -577,7 +577,7 @@ def _rows(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])
 
 
-def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows: Rows,
+def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows: TTTPlan,
                     attention: Attention = "fast") -> list[Tensor]:
     """Final-normed output hidden [len(score[j]), H] of the scored rows of each unrolled step (the lm_head's
     input; see the module docstring).

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from eagle3.config import TrainConfig
 from eagle3.loss import SoftCE, StepStats, Teacher, ttt_loss
-from eagle3.rows import Rows, plan_rows
+from eagle3.rows import TTTPlan, plan_rows
 from eagle3.storage import dense
 
 
@@ -29,7 +29,7 @@ class PlannedBatch:
     """A collated batch on the host and the positions its TTT steps compute and score."""
 
     batch: dict[str, Tensor]
-    rows: Rows
+    rows: TTTPlan
 
     def scored(self) -> Tensor:
         """[steps] positions scored at each step (a share of the loss's denominators)."""

@@ -1,7 +1,7 @@
 """Which precision a device runs natively, and what `auto` means for the target dtype and mixed precision.
 
 bf16 halves the cache and, where the hardware has it, speeds up CPU matmuls (BENCHMARKS.md "Training", "SmolLM2
-recipe"); where it does not, PyTorch emulates it and the same work runs about ten times slower than in float32.
+recipe"); where it does not, PyTorch emulates it and the same work runs several times slower than in float32.
 So `auto` is bf16 only on a CUDA device that supports it or a CPU with AVX-512 BF16 or AMX, float32 elsewhere, and
 an explicit bf16 on a CPU without them runs with a warning. One line says what was chosen and why, once per
 process: the config's dtype line when the config has loaded without error (`say_pending`, called by

