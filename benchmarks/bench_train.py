@@ -19,9 +19,11 @@ a trained head should be well above it.
 
 runs the trainer of git revision REV (checked out into a scratch worktree) and this tree's side by side,
 alternating, on the same cache and config, for each TTT depth and precision: tokens/s of each and the ratio,
-over all counted steps and over the steps after the first epoch (this trainer computes the teacher's
-full-vocab argmax the first time it sees a sample and keeps it), and the loss of both after the same steps.
-bf16 is skipped where the CPU has no native bf16 (emulated bf16 measures the emulation).
+over all counted steps and over the steps after the first epoch, and the loss of both after the same steps.
+bf16 is skipped where the CPU has no native bf16 (emulated bf16 measures the emulation). Where the cache
+format changed between REV and this tree, `--against-overrides "extract.cache_dir=<REV's cache>"` points REV's
+trainer at a cache its own extraction wrote from the same prepared data (BENCHMARKS.md "Training", the
+redesign's before/after).
 
     python benchmarks/bench_train.py --config configs/smollm2-135m.yaml --precision bf16 --steps 40 --rounds 2 \
         --variant "exact:extract.cache_dir=runs/smollm2-135m/cache" \
@@ -114,7 +116,8 @@ def compare(a: argparse.Namespace) -> dict:
                 got: dict[str, list[dict]] = {"base": [], "new": []}
                 for _ in range(a.rounds):
                     for side, tree in (("base", base), ("new", REPO)):
-                        got[side].append(run_one(tree, a.config, over, a.steps, prec, a.warmup))
+                        extra = a.against_overrides.split() if side == "base" else []
+                        got[side].append(run_one(tree, a.config, [*over, *extra], a.steps, prec, a.warmup))
                 row = {side: _mean(rs) for side, rs in got.items()}
                 b, n = row["base"], row["new"]
                 row["ratio"] = n["tokens_per_s"] / b["tokens_per_s"]
@@ -207,6 +210,9 @@ def main() -> int:
     p.add_argument("--baseline", action="store_true", help="print the unigram acc_0 baseline and exit")
     p.add_argument("--against", metavar="REV", help="compare with the trainer of this git revision")
     p.add_argument("--ttt", type=int, nargs="+", default=[3], help="TTT depths to compare (with --against)")
+    p.add_argument("--against-overrides", default="", metavar="OVERRIDES",
+                   help="overrides for REV's trainer only, e.g. its own extract.cache_dir when the cache format "
+                   "changed between the two (with --against)")
     p.add_argument("--rounds", type=int, default=1, help="alternating runs of each side (with --against)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
                    help="compare this tree on several override sets (repeat; with --rounds)")

@@ -187,9 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; `key=value` overrides may follow a positional and `--config` in any order (argparse
+    alone drops those after an option once the positionals are taken: `eagle3 cache upgrade DIR --config X k=v`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.fn(args)
     except ConfigError as e:

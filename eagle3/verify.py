@@ -9,8 +9,9 @@ speculation, and nothing errored. The usual culprits are silent: an engine whose
 chunked prefill). This compares each sample with HF's own `output_hidden_states` (not eagle3's hooks) and, when
 a layer does not match, tries the neighbouring layers and the pre-norm state to say which mistake it is.
 
-PASS: every layer's mean per-token cosine >= 0.99, no neighbouring layer matches better, final within 10% of the
-reference scale, and equal token counts. Exit code 0 on PASS, 1 on FAIL. The same bar holds an fp8 cache
+PASS: every layer's mean per-token cosine >= 0.99 and its worst token's >= the bar of the states' dtype
+(TOKEN_COSINE_MIN: a few wrong tokens, from a stale KV entry or a padding bug, hide in a mean), no neighbouring
+layer matches better, final within 10% of the reference scale, and equal token counts; a failing token is named. Exit code 0 on PASS, 1 on FAIL. The same bar holds an fp8 cache
 (extract.storage): e4m3 with a scale per token keeps a token's cosine near 0.9995, an adjacent layer's state is
 further from the right one than that, and the neighbour test does not depend on the bar (BENCHMARKS.md "fp8 cache").
 """
@@ -31,6 +32,11 @@ log = logging.getLogger("eagle3")
 
 COSINE_MIN = 0.99
 SCALE_TOL = 0.10
+TOKEN_COSINE_MIN = {torch.float32: 0.999, torch.bfloat16: 0.95, torch.float16: 0.95}
+"""The worst single token's cosine per states' dtype: float32 engines agree with HF to ~1e-6, 16-bit ones round
+each element to 3-4 significant digits; a token whose state belongs to another position scores far below both."""
+FP8_TOKEN_COSINE_MIN = 0.98
+"""The same for an fp8 cache (e4m3 with a scale per token and state; BENCHMARKS.md "fp8 cache")."""
 
 
 @dataclass
@@ -40,6 +46,7 @@ class Check:
     min_cosine: float
     max_rel_err: float
     ok: bool
+    worst_token: int = -1
     cause: str = ""
     verdict: str = ""
     """The sample-independent diagnosis for the summary line."""
@@ -67,6 +74,20 @@ def _stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float, float
     return cos.mean().item(), cos.min().item(), rel, scale
 
 
+def _worst_token(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int(F.cosine_similarity(a.float(), b.float(), dim=-1).argmin())
+
+
+def _gate_worst_token(check: Check, a: torch.Tensor, b: torch.Tensor, token_min: float) -> None:
+    """A check whose mean passes but whose worst token does not: name the token (never hidden by the mean)."""
+    check.worst_token = _worst_token(a, b)
+    if check.ok and check.min_cosine < token_min:
+        check.ok = False
+        check.cause = f"token {check.worst_token}: cosine {check.min_cosine:.4f} < {token_min} (the mean passes)"
+        check.verdict = ("single tokens' states are wrong while the rest match: a stale or shifted KV entry, a "
+                         "padding or batching bug, or damaged storage")
+
+
 @torch.inference_mode()
 def reference(model: torch.nn.Module, ids: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """HF's `hidden_states` (entry k = input of layer k, last entry post-norm) for one unpadded sequence, and the
@@ -85,8 +106,10 @@ def reference(model: torch.nn.Module, ids: list[int]) -> tuple[tuple[torch.Tenso
 
 
 def compare(sample_id: str, ids: list[int], aux: torch.Tensor, final: torch.Tensor, layer_ids: list[int],
-            hs: tuple[torch.Tensor, ...], prenorm: torch.Tensor) -> SampleReport:
-    """Compare one sample's states with the reference and diagnose mismatches."""
+            hs: tuple[torch.Tensor, ...], prenorm: torch.Tensor, token_min: float | None = None) -> SampleReport:
+    """Compare one sample's states with the reference and diagnose mismatches (`token_min`: the worst token's
+    cosine bar, by default TOKEN_COSINE_MIN of the states' dtype)."""
+    token_min = TOKEN_COSINE_MIN.get(aux.dtype, 0.95) if token_min is None else token_min
     H = hs[0].shape[-1]
     L = len(hs) - 1
     rep = SampleReport(sample_id, len(ids), aux.shape[0])
@@ -114,6 +137,7 @@ def compare(sample_id: str, ids: list[int], aux: torch.Tensor, final: torch.Tens
         elif not check.ok:
             check.cause = "matches no neighbouring layer either"
             check.verdict = "aux states match no layer: wrong model or weights, dtype overflow, or other token ids"
+        _gate_worst_token(check, a, hs[k], token_min)
         rep.checks.append(check)
     cos, mn, rel, scale = _stats(final, hs[L])
     check = Check("final (post-norm)", cos, mn, rel, cos >= COSINE_MIN and abs(scale) <= SCALE_TOL)
@@ -129,6 +153,7 @@ def compare(sample_id: str, ids: list[int], aux: torch.Tensor, final: torch.Tens
                            "output" if dcos > cos and dcos >= COSINE_MIN else
                            f"differs from the post-norm state (scale off by {scale:+.1%})")
             check.verdict = "final state does not match the output of the final norm"
+    _gate_worst_token(check, final, hs[L], token_min)
     rep.checks.append(check)
     return rep
 
@@ -144,14 +169,16 @@ def format_report(reports: list[SampleReport]) -> str:
     for r in reports:
         lines.append(f"sample {r.sample_id}: {r.state_tokens}/{r.prompt_tokens} tokens  {'ok' if r.ok else 'FAIL'}")
         for c in r.checks:
-            lines.append(f"  {c.name:<20} cosine {c.cosine:.5f} (min {c.min_cosine:.5f})  max rel err "
+            lines.append(f"  {c.name:<20} cosine {c.cosine:.5f} (min {c.min_cosine:.5f} at token {c.worst_token})  "
+                         "max rel err "
                          f"{c.max_rel_err:.2e}  {'ok' if c.ok else 'FAIL'}{'  <- ' + c.cause if c.cause else ''}")
         for cause in r.causes:
             lines.append(f"  FAIL: {cause}")
     causes = sorted({c.verdict for r in reports for c in r.checks if c.verdict}
                     | {_cause_summary(x) for r in reports for x in r.causes})
     if all(r.ok for r in reports):
-        lines.append(f"PASS: {len(reports)} sample(s), every layer cosine >= {COSINE_MIN}, token counts equal")
+        lines.append(f"PASS: {len(reports)} sample(s), every layer's cosine >= {COSINE_MIN} on average and its worst "
+                     "token's above the dtype's bar, token counts equal")
     else:
         lines.append("FAIL: " + " | ".join(causes))
     return "\n".join(lines)
@@ -237,7 +264,8 @@ def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = 
     reports = []
     for sid, ids, aux, final, top in rows:
         hs, prenorm = reference(model, list(ids))
-        reports.append(compare(sid, list(ids), aux, final, layer_ids, hs, prenorm))
+        reports.append(compare(sid, list(ids), aux, final, layer_ids, hs, prenorm,
+                               FP8_TOKEN_COSINE_MIN if storage != "exact" else None))
         if top is not None:
             check_argmax(reports[-1], top, model, final, cfg.train.teacher_chunk,
                          FP8_ARGMAX_REL_TOL if storage == "fp8" else None)

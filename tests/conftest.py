@@ -28,3 +28,26 @@ def _one_torch_thread():
     threads._mode = None  # no test inherits another's `threads.configure`
     torch.set_num_threads(1)
     yield
+
+
+# ----------------------------------------------------------------------------------- CI: engines must run
+ENGINE_MARKERS = ("sglang", "vllm")
+"""Suites against a real engine: CI builds their venvs, so there a skip means the engine did not run at all."""
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With CI=true, an engine-marked test that skips is a failure: a suite whose venv failed to build, or whose
+    module cannot import the engine, would otherwise leave `pytest -m sglang` green with nothing run."""
+    outcome = yield
+    report = outcome.get_result()
+    marker = next((m for m in ENGINE_MARKERS if item.get_closest_marker(m)), None)
+    if not (report.skipped and marker and _in_ci()) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"CI=true: a {marker}-marked test may not skip ({reason})"

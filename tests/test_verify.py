@@ -43,6 +43,13 @@ class Faulty:
                 c = Captured(c.aux, self._pre["x"][0].clone())
             if self.fault == "prefix":  # a prefix-cache hit: the first 3 tokens never come back
                 c = Captured(c.aux[3:], c.final[3:])
+            if self.fault == "one-token":  # one token's middle-layer state wrong (cosine 0.7), the rest right
+                aux, h, t = c.aux.clone(), self.hidden_size, len(s) // 2
+                a = aux[t, h:2 * h].float()
+                u = torch.randn(h, generator=torch.Generator().manual_seed(t))
+                u = u - (u @ a) / (a @ a) * a  # orthogonal to a
+                aux[t, h:2 * h] = (0.7 * a + 0.51**0.5 * u * a.norm() / u.norm()).to(aux.dtype)
+                c = Captured(aux, c.final)
             out.append(c)
         return out
 
@@ -81,6 +88,21 @@ def test_catches_missing_tokens(world, tmp_path, capsys):
     assert verify(cfg, "backend", 2, backend=Faulty(cfg, "prefix")) == 1
     out = capsys.readouterr().out
     assert "missing tokens" in out and "prefix" in out
+
+
+def test_a_few_wrong_tokens_fail_although_the_mean_passes(world, tmp_path, capsys):
+    """One token of a 36-token sample wrong: the layer's mean cosine still clears 0.99 (35 right tokens), the
+    worst token does not, and the report names the token and the layer."""
+    prepared = make_prepared(tmp_path / "long", n=3, n_eval=1, min_len=36, max_len=37)
+    cfg = tiny_target_cfg(world["llama"], prepared, tmp_path)
+    assert verify(cfg, "backend", 2, backend=Faulty(cfg, "one-token")) == 1
+    out = capsys.readouterr().out
+    ids = cfg.layer_ids(8)
+    line = next(x for x in out.splitlines() if f"aux[1] id {ids[1]}" in x)
+    mean = float(line.split("cosine ")[1].split()[0])
+    assert mean >= 0.99 and "token 18: cosine 0.7000 < 0.999 (the mean passes)" in line, out
+    assert "FAIL: single tokens' states are wrong" in out
+    assert all("FAIL" not in x for x in out.splitlines() if "aux[0]" in x or "aux[2]" in x or "final" in x)
 
 
 def test_verifies_a_cache(world, tmp_path, capsys):
