@@ -279,6 +279,10 @@ class EvalConfig(Section):
     """Draft to evaluate; default: the trainer's best export."""
     seed: int = 0
     """Sampling seed."""
+    allow_divergence: bool = False
+    """At temperature 0, a speculative answer that parts from plain greedy decoding where the plain path's top-2
+    logit gap is beyond the dtype's rounding (eagle3.divergence) makes `eagle3 eval` exit 1 after writing the
+    report; true: report it and exit 0. Near-ties (within the rounding) are only counted."""
 
 
 class TrackingConfig(Section):

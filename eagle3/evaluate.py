@@ -7,8 +7,10 @@
 The built-in evaluator (eagle3.specdec) runs the HF target and the head with engine-style chain/tree drafting and
 verification, on every prompt set of `eval.prompt_sets`, and runs plain decoding on the same prompts for the
 speed baseline. It writes `<output_dir>/eval/report.json` and `report.png` and prints τ per set. At temperature 0
-it also checks that every speculative answer equals plain greedy decoding token for token (a mismatch means a
-bug, and is reported).
+it also checks that every speculative answer equals plain greedy decoding token for token, and explains every
+divergence (eagle3.divergence): a near-tie within the dtype's rounding is counted and logged; a clear margin is
+an error that names the prompt, turn, position and gap, and makes `eagle3 eval` exit non-zero unless
+`eval.allow_divergence` is set.
 
 `--engine vllm|sglang` first runs the built-in evaluator, then sends the exact same rendered prompts to the
 engine and reads its own acceptance counters, so the two τ are printed side by side.
@@ -92,10 +94,12 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     """Speculative and plain decoding of every turn of every prompt; returns the set's metrics and the rendered
     prompts (what an engine check replays)."""
     from eagle3.data.types import Turn
+    from eagle3.divergence import explain
 
     spec, base = AcceptanceStats(), AcceptanceStats()
     greedy = dec.s.temperature <= 0
-    mismatches = 0
+    num_layers = dec.target.model.config.get_text_config().num_hidden_layers
+    divergences = []
     rendered: list[list[int]] = []
     per_turn: list[dict[str, Any]] = []
     for i, prompt in enumerate(ps.prompts):
@@ -115,10 +119,10 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
             ref = dec.generate_baseline(ids_base, g)
             spec.add(out.accept_lengths, len(out.tokens), out.target_forwards, out.seconds)
             base.add([], len(ref.tokens), ref.target_forwards, ref.seconds)
-            same = out.tokens == ref.tokens
-            if greedy and not same:
-                mismatches += 1
-                log.warning("%s turn %d: speculative output differs from plain greedy decoding", prompt.id, t + 1)
+            if greedy and out.tokens != ref.tokens:
+                d = explain(dec, prompt.id, t + 1, ids_base, out.tokens, ref.tokens, num_layers)
+                (log.info if d.near_tie else log.error)("%s", d.line())
+                divergences.append(d.to_json())
             rendered.append(ids_spec)
             per_turn.append({"id": prompt.id, "turn": t + 1, "prompt_tokens": len(ids_spec),
                              "new_tokens": len(out.tokens), "verify_steps": out.num_steps,
@@ -130,7 +134,9 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     result = metrics(spec, base, dec.s.num_steps)
     result.update(prompts=len(ps.prompts), turns=len(per_turn), per_turn=per_turn)
     if greedy:
-        result["greedy_mismatches"] = mismatches
+        near = sum(d["near_tie"] for d in divergences)
+        result.update(greedy_mismatches=len(divergences), near_ties=near, clear_divergences=len(divergences) - near,
+                      divergences=divergences)
     return result, rendered
 
 
@@ -271,7 +277,24 @@ def run(cfg: Config) -> dict[str, Any]:
         report["engines"] = {engine: result}
     write_report(report, cfg.eval_dir)
     (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
+    refuse_clear_divergences(report, cfg)
     return report
+
+
+def refuse_clear_divergences(report: dict[str, Any], cfg: Config) -> None:
+    """After the report is written: a divergence at a clear margin is a bug in the evaluator or the head's
+    format, never rounding, so the run fails (eagle3.divergence) unless the user asked to continue."""
+    from eagle3.logs import UserError
+
+    clear = [d for r in report["sets"].values() for d in r.get("divergences", []) if not d["near_tie"]]
+    if not clear or cfg.eval.allow_divergence:
+        return
+    first = clear[0]
+    raise UserError(f"{len(clear)} turn(s) of speculative decoding part from plain greedy decoding at a clear "
+                    f"margin (first: {first['prompt']} turn {first['turn']}, generated token {first['position']}, "
+                    f"top-2 gap {first['gap']:.3g} > rounding bound {first['bound']:.3g}): not rounding, a bug in "
+                    f"the evaluator or the head's format. Every one is in {cfg.eval_dir / 'report.json'} "
+                    "(`divergences`); eval.allow_divergence=true keeps the exit status 0.")
 
 
 def _emitted_tau(report: dict[str, Any]) -> float:

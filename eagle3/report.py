@@ -114,8 +114,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                 f"tokens/forward={r.get('tokens_per_forward', float('nan')):.2f} "
                 f"tokens/s spec={tps.get('spec', float('nan')):.1f} baseline={tps.get('baseline', float('nan')):.1f} "
                 f"speedup={r.get('speedup', float('nan')):.2f}x over {r.get('turns')} turns")
-        if r.get("greedy_mismatches"):
-            line += f" WARNING: {r['greedy_mismatches']} turns differ from plain greedy decoding"
+        if r.get("near_ties"):
+            line += (f"; {r['near_ties']} turn(s) part from plain greedy at a near-tie (top-2 logit gap within the "
+                     "dtype's rounding: not a bug)")
+        if r.get("clear_divergences"):
+            line += f"; ERROR: {r['clear_divergences']} turn(s) part from plain greedy at a clear margin (a bug)"
         lines.append(line)
     for engine, r in (report.get("engines") or {}).items():
         line = f"{engine}: τ={r.get('tau', float('nan')):.3f}"

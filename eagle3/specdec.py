@@ -305,6 +305,16 @@ class SpeculativeDecoder:
             forwards += 1
         return Generation(out, time.perf_counter() - t0, target_forwards=forwards)
 
+    @torch.inference_mode()
+    def top2(self, prompt: list[int], tokens: list[int]) -> tuple[float, float]:
+        """The target's two largest next-token logits after `prompt` + `tokens`, from one fresh forward: what the
+        plain path chose between where a speculative output first parts from it (eagle3.evaluate.Divergence)."""
+        ids = prompt + tokens
+        logits, _ = self.target.forward(torch.tensor(ids, dtype=torch.long), torch.arange(len(ids)),
+                                        self.target.new_cache(), aux=False)
+        top = torch.topk(logits[-1].float(), 2).values
+        return float(top[0]), float(top[1])
+
     def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         if self.s.temperature <= 0:
             return int(torch.argmax(logits).item())

@@ -334,3 +334,54 @@ def test_vllm_engine_check_end_to_end(tmp_path):
     v = report["engines"]["vllm"]
     assert v["num_drafts"] > 0 and 1.0 <= v["tau"] <= cfg.eval.num_steps + 1
     assert (cfg.export_dir / "vllm" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------- divergence explained
+def test_the_rounding_bound_and_the_first_difference():
+    from eagle3.divergence import Divergence, first_difference, near_tie_bound
+
+    assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1, 2], [1, 2, 5]) == 2
+    # 30 layers, top logits near 20: ~0.4 in bf16, ~3e-5 in float32 (eagle3/divergence.py)
+    assert near_tie_bound(torch.bfloat16, 30, 20.0, 19.9) == pytest.approx(4 * 31**0.5 * 2**-8 * 20)
+    assert near_tie_bound(torch.float32, 30, 20.0, 19.9) == pytest.approx(4 * 31**0.5 * 2**-24 * 20)
+    assert near_tie_bound(torch.float32, 30, 0.1, -0.2) == pytest.approx(4 * 31**0.5 * 2**-24)  # at least 1
+    assert Divergence("p", 1, 3, 5, 6, gap=0.1, bound=0.4).near_tie
+    assert not Divergence("p", 1, 3, 5, 6, gap=2.0, bound=0.4).near_tie
+
+
+@pytest.mark.parametrize("bug", ["off-by-one-logits", "corrupted-kv"])
+def test_a_broken_verify_is_a_clear_margin_divergence_and_fails_the_run(tmp_path, monkeypatch, bug):
+    """A deliberately broken evaluator (verification reading each node's neighbour's logits; or one KV entry zeroed
+    after each commit) parts from plain greedy decoding where the plain path's margin is far beyond float32 rounding:
+    an ERROR per turn, report.json lists each divergence with its gap, and the run exits non-zero unless
+    eval.allow_divergence; the same evaluator unbroken stays exact on every prompt (the test above)."""
+    from eagle3 import specdec
+    from eagle3.evaluate import run
+    from eagle3.logs import UserError
+
+    cfg = _setup(tmp_path)
+    cfg.eval.prompt_sets = cfg.eval.prompt_sets[:1]
+    if bug == "off-by-one-logits":
+        real = specdec.SpeculativeDecoder._verify
+
+        def verify(self, tree, vlogits, generator):  # each node judged by its neighbour's row of logits
+            return real(self, tree, vlogits.roll(1, 0), generator)
+
+        monkeypatch.setattr(specdec.SpeculativeDecoder, "_verify", verify)
+    else:
+        real_keep = specdec.keep_cache_positions
+
+        def keep(cache, positions):
+            real_keep(cache, positions)
+            for layer in cache.layers:
+                layer.values[..., -2, :] = 0  # a stale entry: the previous token's values lost
+
+        monkeypatch.setattr(specdec, "keep_cache_positions", keep)
+    with pytest.raises(UserError, match=r"part from plain greedy decoding at a clear margin \(first: \S+ turn \d"):
+        run(cfg)
+    r = json.loads((cfg.eval_dir / "report.json").read_text())["sets"]["prompts"]
+    assert r["clear_divergences"] == r["greedy_mismatches"] >= 2 and r["near_ties"] == 0
+    for d in r["divergences"]:
+        assert d["gap"] > 100 * d["bound"] and not d["near_tie"] and d["plain_token"] != d["spec_token"]
+    cfg.eval.allow_divergence = True
+    assert run(cfg)["sets"]["prompts"]["clear_divergences"] == r["clear_divergences"]
