@@ -174,6 +174,8 @@ def assert_fast_equals_dense(draft, aux: torch.Tensor, ids: torch.Tensor, steps:
 
 def kill_after_batches(n: int) -> dict[str, str]:
     """Environment for a child `eagle3 extract` that SIGKILLs itself after its n-th forward batch is written
-    (tests/killhook/sitecustomize.py); the repo stays importable."""
+    (tests/killhook/sitecustomize.py); the repo and whatever PYTHONPATH held (the SGLang stand-ins a server it
+    launches inherits) stay importable."""
     here = Path(__file__).resolve().parent
-    return {"EAGLE3_TEST_KILL_AFTER_BATCHES": str(n), "PYTHONPATH": f"{here / 'killhook'}{os.pathsep}{here.parent}"}
+    path = [str(here / "killhook"), str(here.parent), os.environ.get("PYTHONPATH", "")]  # keep what is there
+    return {"EAGLE3_TEST_KILL_AFTER_BATCHES": str(n), "PYTHONPATH": os.pathsep.join(p for p in path if p)}

@@ -204,3 +204,41 @@ def test_cache_fingerprint_follows_the_samples_not_the_draft_vocab(tmp_path: Pat
     assert metas["v40"][1]["fingerprint"] != metas["v64"][1]["fingerprint"]  # the prepared folders differ...
     assert fps["v40"] == fps["v64"]  # ...but their samples, hence the caches they need, do not
     assert fps["len96"] != fps["v40"]
+
+
+# ---------------------------------------------------------------------------------------------- damaged files
+def _damage(path: Path, how: str) -> None:
+    if how == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "flip":  # same size: only the checksum sees it
+        data = bytearray(path.read_bytes())
+        for i in range(len(data) // 3, min(len(data), len(data) // 3 + 64)):
+            data[i] ^= 0xA5
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "delete"])
+@pytest.mark.parametrize("which", ["train/data-00000-of-00001.arrow", "vocab.safetensors", "eval/state.json"])
+def test_a_damaged_prepared_file_is_named_and_prepare_rebuilds_it(tmp_path: Path, tok_dir: Path, how, which):
+    """Every file of the prepared folder is recorded with its size and SHA-256 in meta.json: a file cut short,
+    flipped in place or deleted is named on the next read, never read as data, and the same `prepare` command
+    rebuilds the same samples instead of "reusing" them."""
+    from eagle3.data.prepared import PreparedError
+
+    cfg = _cfg(tmp_path, tok_dir)
+    prepare.run(cfg)
+    out = cfg.prepared_dir
+    before = load_prepared(out)
+    rows = (before.train.to_dict(), before.eval.to_dict())
+    _damage(out / which, how)
+    want = {"truncate": "bytes where", "flip": "SHA-256 differs", "delete": "missing"}[how]
+    named = rf"the prepared data in {out} is damaged: {which}: .*{want}.*re-run "
+    if how == "delete" and "/" not in which:  # one of the folder's four entries gone: not a prepared folder at all
+        named = rf"no prepared data in {out} \(train/, eval/, vocab.safetensors and meta.json\): run `eagle3 prepare"
+    with pytest.raises(PreparedError, match=named):
+        load_prepared(out)
+    prepare.run(cfg)
+    after = load_prepared(out)
+    assert (after.train.to_dict(), after.eval.to_dict()) == rows and torch.equal(after.d2t, before.d2t)

@@ -272,3 +272,30 @@ def test_wandb_offline_tracking(tiny_cache, tmp_path, monkeypatch):
     trainer.run(cfg)
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tiny_cache, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt")
+    trainer.run(make_cfg(tiny_cache, out, max_steps=2, save_every=2, eval_every=100))
+    return out / "checkpoints" / "step_2"
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "delete"])
+@pytest.mark.parametrize("which", ["model.safetensors", "optimizer.bin", "trainer_state.json", "draft/config.json"])
+def test_every_damaged_checkpoint_file_is_named(one_checkpoint, tmp_path, how, which):
+    """checksums.json records every file of a step folder: a file cut short, flipped in place or deleted is named
+    (resume then falls back to the step before: tests/reliability/test_rel_damage.py)."""
+    import shutil
+
+    from test_prepare import _damage
+
+    from eagle3.checkpoints import checkpoint_problems
+
+    step = tmp_path / "step_2"
+    shutil.copytree(one_checkpoint, step)
+    assert checkpoint_problems(step) == []
+    _damage(step / which, how)
+    want = {"truncate": "bytes where", "flip": "SHA-256 differs", "delete": "missing"}[how]
+    problems = checkpoint_problems(step)
+    assert len(problems) == 1 and problems[0].startswith(f"{which}: ") and want in problems[0], problems

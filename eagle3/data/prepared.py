@@ -46,8 +46,9 @@ def save_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
 
 
 def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d), copied out of the file's mapping: a file rewritten in place must never change a vocab in use."""
     t = load_file(str(path))
-    return t["d2t"], t["t2d"]
+    return t["d2t"].clone(), t["t2d"].clone()
 
 
 def is_prepared(prepared_dir: Path) -> bool:
