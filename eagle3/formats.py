@@ -55,7 +55,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from eagle3.layer_ids import LAYER_ID_CONVENTION, ArchFamily, Engine, arch_family, from_engine_ids, to_engine_ids
+from eagle3.layer_ids import (
+    LAYER_ID_CONVENTION,
+    ArchFamily,
+    Engine,
+    arch_family,
+    from_engine_ids,
+    known_family,
+    to_engine_ids,
+)
 from eagle3.model import FORMAT, Eagle3Draft, Eagle3DraftConfig, rope_scaling_of, rope_theta_of
 
 log = logging.getLogger("eagle3")
@@ -322,7 +330,13 @@ def target_family(config: Eagle3DraftConfig, where: str) -> ArchFamily:
         raise DraftFormatError(
             f"{where}: the draft config does not name the target's architectures/model_type; SGLang spells layer "
             "ids differently for Llama- and DeepSeek-family targets, so the export cannot choose")
-    return arch_family(t.get("architectures"), t.get("model_type"))
+    family = arch_family(t.get("architectures"), t.get("model_type"))
+    if not known_family(t.get("architectures")):
+        log.warning("%s: target architectures %s are not in eagle3's table of SGLang's layer-id spellings "
+                    "(eagle3/layer_ids.py); spelling them as the %s family, guessed from the name: check the "
+                    "acceptance with `eagle3 eval --engine sglang` before serving", where, t.get("architectures"),
+                    family)
+    return family
 
 
 def _common_fields(c: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:

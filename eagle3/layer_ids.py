@@ -45,11 +45,40 @@ def validate_layer_ids(ids: list[int], num_layers: int, where: str = "target.aux
         )
 
 
+SGLANG_DEEPSEEK_STYLE = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+    "Glm4MoeLiteForCausalLM",
+})
+"""Targets whose SGLang 0.5.23 model adds 1 to the ids only when the first is 1 (models/deepseek_v2.py and
+glm4_moe_lite.py; Kimi-K2.5's wrapper delegates to DeepSeek-V3): eagle3's "deepseek" family."""
+SGLANG_PLUS_ONE = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM", "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM",
+    "ApertusForCausalLM", "BailingMoeForCausalLM", "BailingMoeV2ForCausalLM", "ExaoneMoeForCausalLM",
+    "LongcatFlashForCausalLM",
+})
+"""Targets whose SGLang 0.5.23 model adds 1 to every id (models/llama.py, qwen*.py, gemma*.py, gpt_oss.py,
+glm4_moe.py, ...: "we plus 1 here because ... it takes the output of the (i-1)th layer"): the "llama" family."""
+
+
 def arch_family(architectures: list[str] | None, model_type: str | None = None) -> ArchFamily:
-    """SGLang spells ids differently for DeepSeek-style models (DeepSeek-V3, Kimi-K2/K2.5) than for Llama-style."""
-    names = " ".join(architectures or []) + " " + (model_type or "")
-    low = names.lower()
+    """Which of SGLang's two layer-id spellings a target has (SGLANG_DEEPSEEK_STYLE, SGLANG_PLUS_ONE); a target in
+    neither table falls back to its name (DeepSeek / Kimi: deepseek; anything else: llama; `known_family` says
+    whether it was looked up or guessed)."""
+    names = set(architectures or [])
+    if names & SGLANG_DEEPSEEK_STYLE:
+        return "deepseek"
+    if names & SGLANG_PLUS_ONE:
+        return "llama"
+    low = (" ".join(names) + " " + (model_type or "")).lower()
     return "deepseek" if ("deepseek" in low or "kimi" in low) else "llama"
+
+
+def known_family(architectures: list[str] | None) -> bool:
+    """Whether SGLang's id spelling for these architectures is known (read in SGLang 0.5.23), not guessed."""
+    return bool(set(architectures or []) & (SGLANG_DEEPSEEK_STYLE | SGLANG_PLUS_ONE))
 
 
 def to_engine_ids(ids: list[int], engine: Engine, family: ArchFamily) -> list[int]:

@@ -242,3 +242,17 @@ def test_a_damaged_draft_folder_is_one_error_naming_it(tmp_path, damage):
         main(["export", "--to", "sglang", str(src), str(tmp_path / "out")])
     assert str(src) in str(e.value) and user_message(e.value) is not None
     assert not (tmp_path / "out").exists()
+
+
+def test_sglang_spellings_come_from_a_table_read_in_sglang():
+    """SGLang 0.5.23's models spell ids two ways (models/*.py set_eagle3_layers_to_capture): +1 to every id
+    (Llama, Qwen, Gemma, gpt-oss, GLM-4.5 MoE, ...), or +1 only when the first id is 1 (DeepSeek V2/V3/V3.2,
+    Kimi-K2.5, and GLM-4.7-Flash's Glm4MoeLite, which the old name rule took for a Llama)."""
+    from eagle3.layer_ids import arch_family, known_family, to_engine_ids
+
+    assert arch_family(["Glm4MoeLiteForCausalLM"], "glm4_moe_lite") == "deepseek"
+    assert arch_family(["Qwen3MoeForCausalLM"]) == arch_family(["GptOssForCausalLM"]) == "llama"
+    assert arch_family(["KimiK25ForConditionalGeneration"]) == "deepseek" and known_family(["DeepseekV3ForCausalLM"])
+    assert to_engine_ids([3, 24, 44], "sglang", arch_family(["Glm4MoeLiteForCausalLM"])) == [3, 24, 44]
+    assert to_engine_ids([3, 24, 44], "sglang", arch_family(["Qwen3ForCausalLM"])) == [2, 23, 43]
+    assert not known_family(["SomeNewForCausalLM"]) and arch_family(["SomeNewForCausalLM"]) == "llama"
