@@ -124,8 +124,9 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
                 (log.info if d.near_tie else log.error)("%s", d.line())
                 divergences.append(d.to_json())
             rendered.append(ids_spec)
-            per_turn.append({"id": prompt.id, "turn": t + 1, "prompt_tokens": len(ids_spec),
-                             "new_tokens": len(out.tokens), "verify_steps": out.num_steps,
+            per_turn.append({"id": prompt.id, "category": prompt.category, "turn": t + 1,
+                             "prompt_tokens": len(ids_spec), "new_tokens": len(out.tokens),
+                             "verify_steps": out.num_steps,
                              "tau": (sum(out.accept_lengths) / out.num_steps) if out.num_steps else None})
             if text is not None:
                 hist_spec.append(Turn("assistant", render.answer(out.tokens, eos)))
@@ -133,11 +134,31 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
             progress.update(1, tau=f"{spec.tau:.2f}")
     result = metrics(spec, base, dec.s.num_steps)
     result.update(prompts=len(ps.prompts), turns=len(per_turn), per_turn=per_turn)
+    categories = by_category(per_turn)
+    if categories:
+        result["categories"] = categories
     if greedy:
         near = sum(d["near_tie"] for d in divergences)
         result.update(greedy_mismatches=len(divergences), near_ties=near, clear_divergences=len(divergences) - near,
                       divergences=divergences)
     return result, rendered
+
+
+def by_category(per_turn: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """τ per prompt category (MT-Bench's eight: coding and extraction draft easily, writing and roleplay do not),
+    pooled over the category's verify steps as the set's τ is; {} when the prompts name no category."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in per_turn:
+        if t.get("category") is None:
+            continue
+        c = out.setdefault(t["category"], {"turns": 0, "verify_steps": 0, "accepted_plus_bonus": 0.0})
+        c["turns"] += 1
+        if t["verify_steps"]:
+            c["verify_steps"] += t["verify_steps"]
+            c["accepted_plus_bonus"] += t["tau"] * t["verify_steps"]
+    for c in out.values():
+        c["tau"] = c.pop("accepted_plus_bonus") / c["verify_steps"] if c["verify_steps"] else float("nan")
+    return dict(sorted(out.items()))
 
 
 def _turns(prompt: Prompt) -> list[str | None]:

@@ -120,6 +120,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         if r.get("clear_divergences"):
             line += f"; ERROR: {r['clear_divergences']} turn(s) part from plain greedy at a clear margin (a bug)"
         lines.append(line)
+        if r.get("categories"):
+            lines.append(f"  {name} per category: " + ", ".join(
+                f"{cat} τ={c['tau']:.3f} ({c['turns']} turns)" for cat, c in r["categories"].items()))
     for engine, r in (report.get("engines") or {}).items():
         line = f"{engine}: τ={r.get('tau', float('nan')):.3f}"
         if r.get("sglang_accept_length") is not None:

@@ -385,3 +385,25 @@ def test_a_broken_verify_is_a_clear_margin_divergence_and_fails_the_run(tmp_path
         assert d["gap"] > 100 * d["bound"] and not d["near_tie"] and d["plain_token"] != d["spec_token"]
     cfg.eval.allow_divergence = True
     assert run(cfg)["sets"]["prompts"]["clear_divergences"] == r["clear_divergences"]
+
+
+def test_tau_per_category_pools_its_verify_steps(tmp_path, capsys):
+    """Prompts with a category (MT-Bench's eight) get τ per category in report.json and the printed summary,
+    pooled over each category's verify steps, so that the categories add back up to the set's τ."""
+    from eagle3.evaluate import run
+
+    cfg = _setup(tmp_path)
+    prompts = tmp_path / "cats.jsonl"
+    prompts.write_text('{"id": "a", "category": "coding", "turns": ["Write a loop", "Now in C"]}\n'
+                       '{"id": "b", "category": "writing", "turns": ["Write a poem"]}\n'
+                       '{"id": "c", "category": "coding", "turns": ["Sort a list"]}\n')
+    cfg.eval.prompt_sets = [str(prompts)]
+    r = run(cfg)["sets"]["cats"]
+    cats = r["categories"]
+    assert list(cats) == ["coding", "writing"] and cats["coding"]["turns"] == 3 and cats["writing"]["turns"] == 1
+    steps = sum(c["verify_steps"] for c in cats.values())
+    assert steps == r["verify_steps"]
+    assert sum(c["tau"] * c["verify_steps"] for c in cats.values()) / steps == pytest.approx(r["tau"])
+    assert "cats per category: coding τ=" in capsys.readouterr().out
+    saved = json.loads((cfg.eval_dir / "report.json").read_text())
+    assert saved["sets"]["cats"]["categories"] == json.loads(json.dumps(cats))
