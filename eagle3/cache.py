@@ -24,7 +24,7 @@ extracted from; `meta.json` records all of them and `check_fingerprint` refuses 
 trainer learn from the wrong states (the seed's drafter trained on mismatched states reached 15% acceptance).
 
 Integrity: every manifest entry records its shard's size, row count and SHA-256. Reading a cache always checks
-size and rows (free); `verify_shards(full=True)` hashes every shard (`eagle3 cache info --verify`, the trainer
+size and rows (free); `verify_cache(full=True)` hashes every shard (`eagle3 cache info --verify`, the trainer
 before it starts, extraction before it trusts the shards it resumes from). A damaged shard is named, and
 re-running `eagle3 extract` re-extracts it. Caches of format 1 (no stored argmax, no checksums) are refused with
 the one command that upgrades them in place: `eagle3 cache upgrade`.
@@ -164,7 +164,7 @@ class ShardEntry:
     skipped_nonfinite: list[str] = field(default_factory=list)
     """Sample ids of this shard's plan left out because the target gave NaN/inf states (never trained on)."""
     sha256: str = ""
-    """The shard file's SHA-256 (hex), checked by verify_shards(full=True)."""
+    """The shard file's SHA-256 (hex), checked by verify_cache(full=True)."""
 
 
 @dataclass
@@ -799,13 +799,14 @@ def _upgrade_shard(split_dir: Path, entry: ShardEntry, fp: dict[str, Any], argma
         try:
             for rb in stream:
                 offsets = _np(rb.column("final").offsets)
-                finals = rb.column("final").values.values
+                finals = _np(rb.column("final").values.values)
+                scales = _np(rb.column("final_scale").values.values) if "final_scale" in rb.schema.names else None
                 ids = []
                 for r in range(rb.num_rows):
                     s, e = int(offsets[r]), int(offsets[r + 1])
-                    item = {"final": _tensor(_np(finals)[s * hidden:e * hidden], dtype).view(e - s, hidden)}
-                    if "final_scale" in rb.schema.names:  # fp8: the argmax of what the trainer reads
-                        item["final_scale"] = torch.from_numpy(_np(rb.column("final_scale").values.values)[s:e])[:, None]
+                    item = {"final": _tensor(finals[s * hidden:e * hidden], dtype).view(e - s, hidden)}
+                    if scales is not None:  # fp8: the argmax of what the trainer reads
+                        item["final_scale"] = torch.from_numpy(scales[s:e])[:, None]
                     ids.append(argmax(dense(item, dtype)["final"]).numpy().astype(np.int32))
                 column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(ids), type=pa.int32()))
                 w.write_batch(pa.RecordBatch.from_arrays([*rb.columns, column], schema=w.schema))
