@@ -100,6 +100,7 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     greedy = dec.s.temperature <= 0
     num_layers = dec.target.model.config.get_text_config().num_hidden_layers
     divergences = []
+    inherited = 0
     rendered: list[list[int]] = []
     per_turn: list[dict[str, Any]] = []
     for i, prompt in enumerate(ps.prompts):
@@ -119,7 +120,11 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
             ref = dec.generate_baseline(ids_base, g)
             spec.add(out.accept_lengths, len(out.tokens), out.target_forwards, out.seconds)
             base.add([], len(ref.tokens), ref.target_forwards, ref.seconds)
-            if greedy and out.tokens != ref.tokens:
+            if greedy and out.tokens != ref.tokens and ids_spec != ids_base:
+                # an earlier turn of this dialogue parted: its answers are in these two prompts, so this turn
+                # follows from that divergence and is not judged again
+                inherited += 1
+            elif greedy and out.tokens != ref.tokens:
                 d = explain(dec, prompt.id, t + 1, ids_base, out.tokens, ref.tokens, num_layers)
                 (log.info if d.near_tie else log.error)("%s", d.line())
                 divergences.append(d.to_json())
@@ -139,8 +144,9 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
         result["categories"] = categories
     if greedy:
         near = sum(d["near_tie"] for d in divergences)
-        result.update(greedy_mismatches=len(divergences), near_ties=near, clear_divergences=len(divergences) - near,
-                      divergences=divergences)
+        result.update(greedy_mismatches=len(divergences) + inherited, near_ties=near,
+                      clear_divergences=len(divergences) - near, divergences=divergences,
+                      after_earlier_divergence=inherited)
     return result, rendered
 
 
