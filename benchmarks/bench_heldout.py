@@ -42,7 +42,7 @@ def main() -> int:
     cfg.train.eval_max_samples = None
     accelerator = make_accelerator(cfg)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
-    embed, lm_head, _ = load_target_head(cfg)
+    embed, lm_head, _ = load_target_head(cfg.target.path)
     teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
     objective = Objective(teacher, cfg.train)
     data = HiddenStateDataset(cfg.cache_dir, "eval")

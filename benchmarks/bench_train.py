@@ -181,7 +181,7 @@ def unigram_baseline(config: str, overrides: list[str]) -> dict[str, float]:
 
     cfg = load_config(config, overrides)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
-    _, lm_head, _ = load_target_head(cfg)
+    _, lm_head, _ = load_target_head(cfg.target.path)
     teacher = Teacher(lm_head, d2t, t2d)
 
     def targets(split: str) -> torch.Tensor:

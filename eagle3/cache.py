@@ -40,19 +40,22 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute
 import torch
 
-from eagle3.fsutil import replace_dir, sha256_file, tmp_sibling, write_json_atomic
+from eagle3.fsutil import file_problem, replace_dir, sha256_file, tmp_sibling, write_json_atomic
 from eagle3.layer_ids import LAYER_ID_CONVENTION
 from eagle3.logs import UserError
 from eagle3.precision import DTYPES
 from eagle3.storage import fp8_states, quantize, state_bytes_per_token
 from eagle3.targets.info import read_target_info, weights_id
+
+if TYPE_CHECKING:
+    from eagle3.config import Config
 
 log = logging.getLogger("eagle3")
 
@@ -75,7 +78,7 @@ class CacheError(UserError, RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ fingerprint
-def expected_fingerprint(cfg: Any, prepared_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def expected_fingerprint(cfg: Config, prepared_meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a cache for `cfg` must have been extracted with; computed from config.json and the weight file
     listing, without loading the model (the trainer calls this before training)."""
     from eagle3.bundled import resolve_target_path
@@ -347,16 +350,9 @@ class ShardWriter:
 
 # -------------------------------------------------------------------------------------------------- integrity
 def shard_problem(path: Path, entry: ShardEntry, full: bool) -> str | None:
-    """What is wrong with one listed shard, or None: missing, another size than recorded, or (`full`) another
-    SHA-256: a copy cut short, or bytes damaged in place (the size alone misses that)."""
-    if not path.is_file():
-        return "missing"
-    size = path.stat().st_size
-    if size != entry.bytes:
-        return f"{size} bytes where the manifest records {entry.bytes} (cut short or overwritten)"
-    if full and sha256_file(path) != entry.sha256:
-        return "its SHA-256 differs from the manifest's (damaged in place)"
-    return None
+    """What is wrong with one listed shard (fsutil.file_problem against its manifest entry), or None; the
+    SHA-256 only when `full`."""
+    return file_problem(path, entry.bytes, entry.sha256 if full else None, "the manifest")
 
 
 def damaged_shards(cache_dir: Path, split: str, entries: list[ShardEntry], full: bool = True,

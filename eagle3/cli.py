@@ -19,7 +19,8 @@ import sys
 from collections.abc import Callable
 
 from eagle3 import threads
-from eagle3.config import Config, ConfigError, config_docs, dump_config, load_config
+from eagle3.config import Config, ConfigError, dump_config, load_config
+from eagle3.config_docs import config_docs
 from eagle3.logs import setup_logging
 
 
@@ -95,7 +96,7 @@ def cmd_cache_upgrade(args: argparse.Namespace) -> int:
     from eagle3.loss import ArgmaxHead
 
     cfg = _cfg(args)
-    n = upgrade(args.dir, ArgmaxHead.for_backend(cfg, None), expected_fingerprint(cfg))
+    n = upgrade(args.dir, ArgmaxHead.for_backend(None, cfg.target, cfg.train.teacher_chunk), expected_fingerprint(cfg))
     print(f"upgraded {args.dir}: {n} shard(s) rewritten with the target's argmax and checksums")
     return print_info(args.dir)
 
@@ -112,8 +113,8 @@ def cmd_cache_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from eagle3.verify import run
+def cmd_verify_extraction(args: argparse.Namespace) -> int:
+    from eagle3.verify_extraction import run
 
     return run(_cfg(args), source=args.source, num_samples=args.num_samples)
 
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("train", cmd_train, "train the EAGLE-3 head (single process; use accelerate launch train.py for more)")
     ev = add("eval", cmd_eval, "acceptance length under real speculative decoding")
     ev.add_argument("--engine", choices=["builtin", "vllm", "sglang"], default=None, help="overrides eval.engine")
-    vp = add("verify-extraction", cmd_verify, "compare extracted states with an HF reference forward")
+    vp = add("verify-extraction", cmd_verify_extraction, "compare extracted states with an HF reference forward")
     vp.add_argument("--source", default="backend", help="'backend' (the configured target backend) or a cache dir")
     vp.add_argument("--num-samples", type=int, default=4)
 

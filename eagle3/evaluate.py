@@ -191,7 +191,7 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     """The built-in evaluation; returns (report, rendered prompts per set, draft folder)."""
     folder = resolve_checkpoint(cfg)
     log.info("eval: target %s (%s, %s), draft %s", cfg.target.path, cfg.target.dtype, cfg.target.device, folder)
-    model, tokenizer = load_target(cfg)
+    model, tokenizer = load_target(cfg.target)
     draft = draft_for_target(folder, model, cfg)
     ids = list(draft.config.aux_layer_ids)
     target = HFTargetDecoder(model, ids)
@@ -259,7 +259,7 @@ def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[in
 
     folder = resolve_checkpoint(cfg)
     log.info("eval in SGLang only: target %s (TP=%d), draft %s", cfg.target.path, cfg.target.sglang.tp_size, folder)
-    render = PromptRenderer(load_tokenizer(cfg), cfg)
+    render = PromptRenderer(load_tokenizer(cfg.target), cfg)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
     result, rendered = run_sglang_dialogues(cfg, sets, render, folder)
     report: dict[str, Any] = {

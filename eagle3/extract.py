@@ -21,12 +21,11 @@ disk estimate) is eagle3.cache's; this module runs the target over the work that
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -52,19 +51,14 @@ from eagle3.data.prepared import load_prepared
 from eagle3.logs import Progress, disk_full_error, setup_logging
 from eagle3.loss import ArgmaxHead
 from eagle3.prepare import check_prepared
+from eagle3.process import this_process
+
+if TYPE_CHECKING:
+    from eagle3.config import Config
 
 log = logging.getLogger("eagle3")
 
 _DTYPE_NAMES = {"bfloat16", "float16", "float32"}
-
-
-def rank_world() -> tuple[int, int]:
-    """This process's (rank, world size) from the launcher's environment (accelerate/torchrun set RANK and
-    WORLD_SIZE); (0, 1) when run alone."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    return rank, world
 
 
 def sample_lengths(ds: Any) -> np.ndarray:
@@ -121,12 +115,13 @@ def _disk_full(e: BaseException, path: Path, cache_dir: Path, tokens_left: int, 
         f"(or set extract.cache_dir to a bigger disk) and re-run the same command: it resumes. ({e})")
 
 
-def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
+def run(cfg: Config, backend: Any = None) -> dict[str, Any]:
     """Extract this rank's missing shards of every prepared split into `cfg.cache_dir`."""
     setup_logging()
-    rank, world = rank_world()
+    place = this_process()
+    rank, world = place.rank, place.world
     if world > 1 and cfg.target.device == "cuda":
-        cfg.target.device = f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
+        cfg.target.device = f"cuda:{place.local_rank}"
     cache_dir = cfg.cache_dir
     prepared = load_prepared(cfg.prepared_dir)
     check_prepared(cfg, prepared.meta, "extract")
@@ -160,7 +155,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
         _preflight_sample(backend, list(data[first.split][first.rows[0]]["input_ids"]), fp["hidden_size"])
 
     done = _Done(time.monotonic())
-    argmax = ArgmaxHead.for_backend(cfg, backend)
+    argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.train.teacher_chunk)
     with Progress(todo_samples, f"extract rank {rank}/{world}", unit="samples") as prog:
         for job in jobs:
             tokens_at_start, committed = done.tokens, sum(len(m.shards) for m in manifests.values())
@@ -208,7 +203,7 @@ def _plan_jobs(cache_dir: Path, lengths: dict[str, np.ndarray], fp: dict[str, An
     return jobs, manifests
 
 
-def _extract_shard(cfg: Any, backend: Any, argmax: Any, ds: Any, lens: np.ndarray, job: Job, fp: dict[str, Any],
+def _extract_shard(cfg: Config, backend: Any, argmax: Any, ds: Any, lens: np.ndarray, job: Job, fp: dict[str, Any],
                    rank: int, world: int, done: _Done, prog: Progress) -> ShardEntry:
     """One shard: the target over its planned batches, streamed into `*.tmp` and renamed into place when whole
     (removed if anything fails); NaN/inf samples skipped and listed."""

@@ -115,16 +115,21 @@ def file_records(root: Path, skip: tuple[str, ...] = ()) -> dict[str, dict[str, 
             for f in sorted(root.rglob("*")) if f.is_file() and str(f.relative_to(root)) not in skip}
 
 
+def file_problem(path: Path, size: int, sha256: str | None, record: str = "the record") -> str | None:
+    """What is wrong with one recorded file, or None: missing, another size than `record` says, or (a `sha256`
+    given) another SHA-256: a copy cut short, or bytes damaged in place (the size alone misses that)."""
+    if not path.is_file():
+        return "missing"
+    actual = path.stat().st_size
+    if actual != size:
+        return f"{actual} bytes where {record} records {size} (cut short or overwritten)"
+    if sha256 is not None and sha256_file(path) != sha256:
+        return f"its SHA-256 differs from {record}'s (damaged in place)"
+    return None
+
+
 def damaged_files(root: Path, records: dict[str, dict[str, Any]]) -> list[str]:
-    """'<file>: <problem>' for every recorded file under `root` that is missing, of another size or another
-    SHA-256 (cut short, or damaged in place)."""
-    out = []
-    for name, rec in records.items():
-        f = root / name
-        if not f.is_file():
-            out.append(f"{name}: missing")
-        elif f.stat().st_size != rec["bytes"]:
-            out.append(f"{name}: {f.stat().st_size} bytes where {rec['bytes']} were written (cut short or overwritten)")
-        elif sha256_file(f) != rec["sha256"]:
-            out.append(f"{name}: its SHA-256 differs from the one recorded when it was written (damaged in place)")
-    return out
+    """'<file>: <problem>' for every recorded file under `root` (file_problem)."""
+    problems = ((name, file_problem(root / name, rec["bytes"], rec["sha256"], "the record written with it"))
+                for name, rec in records.items())
+    return [f"{name}: {problem}" for name, problem in problems if problem]

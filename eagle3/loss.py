@@ -10,12 +10,15 @@ simulated acceptance length the trainer logs and selects checkpoints by.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from eagle3.rows import TTTPlan, shift_tokens, valid_positions
+
+if TYPE_CHECKING:
+    from eagle3.config import TargetConfig
 
 
 # -------------------------------------------------------------------------------------------------- teacher
@@ -77,17 +80,17 @@ class ArgmaxHead:
         self.weight, self.chunk = weight.detach(), chunk
 
     @classmethod
-    def for_backend(cls, cfg: Any, backend: Any) -> ArgmaxHead:
+    def for_backend(cls, backend: Any, target: TargetConfig, chunk: int) -> ArgmaxHead:
         weight = getattr(backend, "lm_head_weight", None)
         if weight is None:  # e.g. SGLang: the weights live in the server
             from eagle3.precision import DTYPES
             from eagle3.targets.weights import load_lm_head
 
-            device = cfg.target.device
+            device = target.device
             if device == "auto" or (device.startswith("cuda") and not torch.cuda.is_available()):
                 device = "cuda" if torch.cuda.is_available() else "cpu"
-            weight = load_lm_head(cfg).to(device, DTYPES[cfg.target.dtype])
-        return cls(weight, cfg.train.teacher_chunk)
+            weight = load_lm_head(target.path).to(device, DTYPES[target.dtype])
+        return cls(weight, chunk)
 
     def __call__(self, final: Tensor) -> Tensor:
         """[T] int32 target ids (on the CPU) of final [T, H]."""
@@ -280,14 +283,16 @@ class SoftCE:
 
     The draft calls it inside its forward (`Eagle3Draft.forward(..., head=)`) with each step's final-normed
     scored rows and its lm_head weight, so a DDP/FSDP wrapper sees the weight used within its forward. Step j's
-    rows weigh scale_j = decay**j / norm[j]; norm [steps] counts the scored positions of the whole accumulation
+    rows weigh scale_j = decay**j / denominators[j]; denominators [steps] counts the scored positions of the whole accumulation
     group on all ranks, so every position weighs the same whichever micro-batch or rank it fell in (None: this
     batch's own, a mean per step). probs [len(rows.teacher_pos), draft_vocab]: the teacher at rows.teacher_pos.
     `chunk` rows of logits are computed at a time (train.loss_chunk_rows).
     """
 
-    def __init__(self, probs: Tensor, rows: TTTPlan, decay: float, norm: Tensor | None = None, chunk: int = 4096):
-        counts = rows.scored().to(probs.device) if norm is None else norm.to(probs.device, torch.float32)
+    def __init__(self, probs: Tensor, rows: TTTPlan, decay: float, denominators: Tensor | None = None,
+                 chunk: int = 4096):
+        counts = (rows.scored().to(probs.device) if denominators is None
+                  else denominators.to(probs.device, torch.float32))
         decays = torch.tensor([decay**j for j in range(rows.steps)], device=probs.device)
         self.probs, self.rows, self.chunk = probs, rows, chunk
         self.scales = decays / counts.clamp(min=1)
@@ -308,7 +313,7 @@ def linear_soft_ce(xs: list[Tensor], weight: Tensor, probs: Tensor, index: list[
 
 def ttt_loss(out: HeadOut, draft_target: Tensor, rows: TTTPlan, greedy: tuple[Tensor, Tensor, Tensor] | None = None,
              ) -> tuple[Tensor, StepStats]:
-    """The micro-batch's loss (SoftCE: sum_j decay**j * soft-CE(teacher, draft) over step j's scored rows / norm_j)
+    """The micro-batch's loss (SoftCE: sum_j decay**j * soft-CE(teacher, draft) over step j's scored rows / denominator_j)
     and its per-step sums. draft_target [len(teacher_pos)]: the teacher's argmax as a draft id at
     rows.teacher_pos. greedy: (input_ids, target_argmax, loss_mask) [B, T] of the batch, for the chain counts
     of greedy_chain (zeros without)."""

@@ -86,7 +86,7 @@ def target_vocab_size(cfg: Config, tokenizer: Any) -> int:
     from eagle3.targets.info import read_target_info
 
     try:
-        size = read_target_info(cfg).text.get("vocab_size")
+        size = read_target_info(cfg.target.path).text.get("vocab_size")
     except FileNotFoundError:
         size = None
     return size if isinstance(size, int) and size > 0 else len(tokenizer)
@@ -281,7 +281,7 @@ def run(cfg: Config) -> dict[str, Any]:
     """Prepare (or reuse) the dataset in cfg.prepared_dir; return the summary dict (also in meta.json)."""
     t0 = time.monotonic()
     out = cfg.prepared_dir
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.target)
     tpl = resolve_template(cfg.data.chat_template, tokenizer)
     vsize = target_vocab_size(cfg, tokenizer)
     fp_in = fingerprint_inputs(cfg, tokenizer, tpl, vsize)
@@ -385,7 +385,7 @@ def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
     # The sources as the config names them, never read: the raw data need not be on a training machine.
     now = {**_settings(cfg), "sources": [{k: getattr(src, k) for k in _SOURCE_NAMING} for src in cfg.data.sources]}
     try:
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = load_tokenizer(cfg.target)
         now |= _target_part(tokenizer, resolve_template(cfg.data.chat_template, tokenizer),
                             target_vocab_size(cfg, tokenizer))
     except (OSError, ValueError, RuntimeError, TemplateError):

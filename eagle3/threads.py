@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from eagle3.process import local_world
+
 log = logging.getLogger("eagle3")
 
 CHECK_EVERY_S = 5.0
@@ -86,7 +88,7 @@ class _Auto:
         busy, own = _machine_busy_s(), _own_s()
         self.sample = (now, busy, own)
         others = max(0.0, (busy - busy0) - (own - own0)) / max(now - t0, 1e-3)  # cores, on average
-        n = max(1, cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+        n = max(1, cores() // local_world())
         self.threads = max(1, min(n, cores() - int(others + 0.5)))
         if self.threads != self.said:
             log.info("cpu_threads=auto: %d torch thread(s) (%d cores, other processes kept %.1f busy)",

@@ -40,6 +40,7 @@ from eagle3.objective import Objective
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
 from eagle3.prepare import check_prepared
+from eagle3.process import this_process
 from eagle3.targets.info import TargetInfo
 from eagle3.targets.weights import load_target_head
 from eagle3.tracking import Tracker
@@ -84,7 +85,7 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
 
         prepared = load_prepared(cfg.prepared_dir)
         backend = make_backend(cfg)
-        argmax = ArgmaxHead.for_backend(cfg, backend)
+        argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.train.teacher_chunk)
         evald = OnlineSource(backend, prepared.eval, cfg.extract.prefetch, argmax) if len(prepared.eval) else None
         return OnlineSource(backend, prepared.train, cfg.extract.prefetch, argmax), evald
     from eagle3.cache import HiddenStateDataset, check_fingerprint, expected_fingerprint
@@ -107,15 +108,18 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     return train, evald
 
 
+def _rank_world() -> tuple[int, int]:
+    place = this_process()
+    return place.rank, place.world
+
+
 def verify_before_training(cache_dir: Path) -> None:
     """Every shard's checksum, each rank hashing its share; all ranks stop together when one finds damage."""
-    from accelerate import PartialState
-
     from eagle3.cache import damaged_error, verify_cache
 
-    state = PartialState()
-    problems = verify_cache(cache_dir, part=(state.process_index, state.num_processes))
-    if state.num_processes > 1:
+    place = this_process()
+    problems = verify_cache(cache_dir, part=(place.rank, place.world))
+    if place.world > 1:
         from accelerate.utils import gather_object
 
         problems = [p for part in gather_object([problems]) for p in part]
@@ -192,7 +196,7 @@ def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config
     if cfg.train.eval_max_samples:
         n = min(n, cfg.train.eval_max_samples)
     plan = plan_epoch(dataset.lengths[:n], cfg.train.batch_tokens, cfg.train.seed, 0,
-                      accelerator.process_index, accelerator.num_processes, shuffle=False)
+                      *_rank_world(), shuffle=False)
     total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
     model.eval()
     with closing(dataset.iter_collated(plan.batches, pin=_pin(accelerator))) as batches:
@@ -242,7 +246,7 @@ def set_up(cfg: Config) -> Session:
     tc = cfg.train
     check_prepared(cfg, read_prepared_meta(cfg.prepared_dir), "train")
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
-    embed, lm_head, hf_config = load_target_head(cfg)
+    embed, lm_head, hf_config = load_target_head(cfg.target.path)
     train_ds, eval_ds = open_datasets(cfg)
     draft = build_draft(cfg, hf_config, d2t, t2d, embed, lm_head)
     # The teacher multiplies in the dtype the target is served in, whatever dtype the checkpoint stores it in.
@@ -250,7 +254,7 @@ def set_up(cfg: Config) -> Session:
     objective = Objective(teacher, tc)
     del embed, lm_head
 
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank, world = _rank_world()
     first = plan_epoch(train_ds.lengths, tc.batch_tokens, tc.seed, 0, rank, world)
     steps_per_epoch = len(first.batches) // tc.grad_accum
     if steps_per_epoch == 0:
@@ -278,7 +282,7 @@ def set_up(cfg: Config) -> Session:
 def train_loop(s: Session) -> dict[str, Any]:
     """Epochs of planned batches, one optimizer step per accumulation group, until `total_steps`."""
     tc, state = s.cfg.train, s.state
-    rank, world = s.accelerator.process_index, s.accelerator.num_processes
+    rank, world = _rank_world()
     progress = Progress(s.total_steps, "train", unit="step", initial=state.step, disable=not s.tracker.main)
     metrics: dict[str, Any] = {}
     s.model.train()
@@ -303,7 +307,7 @@ def train_loop(s: Session) -> dict[str, Any]:
 def train_step(s: Session, batches: Any, plan: EpochPlan) -> dict[str, Any]:
     """One optimizer step over the next accumulation group of `batches`; the step's metrics."""
     tc, state, accelerator = s.cfg.train, s.state, s.accelerator
-    world = accelerator.num_processes
+    world = this_process().world
     t0 = time.perf_counter()
     wait = 0.0
     tokens = 0

@@ -30,6 +30,17 @@ def _one_torch_thread():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_accelerate_state_left():
+    """An in-process trainer leaves accelerate's process state behind, and eagle3.process believes it over the
+    environment (as a real trainer process must): a later test that sets RANK/WORLD_SIZE would see rank 0 of 1."""
+    yield
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
 # ----------------------------------------------------------------------------------- CI: engines must run
 ENGINE_MARKERS = ("sglang", "vllm")
 """Suites against a real engine: CI builds their venvs, so there a skip means the engine did not run at all."""

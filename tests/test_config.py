@@ -152,7 +152,7 @@ def test_default_ids_are_valid_for_every_depth(n: int) -> None:
 
 
 def test_config_reference_doc_matches_the_schema() -> None:
-    from eagle3.config import config_docs
+    from eagle3.config_docs import config_docs
 
     doc = (REPO / "docs" / "config.md").read_text()
     assert doc == config_docs(), "docs/config.md is stale: regenerate it with `eagle3 config docs > docs/config.md`"

@@ -201,7 +201,7 @@ def test_draft_trained_on_other_ids_is_refused(tmp_path):
     from eagle3.targets.hf import load_target
 
     cfg = _setup(tmp_path)
-    model, _ = load_target(cfg)
+    model, _ = load_target(cfg.target)
     cfg.target.aux_layer_ids = [0, 1, 3]
     with pytest.raises(ValueError, match="trained on ids"):
         draft_for_target(cfg.checkpoint_dir / "best", model, cfg)

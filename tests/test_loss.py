@@ -496,10 +496,10 @@ def test_group_normalised_micro_batches_add_up_to_one_batch():
         parts.append({"aux": torch.randn(b, 15, 3 * h), "ids": torch.randint(0, 200, (b, 15)),
                       "mask": (torch.rand(b, 15) < share).long(), "final": torch.randn(b, 15, h)})
 
-    def loss_of(p, norm=None):
+    def loss_of(p, denominators=None):
         target = taught(teacher, w, p["final"]).draft_target
         rows = plan_rows(p["mask"], target, 3, True)
-        head = SoftCE(teacher.probs(p["final"].flatten(0, 1)[rows.teacher_pos]), rows, 0.8, norm)
+        head = SoftCE(teacher.probs(p["final"].flatten(0, 1)[rows.teacher_pos]), rows, 0.8, denominators)
         loss, _ = ttt_loss(m(p["aux"], p["ids"], rows, head=head), target.flatten()[rows.teacher_pos], rows)
         return loss, rows
 

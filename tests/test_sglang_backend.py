@@ -341,7 +341,7 @@ def test_target_info_reads_kimi_text_config(tmp_path):
     k = kimi_wrapped(tmp_path / "kimi")
     cfg = Config()
     cfg.target.path = str(k)
-    info = read_target_info(cfg)
+    info = read_target_info(cfg.target.path)
     assert (info.num_layers, info.hidden_size, info.vocab_size, info.family) == (4, 64, 256, "deepseek")
 
 

@@ -233,9 +233,9 @@ def test_training_on_fp8_tracks_the_exact_cache(caches, tmp_path):
 
 
 def test_verify_passes_fp8_and_still_catches_an_off_by_one_layer(world, caches, tmp_path, capsys):
-    from test_verify import Faulty
+    from test_verify_extraction import Faulty
 
-    from eagle3.verify import run as verify
+    from eagle3.verify_extraction import run as verify
 
     assert verify(caches["fp8"], str(caches["fp8"].cache_dir), 4) == 0
     out = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Chat templates: a Conversation -> `input_ids` and an assistant-only `loss_mask`.
 
-    tok = load_tokenizer(cfg)
+    tok = load_tokenizer(cfg.target)
     ids, mask = render(conv, tok, "kimi-k2.5", thinking=True, system_prompt=None)
     prompt_ids = render_prompt(turns, tok, "auto", thinking=False)   # for generation (regenerate, eval)
 
@@ -35,11 +35,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from eagle3.data.types import Conversation, Turn
+
+if TYPE_CHECKING:
+    from eagle3.config import TargetConfig
 
 # --------------------------------------------------------------------------------------- built-in templates
 KIMI_K25 = (
@@ -264,7 +267,7 @@ def render_prompt(turns: list[Turn], tokenizer: Any, template: str | ChatTemplat
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
-def load_tokenizer(cfg: Any) -> Any:
+def load_tokenizer(target: TargetConfig) -> Any:
     """The target's tokenizer: bundled names resolved, remote code as configured, slow when there is no fast one.
 
     Kimi's tokenizer is tiktoken-based remote code without a fast version; AutoTokenizer normally picks the slow
@@ -273,13 +276,13 @@ def load_tokenizer(cfg: Any) -> Any:
 
     from eagle3.bundled import resolve_target_path
 
-    path = resolve_target_path(cfg.target.path)
-    kwargs = {"trust_remote_code": cfg.target.trust_remote_code, "revision": cfg.target.revision}
+    path = resolve_target_path(target.path)
+    kwargs = {"trust_remote_code": target.trust_remote_code, "revision": target.revision}
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except (ValueError, OSError, TypeError, ImportError) as first:
         try:
             return AutoTokenizer.from_pretrained(path, use_fast=False, **kwargs)
         except Exception:
-            raise RuntimeError(f"cannot load the tokenizer of target.path={cfg.target.path!r} ({path}): {first}"
+            raise RuntimeError(f"cannot load the tokenizer of target.path={target.path!r} ({path}): {first}"
                                ) from first

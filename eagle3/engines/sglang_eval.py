@@ -26,7 +26,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle3.config import Config
 
 log = logging.getLogger("eagle3")
 
@@ -62,7 +65,7 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def eagle3_flags(cfg: Any, target_path: str, draft: Path) -> list[str]:
+def eagle3_flags(cfg: Config, target_path: str, draft: Path) -> list[str]:
     """`sglang.launch_server` flags that serve the target with the head as its EAGLE-3 draft."""
     from eagle3.targets.sglang import target_flags
 
@@ -73,7 +76,7 @@ def eagle3_flags(cfg: Any, target_path: str, draft: Path) -> list[str]:
         "--speculative-num-draft-tokens", str(e.num_draft_tokens), "--skip-server-warmup"])
 
 
-def sglang_draft(cfg: Any, folder: Path) -> Path:
+def sglang_draft(cfg: Config, folder: Path) -> Path:
     """The head as SGLang loads it: `folder` itself when it is an SGLang export, else a fresh export of it."""
     from eagle3.export import export
 
@@ -84,7 +87,7 @@ def sglang_draft(cfg: Any, folder: Path) -> Path:
                   num_speculative_tokens=cfg.eval.num_steps)
 
 
-def generate(url: str, ids: list[int], cfg: Any, stop: list[int]) -> dict[str, Any]:
+def generate(url: str, ids: list[int], cfg: Config, stop: list[int]) -> dict[str, Any]:
     """One greedy (or seeded sampled) `/generate` for token ids, stopping where the built-in evaluator stops."""
     from eagle3.targets.sglang_server import http_json
 
@@ -97,7 +100,7 @@ def generate(url: str, ids: list[int], cfg: Any, stop: list[int]) -> dict[str, A
 
 
 @contextmanager
-def serving(cfg: Any, draft_folder: Path | None) -> Iterator[tuple[str, Path | None]]:
+def serving(cfg: Config, draft_folder: Path | None) -> Iterator[tuple[str, Path | None]]:
     """(url, served draft): the server at `target.sglang.url`, or one started here with the head and stopped after."""
     from eagle3.bundled import resolve_target_path
     from eagle3.targets.sglang_dump import ENV_DUMP_DIR
@@ -116,7 +119,7 @@ def serving(cfg: Any, draft_folder: Path | None) -> Iterator[tuple[str, Path | N
         yield server.url, draft
 
 
-def run_sglang(cfg: Any, prompts: list[list[int]], draft_folder: Path | None = None) -> dict[str, Any]:
+def run_sglang(cfg: Config, prompts: list[list[int]], draft_folder: Path | None = None) -> dict[str, Any]:
     """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order."""
     from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
@@ -133,7 +136,7 @@ def run_sglang(cfg: Any, prompts: list[list[int]], draft_folder: Path | None = N
     return result
 
 
-def run_sglang_dialogues(cfg: Any, sets: list[Any], render: Any, draft_folder: Path) -> tuple[dict[str, Any],
+def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: Path) -> tuple[dict[str, Any],
                                                                                                dict[str, list]]:
     """Engine only (`eval.builtin: false`): every turn of every prompt decoded by SGLang, a later turn rendered
     after SGLang's own answers (the built-in evaluator is not run: the target is too big for this process).

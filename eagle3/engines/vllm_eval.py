@@ -27,7 +27,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle3.config import Config
 
 PREFIX = "vllm:spec_decode_"
 
@@ -66,7 +69,7 @@ def parse_vllm_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- parent side
-def stop_token_ids(cfg: Any) -> list[int]:
+def stop_token_ids(cfg: Config) -> list[int]:
     """The ids the built-in evaluator stops at (tokenizer eos + generation_config eos), so that vLLM stops at
     exactly the same tokens: vLLM alone uses only the tokenizer's eos, and SmolLM2's generation_config differs."""
     from transformers import GenerationConfig
@@ -79,17 +82,17 @@ def stop_token_ids(cfg: Any) -> list[int]:
         generation = GenerationConfig.from_pretrained(resolve_target_path(cfg.target.path))
     except OSError:  # no generation_config.json
         generation = None
-    return eos_ids(load_tokenizer(cfg), generation)
+    return eos_ids(load_tokenizer(cfg.target), generation)
 
 
-def hf_greedy(cfg: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int]) -> list[list[int]]:
+def hf_greedy(cfg: Config, prompts: list[list[int]], max_new_tokens: int, stop: list[int]) -> list[list[int]]:
     """Plain HF greedy decoding of every prompt (the reference vLLM's speculative output must reproduce)."""
     import torch
 
     from eagle3.logs import Progress
     from eagle3.targets.hf import load_target
 
-    model, _ = load_target(cfg)
+    model, _ = load_target(cfg.target)
     device = next(model.parameters()).device
     outs: list[list[int]] = []
     # As long as the built-in's plain baseline (minutes on a CPU for all of MT-bench): it needs an ETA.
@@ -125,7 +128,7 @@ def compare_greedy(vllm_out: list[list[int]], ref: list[list[int]], stop: list[i
     return {"greedy_same": same, "greedy_compared": len(ref), "greedy_first_diffs": first_diff}
 
 
-def run_vllm(cfg: Any, draft_folder: Path, prompts: list[list[int]], python: str | None = None,
+def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: str | None = None,
              timeout_s: float = 3600, check_greedy: bool = True) -> dict[str, Any]:
     """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters.
 

@@ -29,7 +29,7 @@ class HFBackend:
         self.cfg = cfg
         self.rcfg = cfg.regenerate
         if model is None or tokenizer is None:
-            model, tokenizer = load_target(cfg)
+            model, tokenizer = load_target(cfg.target)
             log.info("regenerate: loaded %s (%s, %s)", cfg.target.path, cfg.target.dtype, cfg.target.device)
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -13,7 +13,7 @@ loaded with the prefix stripped. No remote code is needed for extraction.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from eagle3.bundled import resolve_target_path
 from eagle3.precision import DTYPES
 from eagle3.targets.base import Captured
 from eagle3.targets.info import read_target_info
+
+if TYPE_CHECKING:
+    from eagle3.config import Config, TargetConfig
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False,
@@ -45,14 +48,13 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_rem
     return model.eval().requires_grad_(False)
 
 
-def load_target(cfg: Any) -> tuple[torch.nn.Module, Any]:
+def load_target(t: TargetConfig) -> tuple[torch.nn.Module, Any]:
     """The configured HF target (Kimi-style wrappers included) and its tokenizer: the one way every stage that
     runs the target in this process (evaluation, regeneration, the vLLM reference) loads it."""
     from eagle3.data.templates import load_tokenizer
 
-    t = cfg.target
     model = load_causal_lm(resolve_target_path(t.path), DTYPES[t.dtype], t.device, t.trust_remote_code, t.revision)
-    return model, load_tokenizer(cfg)
+    return model, load_tokenizer(t)
 
 
 def eos_ids(tokenizer: Any, generation_config: Any) -> list[int]:
@@ -132,7 +134,7 @@ class HFTarget:
 
     name = "hf"
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.path = resolve_target_path(cfg.target.path)
         self.dtype = DTYPES[cfg.target.dtype]

@@ -2,7 +2,7 @@
 identity of its weight files (`weights_id`, recorded in every cache fingerprint).
 
     from eagle3.targets.info import read_target_info
-    info = read_target_info("bundled:smollm2-135m-instruct")     # or a folder, or a Config (uses target.path)
+    info = read_target_info("bundled:smollm2-135m-instruct")     # or a folder (target.path)
     info.num_layers, info.hidden_size, info.vocab_size, info.family, info.tied
 
 Kimi-K2.5 ships as a multimodal wrapper: its LLM's config sits in `text_config` while the model's own
@@ -81,13 +81,12 @@ class TargetInfo:
         return self.text[key]
 
 
-def read_target_info(path_or_cfg: Any) -> TargetInfo:
-    """The TargetInfo of a model folder, a `bundled:` name or a Config's `target.path`; FileNotFoundError when
-    the folder has no config.json."""
+def read_target_info(path: str | Path) -> TargetInfo:
+    """The TargetInfo of a model folder or a `bundled:` name (`target.path`); FileNotFoundError when the folder
+    has no config.json."""
     from eagle3.bundled import resolve_target_path
 
-    where = path_or_cfg.target.path if hasattr(path_or_cfg, "target") else str(path_or_cfg)
-    folder = resolve_target_path(where)
+    folder = resolve_target_path(str(path))
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"target.path: no config.json in {folder}")

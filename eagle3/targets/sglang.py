@@ -107,7 +107,7 @@ _REFUSED_FLAGS = {
 def _target_info(cfg: Config) -> TargetInfo:
     """The target's config.json (eagle3.targets.info), with what to do when this machine cannot see it."""
     try:
-        return read_target_info(cfg)
+        return read_target_info(cfg.target.path)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"target.path={cfg.target.path!r}: no config.json there; the SGLang backend reads the target's shape "

@@ -51,27 +51,27 @@ def _read(folder: Path, names: dict[str, str], name: str) -> torch.Tensor:
         return sf.get_tensor(name)
 
 
-def load_lm_head(path_or_cfg: Any) -> torch.Tensor:
+def load_lm_head(path: str | Path) -> torch.Tensor:
     """The target's lm_head [V, H] alone (the embeddings when tied), without loading the model."""
-    info, names = _open(path_or_cfg)
+    info, names = _open(path)
     head_name = _find(names, _LM_HEAD, "lm_head.weight")
     if head_name is not None and not info.tied:
         return _read(info.folder, names, head_name)
-    return load_target_head(path_or_cfg)[1]
+    return load_target_head(path)[1]
 
 
-def _open(path_or_cfg: Any) -> tuple[TargetInfo, dict[str, str]]:
-    info = read_target_info(path_or_cfg)
+def _open(path: str | Path) -> tuple[TargetInfo, dict[str, str]]:
+    info = read_target_info(path)
     return info, _weight_map(info.folder)
 
 
-def load_target_head(path_or_cfg: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def load_target_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """(embed [V, H], lm_head [V, H], the target's config.json as a dict) without loading the model.
 
-    Accepts a folder path, a `bundled:` name or a Config (uses `target.path`). Tied embeddings (no lm_head
+    Accepts a folder path or a `bundled:` name (`target.path`). Tied embeddings (no lm_head
     tensor, or `tie_word_embeddings`) return the embedding matrix as the lm_head too.
     """
-    info, names = _open(path_or_cfg)
+    info, names = _open(path)
     folder = info.folder
     embed_name = _find(names, _EMBED, "embed_tokens.weight")
     if embed_name is None:

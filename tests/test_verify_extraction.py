@@ -9,7 +9,7 @@ from models import make_prepared, tiny_deepseek_v3, tiny_llama, tiny_target_cfg
 from eagle3.extract import run as extract
 from eagle3.targets.base import Captured
 from eagle3.targets.hf import HFTarget
-from eagle3.verify import run as verify
+from eagle3.verify_extraction import run as verify
 
 
 @pytest.fixture(scope="module")

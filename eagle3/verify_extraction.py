@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from eagle3.precision import DTYPES
+
+if TYPE_CHECKING:
+    from eagle3.config import Config
 
 log = logging.getLogger("eagle3")
 
@@ -208,7 +211,7 @@ a token from other weights."""
 FP8_ARGMAX_REL_TOL = 0.1
 """The same for a cache whose final states are fp8: the stored argmax was taken over the exact states, the check
 reads the dequantised ones (a few % per element), so the margin is wider; a random lm_head's pick still falls far
-below it (tests/test_verify.py)."""
+below it (tests/test_verify_extraction.py)."""
 
 
 def check_argmax(report: SampleReport, stored: torch.Tensor, model: torch.nn.Module, final: torch.Tensor,
@@ -232,7 +235,7 @@ def check_argmax(report: SampleReport, stored: torch.Tensor, model: torch.nn.Mod
                              "near-tie): the cache was extracted with other weights, or its states were changed")
 
 
-def run(cfg: Any, source: str = "backend", num_samples: int = 4, backend: Any = None) -> int:
+def run(cfg: Config, source: str = "backend", num_samples: int = 4, backend: Any = None) -> int:
     """Verify `source` ('backend' or a cache folder) on `num_samples` prepared samples; 0 on PASS, 1 on FAIL."""
     from eagle3.bundled import resolve_target_path
     from eagle3.data.prepared import load_prepared
