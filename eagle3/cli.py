@@ -81,7 +81,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3.export import export
 
-    export(args.checkpoint, args.out, to=args.to)
+    export(args.checkpoint, args.out, to=args.to, target_family=args.target_family)
     return 0
 
 
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = add("export", cmd_export, "write a checkpoint as SGLang or vLLM load it", config=False)
     ex.add_argument("--to", choices=["sglang", "vllm"], required=True)
+    ex.add_argument("--target-family", choices=["llama", "deepseek"], default=None,
+                    help="SGLang's layer-id spelling for a target architecture outside eagle3's table "
+                         "(eagle3/layer_ids.py); refused without it")
     ex.add_argument("checkpoint", help="a training checkpoint folder (or an eagle3 export)")
     ex.add_argument("out", help="output folder")
 

@@ -69,6 +69,10 @@ class TargetConfig(Section):
     aux_layer_ids: list[int] | None = None
     """Low/mid/high layer ids in eagle3's convention (see eagle3.layer_ids: id k = input of decoder layer k =
     HF `hidden_states[k]` = vLLM's id k); None means `[2, L//2, L-3]`."""
+    layer_id_family: Literal["llama", "deepseek"] | None = None
+    """SGLang's layer-id spelling for a target architecture outside eagle3's table (eagle3/layer_ids.py): `llama`
+    where SGLang's model adds 1 to every id, `deepseek` where it takes them as-is. None: such a target is refused
+    before training and at export, never guessed."""
     num_layers: int | None = Field(None, ge=1)
     """Depth of the target; read from its config.json when None (used to validate and default the layer ids)."""
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)

@@ -28,6 +28,7 @@ from eagle3.formats import (
     validate,
 )
 from eagle3.fsutil import atomic_dir
+from eagle3.layer_ids import ArchFamily
 from eagle3.precision import DTYPES
 
 log = logging.getLogger("eagle3")
@@ -53,11 +54,12 @@ def _is_replaceable(out: Path) -> bool:
 
 
 def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", dtype: str | None = "bfloat16",
-           num_speculative_tokens: int = 3) -> Path:
+           num_speculative_tokens: int = 3, target_family: ArchFamily | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for `to` into `out` (atomically); return `out`.
 
     `checkpoint`: an eagle3 draft folder, a training step folder (its `draft/`), or an eagle3 export.
     `dtype`: weights dtype of the export (`bfloat16` default; None keeps the checkpoint's).
+    `target_family`: SGLang's layer-id spelling for a target outside eagle3's table (`target.layer_id_family`).
     """
     if to not in ("sglang", "vllm"):
         raise ExportError(f"unknown engine {to!r}; choose sglang or vllm")
@@ -74,7 +76,7 @@ def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", d
         tensors = {**tensors, "fc.weight": fc}
     torch_dtype = DTYPES[dtype] if dtype else tensors["fc.weight"].dtype
     dtype_name = str(torch_dtype).removeprefix("torch.")
-    cfg_json = engine_config(config, to, dtype_name, num_speculative_tokens)
+    cfg_json = engine_config(config, to, dtype_name, num_speculative_tokens, target_family)
     weights = engine_tensors(tensors, to, torch_dtype)
 
     out = Path(out)

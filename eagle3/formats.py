@@ -61,7 +61,7 @@ from eagle3.layer_ids import (
     Engine,
     arch_family,
     from_engine_ids,
-    known_family,
+    sglang_family,
     to_engine_ids,
 )
 from eagle3.model import FORMAT, Eagle3Draft, Eagle3DraftConfig, rope_scaling_of, rope_theta_of
@@ -324,19 +324,21 @@ def save_draft(draft: Eagle3Draft, out_dir: str | Path, state_dict: dict[str, Te
     return out
 
 
-def target_family(config: Eagle3DraftConfig, where: str) -> ArchFamily:
+def target_family(config: Eagle3DraftConfig, where: str, to: Engine = "sglang",
+                  override: ArchFamily | None = None) -> ArchFamily:
+    """The target family the export spells layer ids for (layer_ids.sglang_family). vLLM reads ids as-is
+    whatever the family, so only an SGLang export needs it known."""
     t = config.target or {}
-    if not t.get("architectures") and not t.get("model_type"):
+    if override is None and not t.get("architectures") and not t.get("model_type"):
         raise DraftFormatError(
             f"{where}: the draft config does not name the target's architectures/model_type; SGLang spells layer "
             "ids differently for Llama- and DeepSeek-family targets, so the export cannot choose")
-    family = arch_family(t.get("architectures"), t.get("model_type"))
-    if not known_family(t.get("architectures")):
-        log.warning("%s: target architectures %s are not in eagle3's table of SGLang's layer-id spellings "
-                    "(eagle3/layer_ids.py); spelling them as the %s family, guessed from the name: check the "
-                    "acceptance with `eagle3 eval --engine sglang` before serving", where, t.get("architectures"),
-                    family)
-    return family
+    if to == "vllm" and override is None:
+        return arch_family(t.get("architectures"), t.get("model_type"))
+    try:
+        return sglang_family(t.get("architectures"), t.get("model_type"), override)
+    except ValueError as e:
+        raise DraftFormatError(f"{where}: {e}") from None
 
 
 def _common_fields(c: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
@@ -380,11 +382,11 @@ def _mla_fields(c: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
             "v_head_dim": c.v_head_dim, "rope_scaling": scaling, "rope_interleave": True}
 
 
-def engine_config(config: Eagle3DraftConfig, to: EngineName, dtype_name: str,
-                  num_speculative_tokens: int = 3) -> dict[str, Any]:
+def engine_config(config: Eagle3DraftConfig, to: EngineName, dtype_name: str, num_speculative_tokens: int = 3,
+                  family_override: ArchFamily | None = None) -> dict[str, Any]:
     """The config.json an engine reads for this head (see the module docstring for each field's reason)."""
     where = "draft config"
-    family = target_family(config, where)
+    family = target_family(config, where, to, family_override)
     try:
         ids = to_engine_ids(list(config.aux_layer_ids or []), to, family)
     except ValueError as e:

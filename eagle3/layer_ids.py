@@ -81,6 +81,24 @@ def known_family(architectures: list[str] | None) -> bool:
     return bool(set(architectures or []) & (SGLANG_DEEPSEEK_STYLE | SGLANG_PLUS_ONE))
 
 
+def sglang_family(architectures: list[str] | None, model_type: str | None, override: ArchFamily | None) -> ArchFamily:
+    """The family whose SGLang spelling a head for this target is written in: the table's, or `override`
+    (`target.layer_id_family`, `eagle3 export --target-family`) for an architecture outside it.
+
+    An architecture outside the table is refused without an override rather than guessed: a wrong guess serves
+    the head on the layers next to the trained ones, which nothing reports but a collapsed acceptance."""
+    if override is not None:
+        return override
+    if known_family(architectures):
+        return arch_family(architectures, model_type)
+    raise ValueError(
+        f"target architectures {architectures} are not in eagle3's table of SGLang's layer-id spellings "
+        "(eagle3/layer_ids.py, read in SGLang 0.5.23), and a wrong guess serves the head on the wrong layers "
+        "with no error. Read the model's file in sglang/srt/models: if it adds 1 to every id of "
+        "eagle_aux_hidden_state_layer_ids (Llama, Qwen, Mistral do), set target.layer_id_family: llama; if it "
+        "takes them as-is (DeepSeek-V3, Kimi), deepseek (`eagle3 export --target-family ...` for an export)")
+
+
 def to_engine_ids(ids: list[int], engine: Engine, family: ArchFamily) -> list[int]:
     """Translate eagle3 ids to the spelling `engine` expects in the draft's config for a `family` target.
 

@@ -32,7 +32,7 @@ from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, read_prepared_meta
 from eagle3.formats import load_draft
-from eagle3.layer_ids import ArchFamily
+from eagle3.layer_ids import ArchFamily, sglang_family
 from eagle3.logs import Progress, UserError, setup_logging
 from eagle3.loss import ArgmaxHead, StepStats, Teacher, summarise
 from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
@@ -41,7 +41,7 @@ from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
 from eagle3.prepare import check_prepared
 from eagle3.process import this_process
-from eagle3.targets.info import TargetInfo
+from eagle3.targets.info import TargetInfo, read_target_info
 from eagle3.targets.weights import load_target_head
 from eagle3.tracking import Tracker
 
@@ -161,14 +161,26 @@ def fine_tune_start(folder: str, want: Eagle3DraftConfig, embed: torch.Tensor, d
     return draft
 
 
-def export_best(cfg: Config, best: Path) -> None:
+def sglang_spelling_problem(cfg: Config) -> str | None:
+    """Why the SGLang export at the end would be refused (a target outside eagle3's table of layer-id spellings
+    and no target.layer_id_family), else None. Said before training and again at the end, where the export is
+    skipped: the checkpoints and a vLLM export do not need it."""
+    info = read_target_info(cfg.target.path)
     try:
-        from eagle3.export import export
-    except ImportError:
-        log.info("eagle3.export not available; the best draft stays in %s", best)
+        sglang_family(info.architectures, info.model_type, cfg.target.layer_id_family)
+    except ValueError as e:
+        return f"no SGLang export of the best head will be written: {e}"
+    return None
+
+
+def export_best(cfg: Config, best: Path) -> None:
+    from eagle3.export import export
+
+    if problem := sglang_spelling_problem(cfg):
+        log.warning("%s; the best head stays in %s", problem, best)
         return
     out = cfg.export_dir / "sglang"
-    export(best, out, to="sglang")
+    export(best, out, to="sglang", target_family=cfg.target.layer_id_family)
     log.info("exported the best draft for SGLang: %s", out)
 
 
@@ -245,6 +257,8 @@ def set_up(cfg: Config) -> Session:
     set_seed(cfg.train.seed)
     tc = cfg.train
     check_prepared(cfg, read_prepared_meta(cfg.prepared_dir), "train")
+    if problem := sglang_spelling_problem(cfg):
+        log.warning(problem)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg.target.path)
     train_ds, eval_ds = open_datasets(cfg)

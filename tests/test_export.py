@@ -256,3 +256,51 @@ def test_sglang_spellings_come_from_a_table_read_in_sglang():
     assert to_engine_ids([3, 24, 44], "sglang", arch_family(["Glm4MoeLiteForCausalLM"])) == [3, 24, 44]
     assert to_engine_ids([3, 24, 44], "sglang", arch_family(["Qwen3ForCausalLM"])) == [2, 23, 43]
     assert not known_family(["SomeNewForCausalLM"]) and arch_family(["SomeNewForCausalLM"]) == "llama"
+
+
+def test_an_architecture_outside_the_table_is_refused_for_sglang_unless_the_family_is_given(tmp_path):
+    """A guessed spelling serves the head on the layers next to the trained ones with no error; the old code
+    exported `SomeNewForCausalLM` as a Llama with a warning. Now: refused naming both overrides; with one, the ids
+    are that family's; vLLM (ids as-is for every family) exports without it."""
+    from eagle3.cli import main
+
+    draft = make_draft()
+    draft.config.target = {"path": "/models/new", "architectures": ["SomeNewForCausalLM"], "model_type": "some_new",
+                           "num_layers": 12}
+    src = save_draft(draft, tmp_path / "draft")
+    with pytest.raises(ExportError, match=r"\['SomeNewForCausalLM'\] are not in eagle3's table.*"
+                                          r"target.layer_id_family.*--target-family"):
+        export(src, tmp_path / "refused", to="sglang")
+    assert not (tmp_path / "refused").exists()
+    ids = {}
+    for family in ("llama", "deepseek"):
+        assert main(["export", "--to", "sglang", "--target-family", family, str(src), str(tmp_path / family)]) == 0
+        ids[family] = json.loads((tmp_path / family / "config.json").read_text())["eagle_config"][
+            "eagle_aux_hidden_state_layer_ids"]
+    assert ids == {"llama": [1, 5, 8], "deepseek": [1, 5, 8]}  # first id 2: both spellings write k-1
+    vllm = export(src, tmp_path / "vllm", to="vllm")
+    assert json.loads((vllm / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 6, 9]
+
+
+def test_the_family_override_decides_where_the_spellings_differ(tmp_path):
+    draft = make_draft(ids=[3, 6, 9])
+    draft.config.target = {"path": "/models/new", "architectures": ["SomeNewForCausalLM"], "num_layers": 12}
+    src = save_draft(draft, tmp_path / "draft")
+    got = {f: json.loads((export(src, tmp_path / f, to="sglang", target_family=f) / "config.json").read_text())
+           ["eagle_config"]["eagle_aux_hidden_state_layer_ids"] for f in ("llama", "deepseek")}
+    assert got == {"llama": [2, 5, 8], "deepseek": [3, 6, 9]}
+
+
+def test_training_names_the_missing_family_and_skips_only_the_sglang_export(tmp_path):
+    from eagle3.config import Config
+    from eagle3.trainer import sglang_spelling_problem
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({
+        "architectures": ["SomeNewForCausalLM"], "model_type": "some_new", "num_hidden_layers": 12}))
+    cfg = Config()
+    cfg.target.path = str(tmp_path / "target")
+    assert "no SGLang export of the best head will be written" in sglang_spelling_problem(cfg)
+    assert "target.layer_id_family" in sglang_spelling_problem(cfg)
+    cfg.target.layer_id_family = "deepseek"
+    assert sglang_spelling_problem(cfg) is None

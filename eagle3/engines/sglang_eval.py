@@ -84,7 +84,7 @@ def sglang_draft(cfg: Config, folder: Path) -> Path:
     if conf.is_file() and (json.loads(conf.read_text()).get("eagle3_export") or {}).get("engine") == "sglang":
         return folder
     return export(folder, cfg.export_dir / "sglang", to="sglang", dtype=cfg.target.dtype,
-                  num_speculative_tokens=cfg.eval.num_steps)
+                  num_speculative_tokens=cfg.eval.num_steps, target_family=cfg.target.layer_id_family)
 
 
 def generate(url: str, ids: list[int], cfg: Config, stop: list[int]) -> dict[str, Any]:

@@ -137,7 +137,8 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
     from eagle3.bundled import resolve_target_path
     from eagle3.export import export
 
-    out_dir = export(draft_folder, cfg.export_dir / "vllm", to="vllm", num_speculative_tokens=cfg.eval.num_steps)
+    out_dir = export(draft_folder, cfg.export_dir / "vllm", to="vllm", num_speculative_tokens=cfg.eval.num_steps,
+                     target_family=cfg.target.layer_id_family)
     python = python or os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
     stop = stop_token_ids(cfg)
     env = dict(os.environ)
