@@ -48,6 +48,9 @@ class TrainState:
     """Micro-batches of `epoch` already consumed by this rank's plan."""
     best_accept_len: float = -1.0
     best_step: int = -1
+    world_size: int | None = None
+    """Processes that wrote the checkpoint: each rank's `batch_index` is a place in a plan made for this many
+    ranks, so another world size cannot resume it (None: written before eagle3 recorded it)."""
 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -161,6 +164,7 @@ def resume(accelerator: Any, model: Any, cfg: Config, d2t: torch.Tensor) -> Trai
         if not problems:
             check_same_vocab(path, d2t, cfg)
             check_same_draft(path, accelerator.unwrap_model(model).config)
+            check_same_world(path, accelerator.num_processes)
             try:
                 accelerator.load_state(str(path))
                 state = TrainState(**json.loads((path / STATE_FILE).read_text()))
@@ -190,6 +194,21 @@ def checkpoint_problems(path: Path) -> list[str]:
     except ValueError as e:
         return [f"{CHECKSUMS} is not valid JSON ({e})"]
     return damaged_files(path, records)
+
+
+def check_same_world(path: Path, world: int) -> None:
+    """Refuse a checkpoint written by another number of processes, before anything of it is loaded."""
+    try:
+        written = json.loads((path / STATE_FILE).read_text()).get("world_size")
+    except (OSError, ValueError):
+        return  # unreadable: the load below names it
+    if written is not None and written != world:
+        raise UserError(
+            f"checkpoint {path} was written by {written} processes and this run has {world}: each rank's place in "
+            "the epoch's data plan depends on the number of processes, so resuming would train on other data than "
+            f"the run it continues. Resume it with {written} processes (accelerate launch --num_processes "
+            f"{written} ...), or start a new output_dir from its weights with draft.init_from={path / 'draft'} "
+            "(the optimizer and schedule start afresh)")
 
 
 def check_same_vocab(path: Path, d2t: torch.Tensor, cfg: Config) -> None:

@@ -122,7 +122,7 @@ def cmd_verify_extraction(args: argparse.Namespace) -> int:
 def cmd_sglang(args: argparse.Namespace) -> int:
     from eagle3.targets.sglang import serve
 
-    return serve(_cfg(args), args.port, args.host, dry_run=args.action == "command")
+    return serve(_cfg(args), args.port, args.host, dry_run=args.action == "command", local_rank=args.local_rank)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         _with_config(a)
         a.add_argument("--port", type=int, default=None, help="default: the port of target.sglang.url, else 30000")
         a.add_argument("--host", default="127.0.0.1")
+        a.add_argument("--local-rank", type=int, default=None,
+                       help="which entry of a target.sglang.url list this server is (default: LOCAL_RANK, else 0)")
         a.set_defaults(fn=cmd_sglang)
 
     cache_p = sub.add_parser("cache", help="inspect or convert a hidden-state cache")

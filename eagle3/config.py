@@ -35,8 +35,10 @@ class Section(BaseModel):
 class SGLangSettings(Section):
     """How to reach (or start) the SGLang server used as a target backend."""
 
-    url: str | None = None
-    """Address of a running server (`http://host:port`); None launches one with `launch_args`."""
+    url: str | list[str] | None = None
+    """Address of a running server (`http://host:port`); None launches one with `launch_args`. A list gives each
+    process of a node its own server, by LOCAL_RANK (e.g. two TP=4 servers and two extraction processes per node;
+    docs/scale-out.md); server i then dumps into `<dump_dir>/<i>` (`eagle3 sglang serve --local-rank i`)."""
     tp_size: int = Field(1, ge=1)
     """Tensor-parallel size when eagle3 launches the server (8 for Kimi-K2.5 on one node)."""
     launch_args: list[str] = Field(default_factory=list)
@@ -47,6 +49,13 @@ class SGLangSettings(Section):
     """Per-request timeout."""
     startup_timeout_s: float = Field(3600.0, gt=0)
     """How long to wait for a launched server to become healthy (Kimi-K2.5 takes 10-30 minutes to load)."""
+
+    @field_validator("url")
+    @classmethod
+    def _some_urls(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list: give one URL, one per process of a node, or null")
+        return v
 
 
 class TargetConfig(Section):

@@ -208,7 +208,7 @@ def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config
     if cfg.train.eval_max_samples:
         n = min(n, cfg.train.eval_max_samples)
     plan = plan_epoch(dataset.lengths[:n], cfg.train.batch_tokens, cfg.train.seed, 0,
-                      *_rank_world(), shuffle=False)
+                      *_rank_world(), shuffle=False, even=False)
     total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
     model.eval()
     with closing(dataset.iter_collated(plan.batches, pin=_pin(accelerator))) as batches:
@@ -216,7 +216,10 @@ def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config
             _, st = objective.loss(model, objective.plan(batch))
             total = total + st
     model.train()
-    return summarise(_reduce(accelerator, total))
+    stats = _reduce(accelerator, total)
+    if float(stats.counted.sum()) == 0:
+        log.warning("eval: no position of the eval split's %d sample(s) was scored; its metrics say nothing", n)
+    return summarise(stats)
 
 
 # -------------------------------------------------------------------------------------------------- the loop
@@ -282,6 +285,7 @@ def set_up(cfg: Config) -> Session:
     accelerator.register_for_checkpointing(scheduler)
 
     state = resume(accelerator, model, cfg, d2t)
+    state.world_size = this_process().world
     tracker = Tracker(accelerator, cfg)
     tracker.info("train: %d samples, %d steps (%d per epoch), %d process(es), mixed precision %s, padding %.1f%%",
                  len(train_ds), total_steps, steps_per_epoch, world, accelerator.mixed_precision,

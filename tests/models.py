@@ -179,3 +179,22 @@ def kill_after_batches(n: int) -> dict[str, str]:
     here = Path(__file__).resolve().parent
     path = [str(here / "killhook"), str(here.parent), os.environ.get("PYTHONPATH", "")]  # keep what is there
     return {"EAGLE3_TEST_KILL_AFTER_BATCHES": str(n), "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+def kill_after_checkpoint(step: int) -> dict[str, str]:
+    """Environment for a child trainer that SIGKILLs itself right after its step-`step` checkpoint is complete
+    (tests/killhook/sitecustomize.py)."""
+    here = Path(__file__).resolve().parent
+    path = [str(here / "killhook"), str(here.parent), os.environ.get("PYTHONPATH", "")]
+    return {"EAGLE3_TEST_KILL_AFTER_CHECKPOINT": str(step), "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+def checkpoint_differences(a: str | Path, b: str | Path) -> list[str]:
+    """Every file of two checkpoint step folders whose bytes differ (by their checksums.json, which records every
+    file's size and SHA-256): weights, optimizer and scheduler state, RNG states, trainer state, vocab, the
+    draft. Empty means a resumed run reached the very same state as an uninterrupted one."""
+    import json
+
+    ca = json.loads((Path(a) / "checksums.json").read_text())
+    cb = json.loads((Path(b) / "checksums.json").read_text())
+    return sorted(f for f in ca.keys() | cb.keys() if ca.get(f) != cb.get(f))

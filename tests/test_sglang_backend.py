@@ -81,7 +81,9 @@ class FakeSGLang:
                     self._send(503 if fake.mode == "unhealthy" else 200, {})
                 elif self.path == "/server_info":
                     self._send(200, {"disable_radix_cache": fake.mode != "radix_on", "chunked_prefill_size": -1,
-                                     "enable_dp_attention": False, "tp_size": 1})
+                                     "enable_dp_attention": False, "tp_size": 1,
+                                     "attn_dp_size": 2 if fake.mode == "attn_dp" else 1,
+                                     "flashinfer_allreduce_fusion_backend": "auto" if fake.mode == "fusion" else None})
                 else:
                     self._send(404, {"error": "no route"})
 
@@ -311,13 +313,14 @@ def test_server_command_and_env(llama, tmp_path):
     cmd = capture_flags(cfg, "/models/Kimi-K2.5")
     joined = " ".join(cmd)
     for part in ("--model-path /models/Kimi-K2.5", "--tp-size 8", "--disable-radix-cache",
-                 "--chunked-prefill-size -1", "--trust-remote-code", "--dtype float32", "--skip-server-warmup"):
+                 "--chunked-prefill-size -1", "--trust-remote-code", "--dtype float32", "--skip-server-warmup",
+                 "--enforce-disable-flashinfer-allreduce-fusion"):
         assert part in joined
     assert cmd[-2:] == ["--mem-fraction-static", "0.85"]
     env = server_env(tmp_path / "d", [2, 30, 58], "deepseek")
     assert json.loads(env[ENV_LAYER_IDS]) == [2, 30, 58] and env[ENV_FAMILY] == "deepseek"
     assert Path(env[ENV_DUMP_DIR]).is_absolute()
-    for bad in (["--chunked-prefill-size", "8192"], ["--tp", "4"], ["--enable-dp-attention"],
+    for bad in (["--chunked-prefill-size", "8192"], ["--tp", "4"], ["--enable-dp-attention"], ["--attn-dp-size", "2"],
                 ["--speculative-algorithm=EAGLE3"]):
         with pytest.raises(ValueError, match="target.sglang.launch_args"):
             check_launch_args(bad)
@@ -385,10 +388,47 @@ def test_dropped_tokens_are_refused_naming_the_sample(llama, tmp_path, mode, mes
     assert not list((tmp_path / "dump").glob("*.safetensors"))  # nothing left behind even on failure
 
 
-def test_preflight_refuses_a_server_with_the_radix_cache_on(llama, tmp_path):
-    with FakeSGLang(llama, tmp_path / "dump", IDS, mode="radix_on") as fake:
-        with pytest.raises(RuntimeError, match="radix cache is on"):
+@pytest.mark.parametrize(("mode", "message"), [
+    ("radix_on", "radix cache is on"),
+    ("attn_dp", "DP attention is on.*--attn-dp-size"),
+    ("fusion", "all-reduce fusion is on.*--enforce-disable-flashinfer-allreduce-fusion"),
+])
+def test_preflight_refuses_a_server_that_would_split_or_sum_states_wrongly(llama, tmp_path, mode, message):
+    with FakeSGLang(llama, tmp_path / "dump", IDS, mode=mode) as fake:
+        with pytest.raises(RuntimeError, match=message):
             SGLangTarget(_cfg(llama, tmp_path, fake.url))
+
+
+def test_one_server_per_process_of_a_node(llama, tmp_path, monkeypatch, capsys):
+    """A list in target.sglang.url gives each process of a node its own server and dump folder (two clients of one
+    folder would delete each other's dumps); `eagle3 sglang serve --local-rank i` starts server i of the list."""
+    from eagle3.cli import main
+    from eagle3.targets.sglang import server_address
+
+    cfg = _cfg(llama, tmp_path, ["http://127.0.0.1:30000", "http://127.0.0.1:30001"])
+    s = cfg.target.sglang
+    assert server_address(s, 1) == ("http://127.0.0.1:30001", (tmp_path / "dump" / "1").absolute())
+    assert server_address(_cfg(llama, tmp_path, "http://h:1").target.sglang, 5) == ("http://h:1",
+                                                                                     (tmp_path / "dump").absolute())
+    with pytest.raises(ValueError, match="lists 2 server.*process 2 of its node"):
+        server_address(s, 2)
+    dumps = []
+    for rank in (0, 1):
+        with FakeSGLang(llama, tmp_path / "dump" / str(rank), IDS) as fake:
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            cfg.target.sglang.url = [fake.url if i == rank else "http://127.0.0.1:9" for i in (0, 1)]
+            t = SGLangTarget(cfg)
+            dumps.append(t.dump_dir)
+            assert len(t.capture(_seqs()[:1])) == 1
+            t.close()
+    assert dumps == [(tmp_path / "dump" / "0").absolute(), (tmp_path / "dump" / "1").absolute()]
+    monkeypatch.setattr("eagle3.cli.setup_logging", lambda: None)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"target:\n  path: {llama}\n  backend: sglang\n  aux_layer_ids: {IDS}\n  sglang:\n"
+                        f"    dump_dir: {tmp_path / 'dump'}\n    url: [http://127.0.0.1:30000, http://127.0.0.1:30001]\n")
+    assert main(["sglang", "command", "--config", str(cfg_file), "--local-rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--port 30001" in out and f"{ENV_DUMP_DIR}={tmp_path / 'dump' / '1'}" in out
 
 
 def test_preflight_catches_a_server_that_writes_nothing(llama, tmp_path):

@@ -103,11 +103,14 @@ def generate(url: str, ids: list[int], cfg: Config, stop: list[int]) -> dict[str
 def serving(cfg: Config, draft_folder: Path | None) -> Iterator[tuple[str, Path | None]]:
     """(url, served draft): the server at `target.sglang.url`, or one started here with the head and stopped after."""
     from eagle3.bundled import resolve_target_path
+    from eagle3.process import this_process
+    from eagle3.targets.sglang import server_address
     from eagle3.targets.sglang_dump import ENV_DUMP_DIR
     from eagle3.targets.sglang_server import SGLangServer
 
-    if cfg.target.sglang.url:
-        yield cfg.target.sglang.url, None
+    url, _ = server_address(cfg.target.sglang, this_process().local_rank)
+    if url:
+        yield url, None
         return
     if draft_folder is None:
         raise ValueError("--engine sglang without target.sglang.url needs the head to serve (eval.checkpoint)")

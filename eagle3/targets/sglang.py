@@ -52,9 +52,10 @@ from typing import Any
 
 import torch
 
-from eagle3.config import Config
+from eagle3.config import Config, SGLangSettings
 from eagle3.layer_ids import ArchFamily, validate_layer_ids
 from eagle3.precision import DTYPES
+from eagle3.process import this_process
 from eagle3.targets.base import Captured
 from eagle3.targets.info import TargetInfo, read_target_info
 from eagle3.targets.sglang_dump import (
@@ -99,6 +100,7 @@ _REFUSED_FLAGS = {
     "--chunked-prefill-size": "chunked prefill splits prompts; eagle3 disables it (-1)",
     "--enable-mixed-chunk": "mixed chunks split prompts",
     "--enable-dp-attention": "DP attention shards hidden states across ranks; rank 0 would dump a part",
+    "--attn-dp-size": "DP attention shards hidden states across ranks; rank 0 would dump a part",
     "--speculative-algorithm": "extraction serves the target alone",
     "--pp-size": "pipeline parallelism puts the aux layers on different ranks",
 }
@@ -145,7 +147,23 @@ def capture_flags(cfg: Config, model_path: str) -> list[str]:
         "--chunked-prefill-size", "-1",   # a chunk would be dumped as a separate, partial prompt
         "--disable-cuda-graph",           # graphs serve decode only; extraction is prefill, and startup is faster
         "--skip-server-warmup",           # its request would only leave a stray dump
+        # At TP>1 on Hopper/Blackwell SGLang fuses the all-reduce into the next layer's residual RMSNorm for
+        # DeepSeek/Kimi (and other MoE) models: the residual stream a layer hands on is then not yet summed over
+        # the TP ranks, and rank 0 would dump its own partial sum as the layer's input.
+        "--enforce-disable-flashinfer-allreduce-fusion",
     ])
+
+
+def server_address(s: SGLangSettings, local_rank: int) -> tuple[str | None, Path]:
+    """(url, dump folder) of this process's server: `target.sglang.url` itself, or, when it lists one server per
+    process of a node, the entry of this node's process `local_rank` with its own folder `<dump_dir>/<local_rank>`
+    (two clients of one dump folder would delete each other's dumps)."""
+    if not isinstance(s.url, list):
+        return s.url, Path(s.dump_dir).absolute()
+    if not 0 <= local_rank < len(s.url):
+        raise ValueError(f"target.sglang.url lists {len(s.url)} server(s) and this is process {local_rank} of its "
+                         "node (LOCAL_RANK): give one URL per process of a node")
+    return s.url[local_rank], (Path(s.dump_dir) / str(local_rank)).absolute()
 
 
 def server_env(dump_dir: str | Path, layer_ids: list[int], family: ArchFamily) -> dict[str, str]:
@@ -177,7 +195,7 @@ class SGLangTarget:
         self.layer_ids = cfg.layer_ids(self.num_layers)
         self.dtype: torch.dtype = DTYPES[cfg.target.dtype]
         self.timeout_s = s.timeout_s
-        self.dump_dir = Path(s.dump_dir).absolute()
+        url, self.dump_dir = server_address(s, this_process().local_rank)
         self.server: SGLangServer | None = None
         self._own_dump_dir = False
         self._closed = False
@@ -194,8 +212,8 @@ class SGLangTarget:
         exit_on_sigterm()
 
         startup_timeout_s = s.startup_timeout_s if startup_timeout_s is None else startup_timeout_s
-        if s.url:
-            self.url = s.url.rstrip("/")
+        if url:
+            self.url = url.rstrip("/")
             log.info("using the SGLang server at %s (dump folder %s)", self.url, self.dump_dir)
             wait_healthy(self.url, startup_timeout_s, refused_grace_s=REFUSED_GRACE_S)
         else:
@@ -327,8 +345,11 @@ class SGLangTarget:
             cps = info.get("chunked_prefill_size")
             if cps is not None and int(cps) > 0:
                 problems.append(f"chunked prefill is on (size {cps}; start with --chunked-prefill-size -1)")
-            if info.get("enable_dp_attention"):
-                problems.append("DP attention is on (hidden states are sharded; start without --enable-dp-attention)")
+            if info.get("enable_dp_attention") or int(info.get("attn_dp_size") or 1) > 1:
+                problems.append("DP attention is on (hidden states are sharded; start without --attn-dp-size)")
+            if info.get("flashinfer_allreduce_fusion_backend"):
+                problems.append("FlashInfer all-reduce fusion is on (a layer's input is a partial sum over the TP "
+                                "ranks; start with --enforce-disable-flashinfer-allreduce-fusion)")
             if problems:
                 raise RuntimeError(f"preflight: the SGLang server at {self.url} would drop or split tokens: "
                                    + "; ".join(problems))
@@ -347,27 +368,28 @@ class SGLangTarget:
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
-def serve(cfg: Config, port: int | None, host: str, dry_run: bool) -> int:
+def serve(cfg: Config, port: int | None, host: str, dry_run: bool, local_rank: int | None = None) -> int:
     """`eagle3 sglang serve|command`: print the capture server's command line, then (serve) become that server.
 
-    The port defaults to the one of `target.sglang.url`, else 30000."""
+    The port defaults to the one of `target.sglang.url` (its entry `local_rank` when it lists one server per
+    process of a node), else 30000."""
+    s = cfg.target.sglang
+    url, dump_dir = server_address(s, this_process().local_rank if local_rank is None else local_rank)
     if port is None:
         from urllib.parse import urlparse
 
-        url = cfg.target.sglang.url
         port = (urlparse(url).port if url else None) or DEFAULT_PORT
     info = _target_info(cfg)
     layer_ids = cfg.layer_ids(cfg.target.num_layers or info.num_layers)
-    s = cfg.target.sglang
     python = sglang_python()
     cmd = [python, "-m", "sglang.launch_server", *capture_flags(cfg, str(info.folder)), "--host", host,
            "--port", str(port)]
-    env = server_env(s.dump_dir, layer_ids, info.family)
+    env = server_env(dump_dir, layer_ids, info.family)
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
     if dry_run:
         return 0
     check_plugin(python)
-    ensure_dump_dir(s.dump_dir)
-    clean_dump_dir(s.dump_dir)
+    ensure_dump_dir(dump_dir)
+    clean_dump_dir(dump_dir)
     os.execve(python, cmd, {**os.environ, **env})
     return 0  # not reached

@@ -1,9 +1,12 @@
-"""Tests only: a real, uncatchable SIGKILL of an extraction at a chosen point, from outside the package.
+"""Tests only: a real, uncatchable SIGKILL of an extraction or a training process at a chosen point, from
+outside the package.
 
 Python imports `sitecustomize` at start-up from the first folder of sys.path that has one; a test puts this
-folder on the child's PYTHONPATH (tests/models.py `kill_after_batches`) with EAGLE3_TEST_KILL_AFTER_BATCHES=N,
-and the child is killed right after its N-th forward batch is written into a shard (a batch that is on disk in
-the `.tmp` shard, not yet committed), the point a kill hurts most.
+folder on the child's PYTHONPATH (tests/models.py `kill_after_batches`, `kill_after_checkpoint`):
+- EAGLE3_TEST_KILL_AFTER_BATCHES=N: killed right after the N-th forward batch is written into a shard (on disk in
+  the `.tmp` shard, not yet committed), the point a kill hurts most;
+- EAGLE3_TEST_KILL_AFTER_CHECKPOINT=N: a trainer process killed right after its step-N checkpoint is complete
+  (one machine of a multi-node run dying while the others go on).
 """
 
 import os
@@ -27,3 +30,23 @@ if _N and cache is not None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     cache.ShardWriter.write = _write_then_maybe_die
+
+
+_STEP = os.environ.get("EAGLE3_TEST_KILL_AFTER_CHECKPOINT")
+if _STEP:
+    try:
+        from eagle3 import trainer
+    except ImportError:
+        trainer = None
+if _STEP and trainer is not None:
+    import signal
+
+    _save = trainer.save_checkpoint
+
+    def _save_then_maybe_die(accelerator, model, cfg, state, *a):  # noqa: ANN001, ANN202
+        path = _save(accelerator, model, cfg, state, *a)
+        if state.step >= int(_STEP):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    trainer.save_checkpoint = _save_then_maybe_die
