@@ -55,10 +55,9 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> 
 
 
 def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, epoch: int, rank: int = 0,
-               world_size: int = 1, bucket_batches: int = 64, shuffle: bool = True, even: bool = True) -> EpochPlan:
-    """This rank's batches of one epoch: every rank the same number when `even` (training ranks step in
-    lockstep, so the last len % world_size batches wait for the next epoch's shuffle), else every batch once
-    (evaluation: each rank sums its own share and one reduce adds them up)."""
+               world_size: int = 1, bucket_batches: int = 64, shuffle: bool = True) -> EpochPlan:
+    """This rank's batches of one epoch, every rank the same number: training ranks step in lockstep, so the
+    last len % world_size batches wait for the next epoch's shuffle."""
     lens = np.asarray(lengths, dtype=np.int64)
     n = len(lens)
     if n == 0:
@@ -72,11 +71,23 @@ def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, ep
         batches += [chunk[b].tolist() for b in plan_batches(lens[chunk].tolist(), batch_tokens, len(chunk))]
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
-    per_rank = len(batches) // world_size if world_size > 1 and even else len(batches)
+    per_rank = len(batches) // world_size if world_size > 1 else len(batches)
     mine = batches[rank::world_size][:per_rank]
     real = sum(int(lens[b].sum()) for b in mine)
     padded = sum(int(lens[b].max()) * len(b) for b in mine)
     return EpochPlan(mine, real, padded)
+
+
+def plan_eval(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
+              ) -> tuple[list[list[int]], int]:
+    """(this rank's eval batches, how many of them count): every batch of the split counts on exactly one rank,
+    and every rank runs as many forwards as the busiest one, because an FSDP forward gathers the weights from all
+    ranks and a rank that stopped early would leave the others waiting: a rank short of batches repeats one that
+    does not count."""
+    every = plan_epoch(lengths, batch_tokens, seed, 0, shuffle=False).batches
+    mine = every[rank::world_size]
+    rounds = -(-len(every) // world_size)
+    return mine + [every[0]] * (rounds - len(mine)), len(mine)
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

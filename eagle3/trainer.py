@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from eagle3 import threads
-from eagle3.batching import EpochPlan, plan_epoch
+from eagle3.batching import EpochPlan, plan_epoch, plan_eval
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, read_prepared_meta
@@ -207,14 +207,14 @@ def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config
     n = len(dataset)
     if cfg.train.eval_max_samples:
         n = min(n, cfg.train.eval_max_samples)
-    plan = plan_epoch(dataset.lengths[:n], cfg.train.batch_tokens, cfg.train.seed, 0,
-                      *_rank_world(), shuffle=False, even=False)
+    plan, counted = plan_eval(dataset.lengths[:n], cfg.train.batch_tokens, cfg.train.seed, *_rank_world())
     total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
     model.eval()
-    with closing(dataset.iter_collated(plan.batches, pin=_pin(accelerator))) as batches:
-        for batch in batches:
+    with closing(dataset.iter_collated(plan, pin=_pin(accelerator))) as batches:
+        for i, batch in enumerate(batches):
             _, st = objective.loss(model, objective.plan(batch))
-            total = total + st
+            if i < counted:
+                total = total + st
     model.train()
     stats = _reduce(accelerator, total)
     if float(stats.counted.sum()) == 0:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagle3 import trainer
-from eagle3.batching import collate, plan_epoch
+from eagle3.batching import collate, plan_epoch, plan_eval
 from eagle3.formats import load_draft
 from eagle3.objective import Objective
 
@@ -34,15 +34,15 @@ def test_plan_is_deterministic_within_budget_and_covers_everything():
     r0, r1 = (plan_epoch(lengths, 1024, 3, 0, rank=r, world_size=2).batches for r in (0, 1))
     assert len(r0) == len(r1) == len(a.batches) // 2
     assert not {i for b in r0 for i in b} & {i for b in r1 for i in b}
-    # Evaluation (even=False): every batch on exactly one rank, also the odd one out (one eval batch on two
-    # ranks evaluated nothing before, and the eval metrics of a 2-process run said acceptance 1.0).
+    # Evaluation: every batch counted on exactly one rank, the odd one out too (one eval batch on two ranks was
+    # evaluated by neither, and a 2-process run's eval said acceptance 1.0), and every rank runs as many forwards
+    # (FSDP gathers the weights in each: a rank that stopped early would hang the others).
     one = plan_epoch(lengths[:3], 1024, 3, 0, shuffle=False).batches
     assert len(one) == 1
-    parts = [plan_epoch(lengths[:3], 1024, 3, 0, rank=r, world_size=2, shuffle=False, even=False).batches
-             for r in (0, 1)]
-    assert parts == [one, []]
-    odd = [plan_epoch(lengths, 1024, 3, 0, rank=r, world_size=3, shuffle=False, even=False).batches for r in range(3)]
-    assert sorted(i for part in odd for b in part for i in b) == list(range(500))
+    assert [plan_eval(lengths[:3], 1024, 3, r, 2) for r in (0, 1)] == [(one, 1), (one, 0)]
+    parts = [plan_eval(lengths, 1024, 3, r, 3) for r in range(3)]
+    assert len({len(batches) for batches, _ in parts}) == 1
+    assert sorted(i for batches, n in parts for b in batches[:n] for i in b) == list(range(500))
 
 
 def test_plan_keeps_an_overlong_sample_alone():
