@@ -30,6 +30,25 @@ def _one_torch_thread():
     yield
 
 
+def _pristine_eagle3_logger() -> None:
+    import logging
+
+    log = logging.getLogger("eagle3")
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+    log.propagate, log.level = True, logging.NOTSET
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logger():
+    """setup_logging (every in-process cli.main) binds the eagle3 logger to that test's captured stderr with
+    propagate=False: a later test's caplog would then see nothing, and an assertion that no warning was logged
+    would pass whatever the code did."""
+    _pristine_eagle3_logger()
+    yield
+    _pristine_eagle3_logger()
+
+
 @pytest.fixture(autouse=True)
 def _no_accelerate_state_left():
     """An in-process trainer leaves accelerate's process state behind, and eagle3.process believes it over the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -113,4 +114,10 @@ def test_train_py_with_the_cpu_recipe(tiny_cache, tmp_path):  # noqa: F811
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-6000:]
     assert "2 process(es)" in r.stderr
-    assert (cfg.checkpoint_dir / "step_2" / "draft" / "model.safetensors").is_file()
+    from eagle3.formats import load_draft
+
+    log = read_log(out)
+    assert sorted(log) == [1, 2] and all(math.isfinite(log[s]["loss"]) for s in log)
+    trained = load_draft(cfg.checkpoint_dir / "step_2" / "draft")  # a head that loads, on the cache's layers
+    cache_meta = json.loads((Path(tiny_cache["cache"]) / "meta.json").read_text())
+    assert trained.config.aux_layer_ids == cache_meta["fingerprint"]["layer_ids"]

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -15,39 +13,10 @@ from tokenizer_builders import llama_test_tokenizer
 
 from eagle3.config import Config
 from eagle3.engines.sglang_eval import parse_sglang_meta
-from eagle3.engines.vllm_eval import PREFIX, parse_vllm_metrics
+from eagle3.engines.vllm_eval import parse_vllm_metrics
 from eagle3.prompts import load_prompt_set, mt_bench, read_jsonl_prompts
 
 VOCAB = 512
-
-
-_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-
-
-def parse_prometheus_text(text: str) -> list[dict[str, Any]]:
-    """A vLLM OpenAI server's `/metrics` page -> the records `parse_vllm_metrics` reads (what the engine hands
-    over from its stat loggers); `position` labels become a per-position vector."""
-    records: list[dict[str, Any]] = []
-    per_pos: dict[int, float] = {}
-    for line in text.splitlines():
-        m = _LINE.match(line.strip())
-        if not m or line.startswith("#"):
-            continue
-        name = m["name"].removesuffix("_total")
-        if not name.startswith(PREFIX):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-        value = float(m["value"])
-        if name.endswith("num_accepted_tokens_per_pos") and "position" in labels:
-            pos = int(labels["position"])
-            per_pos[pos] = per_pos.get(pos, 0.0) + value
-        else:
-            records.append({"name": name, "value": value})
-    if per_pos:
-        n = max(per_pos) + 1
-        records.append({"name": PREFIX + "num_accepted_tokens_per_pos",
-                        "values": [per_pos.get(i, 0.0) for i in range(n)]})
-    return records
 
 
 # ------------------------------------------------------------------------------------------------- prompts
@@ -222,21 +191,12 @@ def test_vllm_metrics_parse():
     assert r["draft_token_acceptance"] == pytest.approx(17 / 30)
     with pytest.raises(ValueError, match="no speculative drafts"):
         parse_vllm_metrics(records[-1:])
-
-
-def test_prometheus_text_parse():
-    text = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 10.0
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 30.0
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 17.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="0"} 8.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="2"} 3.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="1"} 6.0
-vllm:num_requests_running{engine="0"} 0.0
-"""
-    r = parse_vllm_metrics(parse_prometheus_text(text))
-    assert r["tau"] == pytest.approx(2.7) and r["acceptance_rate"] == pytest.approx([0.8, 0.6, 0.3])
+    # Two label sets of one counter (e.g. two engine cores; the `_total` suffix of the text exposition) add up.
+    second = [{"name": "vllm:spec_decode_num_drafts_total", "value": 10},
+              {"name": "vllm:spec_decode_num_accepted_tokens", "value": 13},
+              {"name": "vllm:spec_decode_num_accepted_tokens_per_pos", "values": [7, 4, 2]}]
+    both = parse_vllm_metrics(records + second)
+    assert both["tau"] == pytest.approx(1 + 30 / 20) and both["acceptance_rate"] == pytest.approx([0.75, 0.5, 0.25])
 
 
 def test_sglang_meta_parse():

@@ -105,8 +105,9 @@ def test_recipe_export_spells_kimi_ids(kimi_run, tmp_path):
         out = tmp_path / to
         export(cfg.checkpoint_dir / "best", out, to=to)
         c = json.loads((out / "config.json").read_text())
-        ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or c.get(
-            "eagle_aux_hidden_state_layer_ids")
+        # Where each export keeps the ids (a missing key fails, where `.get` fell back to the other place)
+        ids = c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] if to == "sglang" or cfg.draft.arch == "mla" \
+            else c["eagle_aux_hidden_state_layer_ids"]
         # DeepSeek family: vLLM takes eagle3's ids as-is; SGLang (0.5.23 and earlier alike) reads [1, 2, 3] as
         # inputs of layers 2, 3, 4 (a list starting at 1 is shifted by one there)
         assert ids == (IDS if to == "vllm" else [i - 1 for i in IDS])

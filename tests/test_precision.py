@@ -39,6 +39,7 @@ def test_auto_is_float32_without_native_bf16_and_bf16_with_it(cpu, caplog):
 
 
 def test_explicit_bf16_on_an_emulating_cpu_runs_with_a_warning(cpu, caplog, tmp_path):
+    assert logging.getLogger("eagle3").propagate, "an earlier test's setup_logging leaked: caplog would see nothing"
     cpu()
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("target:\n  dtype: bfloat16\ntrain:\n  mixed_precision: bf16\n")

@@ -78,8 +78,9 @@ def test_quickstart_tiny_budget_end_to_end(tmp_path: Path):
     report = json.loads(report_json.read_text())
     mt = report["sets"]["mt-bench"]
     assert mt["turns"] == 2 and mt["generated_tokens"] > 0
-    assert mt["tau"] >= 1.0
-    assert mt.get("greedy_mismatches", 0) == 0  # lossless: speculative == plain greedy
+    # τ counts the bonus token, so `>= 1` held by definition: check the counters add up instead.
+    assert mt["tau"] == pytest.approx(1 + sum(mt["acceptance_rate"])) and len(mt["acceptance_rate"]) == 3
+    assert mt["greedy_mismatches"] == 0  # lossless: speculative == plain greedy (a missing key fails)
     stages = json.loads((out / "logs" / "stages.json").read_text())
     assert {"prepare", "extract", "train", "export-sglang", "export-vllm", "eval"} <= set(stages)
 

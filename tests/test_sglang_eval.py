@@ -4,15 +4,18 @@ SGLang's own verify counters.
 
     bash scripts/setup_sglang_cpu.sh && pytest -m sglang tests/test_sglang_eval.py
 
-The tiny targets are built so that a head fed the layers its config names is exact, and one fed other layers is
-not: embeddings live in the first half of the hidden dims; every decoder layer is an identity (attention and MLP
-outputs zeroed, MoE routed experts included) except the MLP of the layer just below the high aux id (the shared
-expert for DeepSeek), which writes a per-token vector m(x) into the second half; the lm_head reads only that half,
-row x = m(x)/|m(x)|. So the target repeats its current token, and only states from the high aux layer on carry
-m(x). The head copies the high feature (fc = [0 | 0 | I], its own o_proj/down_proj zeroed) through the target's
-final norm and lm_head rows: exact at every draft position (τ near 4 at 3 draft tokens) when SGLang feeds it the
-right layer, and near 1 when it feeds a lower one. The slow test does the same with the real SmolLM2 and a
-trained head.
+The tiny targets are built so that a head fed the layers its config names is exact, and one fed any other layer,
+the next one included, is not: embeddings live in the first quarter of the hidden dims; every decoder layer is an
+identity (attention and MLP outputs zeroed, MoE routed experts included) except two MLPs (the shared expert for
+DeepSeek). The layer just below the high aux id writes a per-token vector m(x) into the second half, which the
+lm_head reads alone (row x = m(x)/|m(x)|): the target repeats its current token, and only states from the high aux
+id on carry m(x). The layer AT the high aux id writes p(x) into the second quarter, which the lm_head ignores: the
+high aux id's state has none of it, the next id's has. The head copies the high feature's second half (fc = [0 | 0
+| I], its own o_proj/down_proj zeroed) through the target's final norm and lm_head rows, and adds a large random
+map of the feature's second quarter: exact at every draft position (τ near 4 at 3 draft tokens) when SGLang feeds
+it the input of the high layer, near 1 when it feeds a lower layer (no m) or the next one (the +1 spelling bug:
+p scrambles it). Its draft vocab leaves random tokens out, so a d2t misread proposes wrong tokens. The slow test
+does the same with the real SmolLM2 and a trained head.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ FAMILIES = ["llama", "deepseek", "kimi"]
 
 
 def make_repeating_target(target: Path, special: int) -> None:
-    """Rewrite a saved tiny target's weights as the module docstring says (layer `special` keeps its MLP)."""
+    """Rewrite a saved tiny target's weights as the module docstring says (layer `special` writes m, layer
+    `special + 1`, the high aux id's, writes p)."""
     import re
 
     from safetensors.torch import load_file, save_file
@@ -44,15 +48,20 @@ def make_repeating_target(target: Path, special: int) -> None:
     embed_name = next(k for k in w if k.endswith("embed_tokens.weight"))
     h = w[embed_name].shape[1]
     a, b = slice(0, h // 2), slice(h // 2, h)
-    w[embed_name][:, b] = 0
+    w[embed_name][:, h // 4:] = 0
     for name, t in w.items():
         m = re.search(r"layers\.(\d+)\.", name)
         if not m or not ("o_proj" in name or "down_proj" in name):
             continue
-        if int(m.group(1)) != special or "o_proj" in name or ".experts." in name:
+        layer = int(m.group(1))
+        if layer not in (special, special + 1) or "o_proj" in name or ".experts." in name:
             t.zero_()
-        else:  # the kept MLP (Llama's, or DeepSeek's shared expert) writes into the second half only
+        elif layer == special:  # the kept MLP (Llama's, or DeepSeek's shared expert) writes m into the second half
             t[a] = 0
+        else:  # the high aux layer's MLP writes p into the second quarter only
+            keep = t[h // 4: h // 2].clone()
+            t.zero_()
+            t[h // 4: h // 2] = keep
     save_file(w, str(f), metadata={"format": "pt"})
     model = load_causal_lm(str(target), torch.float32)
     vocab = w[embed_name].shape[0]
@@ -90,26 +99,54 @@ def exact_head_cfg(family: str, root: Path) -> Config:
     cfg.eval.max_new_tokens = 24
     cfg.eval.engine = "sglang"
     dc = Eagle3DraftConfig(hidden_size=h, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           intermediate_size=128, vocab_size=vocab, draft_vocab_size=vocab - 1, target_hidden_size=h,
+                           intermediate_size=128, vocab_size=vocab, draft_vocab_size=vocab - 1 - LEFT_OUT,
+                           target_hidden_size=h,
                            aux_layer_ids=ids, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
                            target={"path": str(target), "architectures": hf.get("architectures"),
                                    "model_type": hf.get("model_type"), "num_layers": text["num_hidden_layers"]})
     torch.manual_seed(0)
     draft = Eagle3Draft(dc)
-    keep = torch.arange(1, vocab)  # every token but 0 (a pad), so the export carries d2t
-    t2d = torch.ones(vocab, dtype=torch.bool)
-    t2d[0] = False
-    draft.set_vocab(keep - torch.arange(vocab - 1), t2d)
+    draft.set_vocab(*sparse_vocab(vocab, prompt_tokens(cfg)))
     draft.init_from_target(lm_head, embed)
     norm = next(v for k, v in _target_tensors(target).items() if k.endswith("model.norm.weight"))
     with torch.no_grad():
         draft.fc.weight.zero_()
         draft.fc.weight[:, 2 * h:] = torch.eye(h)
+        # p (the next layer's mark) scrambles the copied m: nothing where the high id's own input has no p.
+        draft.fc.weight[h // 2:, 2 * h + h // 4: 2 * h + h // 2] = 10 * torch.randn(h // 2, h // 4)
         draft.midlayer.self_attn.o_proj.weight.zero_()
         draft.midlayer.mlp.down_proj.weight.zero_()
         draft.norm.weight.copy_(norm)
     save_draft(draft, cfg.checkpoint_dir / "best")
     return cfg
+
+
+LEFT_OUT = 24
+"""Random tokens (besides the pad) the draft vocab leaves out: d2t's offsets step up at random places."""
+
+
+def prompt_tokens(cfg: Config) -> set[int]:
+    """Every token of the rendered prompts: the repeating target only ever outputs these, so the draft vocab must
+    keep them (left out, the draft could never propose them and τ would fall for a reason that is not a bug)."""
+    from eagle3.data.templates import load_tokenizer
+    from eagle3.data.types import Turn
+    from eagle3.evaluate import PromptRenderer
+    from eagle3.prompts import load_prompt_set
+
+    render = PromptRenderer(load_tokenizer(cfg.target), cfg)
+    return {t for name in cfg.eval.prompt_sets for p in load_prompt_set(name).prompts for text in p.turns
+            for t in render([Turn("user", text)])}
+
+
+def sparse_vocab(vocab: int, keep: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) leaving out the pad and LEFT_OUT random tokens outside `keep`."""
+    g = torch.Generator().manual_seed(7)
+    candidates = torch.tensor([t for t in range(1, vocab) if t not in keep])
+    t2d = torch.ones(vocab, dtype=torch.bool)
+    t2d[0] = False
+    t2d[candidates[torch.randperm(len(candidates), generator=g)[:LEFT_OUT]]] = False
+    ids = t2d.nonzero().flatten()
+    return ids - torch.arange(len(ids)), t2d
 
 
 def _target_tensors(target: Path) -> dict[str, torch.Tensor]:
@@ -139,11 +176,17 @@ def test_sglang_accept_length_equals_the_builtin_and_wrong_ids_lose_it(family, t
         assert alone["engines"]["sglang"]["tau"] == pytest.approx(s["builtin_tau"], rel=0.02)
         assert alone["sets"]["prompts"]["turns"] == 3 and (cfg.eval_dir / "report.png").is_file()
 
-    # The same export naming other layers: SGLang serves it without a word; only the acceptance shows it.
-    wrong = tmp_path / "wrong-ids"
+    # The same export spelled one layer up (an engine reading "output of layer k"): SGLang serves it without a
+    # word; only the acceptance shows it.
+    from eagle3.layer_ids import arch_family, to_engine_ids
+
+    ids = IDS[family]
+    conf = json.loads((Path(s["draft"]) / "config.json").read_text())
+    family_of = arch_family(conf["eagle3"]["target"]["architectures"], conf["eagle3"]["target"]["model_type"])
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == to_engine_ids(ids, "sglang", family_of)
+    wrong = tmp_path / "off-by-one"
     shutil.copytree(s["draft"], wrong)
-    conf = json.loads((wrong / "config.json").read_text())
-    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = to_engine_ids([i + 1 for i in ids], "sglang", family_of)
     (wrong / "config.json").write_text(json.dumps(conf))
     cfg.eval.checkpoint, cfg.eval.builtin = str(wrong), False
     bad = run(cfg)["engines"]["sglang"]

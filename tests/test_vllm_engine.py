@@ -32,7 +32,8 @@ from eagle3.engines import vllm_eval
 pytestmark = pytest.mark.vllm
 VOCAB = 512
 DRAFT_VOCAB = VOCAB - 1
-HEADS = [Path("runs/smollm2-135m/checkpoints/best"), Path("/tmp/h3r256/checkpoints/best"), Path("/tmp/h4head")]
+HEADS = [Path("runs/smollm2-135m/checkpoints/best"), Path("runs/smollm2-135m-quickstart/checkpoints/best")]
+"""Where the recipes leave a trained SmolLM2 head in this checkout (or set EAGLE3_VLLM_HEAD)."""
 
 
 @functools.cache
