@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# bash scripts/gpu_check.sh [--cpu] [--tiny] [--budget-s 480]     (results: $OUT, else ./gpu-check)
+#
+# eagle3 on one GPU in one call (scripts/gpu_check.py says what it runs and measures). On a machine without
+# network, the packages eagle3 needs beyond torch/transformers/accelerate/pyarrow travel as wheels in .whl/
+# (bash scripts/gpu_wheels.sh fetches them here); they are installed into /tmp/site, never over the machine's own.
+# The lent H200 (device tool), from the repository root here:
+#     bash scripts/gpu_wheels.sh
+#     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=570)
+# and the figures come back in $OUT/gpu_check.json and $OUT/summary.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "${PYTHON:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi -L || true
+exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"

@@ -1,0 +1,126 @@
+"""eagle3's device paths on tiny random models: HF extraction, bf16 training with the fused loss and its resume,
+and the built-in speculative decoder's exactness, on the device `EAGLE3_TEST_DEVICE` names (default `cuda`).
+
+    EAGLE3_TEST_DEVICE=cuda pytest -q -m gpu tests/test_gpu.py      # scripts/gpu_check.sh runs this first
+    EAGLE3_TEST_DEVICE=cpu pytest -q -m gpu tests/test_gpu.py       # the same on the CPU (gpu_check.sh --cpu)
+
+Marked `gpu`, so the default selection leaves them out; on the CPU they repeat what the fast suite checks, which
+is the point: the GPU run and the CPU run are one file, and `tests/test_gpu_check.py` keeps it working between
+GPU sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from models import checkpoint_differences, make_prepared, tiny_llama, tiny_target_cfg
+from tokenizer_builders import llama_test_tokenizer
+
+pytestmark = pytest.mark.gpu
+DEVICE = os.environ.get("EAGLE3_TEST_DEVICE", "cuda")
+VOCAB = 512
+ON_GPU = DEVICE.startswith("cuda")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    if ON_GPU and not torch.cuda.is_available():
+        pytest.skip("EAGLE3_TEST_DEVICE=cuda but torch sees no CUDA device")
+    root = tmp_path_factory.mktemp("gpu")
+    target = tiny_llama(root / "target", vocab=VOCAB, layers=6)
+    llama_test_tokenizer(target, vocab_size=VOCAB)
+    prepared = make_prepared(root / "prepared", n=24, n_eval=4, vocab=VOCAB, draft_vocab=64, max_len=48)
+    with pytest.MonkeyPatch.context() as mp:
+        if not ON_GPU:
+            mp.setenv("ACCELERATE_USE_CPU", "true")  # accelerate would take a GPU if there were one
+        yield {"root": root, "target": target, "prepared": prepared}
+
+
+def _cfg(world, out: str, dtype: str = "bfloat16", **train):
+    cfg = tiny_target_cfg(world["target"], world["prepared"], world["root"] / out)
+    cfg.extract.cache_dir = str(world["root"] / f"cache-{dtype}")
+    cfg.target.device, cfg.target.dtype = DEVICE, dtype
+    cfg.draft.vocab_size = 64
+    t = cfg.train
+    t.batch_tokens, t.ttt_steps, t.lr, t.warmup_ratio, t.log_every, t.eval_every = 256, 3, 3e-3, 0.2, 1, 100
+    t.mixed_precision = "bf16" if dtype == "bfloat16" else "no"
+    for k, v in train.items():
+        setattr(t, k, v)
+    return cfg
+
+
+def _log(out: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def test_hf_extraction_on_the_device_matches_the_reference(world):
+    from eagle3.extract import run as extract
+    from eagle3.verify_extraction import run as verify_extraction
+
+    for dtype in ("bfloat16", "float32"):
+        cfg = _cfg(world, f"extract-{dtype}", dtype)
+        extract(cfg)
+        assert verify_extraction(cfg, source=cfg.extract.cache_dir, num_samples=3) == 0, dtype
+
+
+def test_bf16_training_with_the_fused_loss_learns_and_resumes(world, monkeypatch):
+    """bf16 autocast on the device, the fused lm_head + soft-CE; a crash after the step-4 checkpoint, then the
+    same command again. On the CPU the resumed run is byte-identical; on a GPU, kernels that add with atomics
+    (attention's backward) may differ in the last bits, so there the losses must agree to bf16 precision."""
+    from eagle3 import trainer
+    from eagle3.extract import run as extract
+
+    extract(_cfg(world, "extract-bfloat16"))
+    kw = dict(max_steps=8, save_every=4)
+    straight = _cfg(world, "straight", **kw)
+    trainer.run(straight)
+    log = _log(world["root"] / "straight")
+    assert sorted(log) == list(range(1, 9)) and log[8]["loss"] < log[1]["loss"]
+
+    crashed = _cfg(world, "crashed", **kw)
+    real_save = trainer.save_checkpoint
+
+    def save_then_die(accelerator, model, cfg, state, *a):
+        path = real_save(accelerator, model, cfg, state, *a)
+        if state.step == 4:
+            raise KeyboardInterrupt("simulated kill after the step-4 checkpoint")
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(crashed)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    trainer.run(crashed)
+    resumed = _log(world["root"] / "crashed")
+    for step in range(1, 9):
+        if ON_GPU:
+            assert resumed[step]["loss"] == pytest.approx(log[step]["loss"], rel=2e-2), step
+        else:
+            assert resumed[step]["loss"] == log[step]["loss"], step
+    if not ON_GPU:
+        assert checkpoint_differences(straight.checkpoint_dir / "step_8", crashed.checkpoint_dir / "step_8") == []
+
+
+def test_speculative_decoding_on_the_device_is_exact_in_float32(world):
+    """The built-in evaluator's speculative decoding equals plain greedy decoding token for token in float32,
+    with a head trained here on the device."""
+    from eagle3 import trainer
+    from eagle3.evaluate import run as evaluate
+    from eagle3.extract import run as extract
+
+    cfg = _cfg(world, "fp32", "float32", max_steps=6, save_every=6)
+    extract(cfg)
+    trainer.run(cfg)
+    prompts = world["root"] / "prompts.jsonl"
+    prompts.write_text('{"turns": ["Hello there", "And again?"]}\n{"prompt": "Count to ten"}\n')
+    cfg.eval.prompt_sets = [str(prompts), "eval-split"]
+    cfg.eval.max_new_tokens = 24
+    report = evaluate(cfg)
+    for name, s in report["sets"].items():
+        assert s["greedy_mismatches"] == 0, (name, s)
+        assert s["tau"] == pytest.approx(1 + sum(s["acceptance_rate"])), name
