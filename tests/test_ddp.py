@@ -51,13 +51,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT = "{port}"
+PORT_TAKEN = ("Address already in use", "EADDRINUSE")
+
+
+def run_launcher(cmd: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """`cmd` with PORT replaced by a free port, run again on a fresh one when another process bound the probed
+    port first: a port cannot be held from the probe to the launcher's own bind, so a busy machine can take it in
+    between (a launch that fails this way has not trained a step)."""
+    for _ in range(3):
+        port = str(free_port())
+        r = subprocess.run([port if a == PORT else a for a in cmd], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=timeout)
+        if r.returncode == 0 or not any(m in r.stderr for m in PORT_TAKEN):
+            return r
+    return r
+
+
 def launch_two_cpu_processes(script: Path, config: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), str(script), str(config)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+           "--main_process_port", PORT, str(script), str(config)]
+    return run_launcher(cmd, env, timeout)
 
 
 def test_two_process_ddp_ranks_agree(tiny_cache, tmp_path):  # noqa: F811
@@ -109,9 +126,9 @@ def test_train_py_with_the_cpu_recipe(tiny_cache, tmp_path):  # noqa: F811
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "recipes/accelerate/cpu-2proc.yaml"), "--main_process_port", str(free_port()),
+           str(REPO / "recipes/accelerate/cpu-2proc.yaml"), "--main_process_port", PORT,
            str(REPO / "train.py"), "--config", str(config)]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    r = run_launcher(cmd, env)
     assert r.returncode == 0, r.stderr[-6000:]
     assert "2 process(es)" in r.stderr
     from eagle3.formats import load_draft

@@ -27,7 +27,7 @@ from eagle3.config import dump_config
 sys.path.append(str(Path(__file__).parent))  # tests/ helpers (appended: never shadow installed packages)
 import test_trainer  # noqa: E402
 from models import checkpoint_differences  # noqa: E402
-from test_ddp import free_port  # noqa: E402
+from test_ddp import PORT, run_launcher  # noqa: E402
 from test_trainer import make_cfg, read_log  # noqa: E402
 
 tiny_cache = test_trainer.tiny_cache  # the shared module-scoped fixture
@@ -66,7 +66,6 @@ RUNNER = textwrap.dedent("""
 
 
 def _launch(tmp_path: Path, config: Path, crash_at: int = 0):
-    import subprocess
 
     settings = yaml.safe_load(FSDP_YAML.read_text())
     assert settings["distributed_type"] == "FSDP" and settings["fsdp_config"]["fsdp_version"] == 2
@@ -78,8 +77,8 @@ def _launch(tmp_path: Path, config: Path, crash_at: int = 0):
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "CRASH_AFTER_CHECKPOINT": str(crash_at)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher),
-           "--main_process_port", str(free_port()), str(script), str(config)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+           "--main_process_port", PORT, str(script), str(config)]
+    return run_launcher(cmd, env)
 
 
 @pytest.mark.slow

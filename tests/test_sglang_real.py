@@ -260,17 +260,46 @@ def test_fp8_extraction_through_sglang(case):
 
 
 def test_online_training_through_sglang(case):
-    """extract.mode: online: the trainer asks the server for every batch's states while the head trains."""
+    """extract.mode: online: the trainer asks the server for every batch's states while the head trains, and
+    trains what the same steps on the server's offline cache train (a finite loss alone would pass a trainer fed
+    states of the wrong layer or sample)."""
     from eagle3 import trainer
+    from eagle3.extract import run as extract
 
-    cfg = case["cfg"].model_copy(deep=True)
+    offline = case["cfg"].model_copy(deep=True)
+    offline.output_dir = str(case["root"] / "offline")
+    offline.data.output_dir = str(case["cfg"].prepared_dir)
+    offline.extract.cache_dir = str(case["cfg"].cache_dir)
+    extract(offline)  # the cache of test_extract_then_verify_against_hf, or made here when run alone
+    trainer.run(offline)
+    cfg = offline.model_copy(deep=True)
     cfg.output_dir = str(case["root"] / "online")
-    cfg.data.output_dir = str(case["cfg"].prepared_dir)
     cfg.extract.mode = "online"
     metrics = trainer.run(cfg)
     assert metrics["step"] == 3 and torch.isfinite(torch.tensor(metrics["loss"]))
     assert (cfg.checkpoint_dir / "step_3" / "draft" / "model.safetensors").is_file()
     assert not list(Path(cfg.target.sglang.dump_dir).glob("*.safetensors"))
+    # What the trainer is handed, batch by batch, online and from the cache: the same samples in the same order,
+    # and the same states up to the server batching them otherwise (a losses comparison cannot tell: an untrained
+    # head's loss is ~log(vocab) whatever it is fed).
+    from contextlib import closing
+
+    from eagle3.batching import plan_epoch
+    from eagle3.data.prepared import load_prepared
+    from eagle3.trainer import open_datasets
+
+    cached, live = open_datasets(offline)[0], open_datasets(cfg)[0]
+    where = {sid: j for j, sid in enumerate(load_prepared(cfg.prepared_dir).train["id"])}  # the cache keeps its
+    to_live = [where[cached[i]["sample_id"]] for i in range(len(cached))]                  # own order of samples
+    assert [live.lengths[j] for j in to_live] == list(cached.lengths)
+    batches = plan_epoch(cached.lengths, 256, seed=1, epoch=0).batches
+    live_batches = [[to_live[i] for i in b] for b in batches]
+    with closing(cached.iter_collated(batches)) as a, closing(live.iter_collated(live_batches)) as b:
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+            for key in ("aux", "final"):
+                torch.testing.assert_close(y[key].float(), x[key].float(), rtol=1e-3, atol=1e-3, msg=key)
+            assert (x["target_argmax"] == y["target_argmax"]).float().mean() > 0.98
 
 
 def test_a_launched_capture_server_dies_with_a_killed_client(tmp_path, sglang_env):

@@ -23,8 +23,8 @@ class FakeMachine:
         monkeypatch.setattr(threads, "cores", lambda: cores)
         monkeypatch.setattr(threads, "_machine_busy_s", lambda: self.busy)
         monkeypatch.setattr(threads, "_own_s", lambda: self.own)
-        monkeypatch.setattr(threads.time, "monotonic", lambda: self.now)
-        monkeypatch.setattr(threads.time, "sleep", self.advance)
+        monkeypatch.setattr(threads, "monotonic", lambda: self.now)  # this module's clock, not the time module's
+        monkeypatch.setattr(threads, "sleep", self.advance)
         monkeypatch.setattr(threads, "_auto", threads._Auto())
 
     def advance(self, seconds: float, own_cores: float = 0.0) -> None:
