@@ -11,11 +11,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    "${PYTHON:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+PY="${PYTHON:-python3}"
+# Only where eagle3's own needs are missing (the device): a development venv keeps its packages.
+if ! "$PY" -c "import datasets, pydantic" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L || true
-exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"
+exec "$PY" scripts/gpu_check.py "$@"
