@@ -31,6 +31,7 @@ from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.logs import Progress, setup_logging
 from eagle3.prompts import Prompt, PromptSet, load_prompt_set
+from eagle3.report import by_category
 from eagle3.specdec import AcceptanceStats, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 from eagle3.targets.hf import eos_ids, load_target
 from eagle3.targets.info import TargetInfo
@@ -150,23 +151,6 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     return result, rendered
 
 
-def by_category(per_turn: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """τ per prompt category (MT-Bench's eight: coding and extraction draft easily, writing and roleplay do not),
-    pooled over the category's verify steps as the set's τ is; {} when the prompts name no category."""
-    out: dict[str, dict[str, Any]] = {}
-    for t in per_turn:
-        if t.get("category") is None:
-            continue
-        c = out.setdefault(t["category"], {"turns": 0, "verify_steps": 0, "accepted_plus_bonus": 0.0})
-        c["turns"] += 1
-        if t["verify_steps"]:
-            c["verify_steps"] += t["verify_steps"]
-            c["accepted_plus_bonus"] += t["tau"] * t["verify_steps"]
-    for c in out.values():
-        c["tau"] = c.pop("accepted_plus_bonus") / c["verify_steps"] if c["verify_steps"] else float("nan")
-    return dict(sorted(out.items()))
-
-
 def _turns(prompt: Prompt) -> list[str | None]:
     return [None] if prompt.token_ids is not None else list(prompt.turns)
 
@@ -243,8 +227,9 @@ def _user(text: str) -> Any:
 
 
 def write_report(report: dict[str, Any], eval_dir: Path) -> None:
-    from eagle3.report import plot, summary_lines, write_json
+    from eagle3.report import card, plot, summary_lines, write_json
 
+    report["card"] = card(report)
     write_json(report, eval_dir / "report.json")
     plot(report, eval_dir / "report.png")
     for line in summary_lines(report):

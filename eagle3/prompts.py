@@ -1,11 +1,13 @@
-"""Prompt sets for the evaluator: MT-Bench, the prepared eval split, or any JSONL of prompts.
+"""Prompt sets for the evaluator: MT-Bench, the prepared eval split, any JSONL of prompts or a `datasets` folder.
 
 - `mt-bench`: the 80 MT-Bench questions (FastChat, Apache-2.0; shipped as eagle3/assets/mt_bench_question.jsonl,
   see its README). Two turns each: the second turn is asked after the model's OWN first answer, as MT-Bench does.
 - `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
   (assistant) token, i.e. the first user turn already rendered with the generation prompt.
 - a path to a JSONL file: one object per line, `{"prompt": "..."}` or `{"turns": ["...", "..."]}`
-  (optional `"id"`).
+  (optional `"id"`, `"category"`).
+- `FOLDER:FIELD`: a local HF `datasets` folder (`save_to_disk`, e.g. GSM8K's test split as `/data/gsm8k:question`),
+  FIELD its text column (optional `id` and `category` columns).
 
 Text turns are rendered later, by the evaluator, with the target's chat template.
 """
@@ -44,7 +46,8 @@ def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
     """`{"prompt": str}` or `{"turns": [str, ...]}` per line; errors name the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, eval-split, or a JSONL path)")
+        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, eval-split, a JSONL path, "
+                                "or a datasets folder as FOLDER:FIELD)")
     prompts: list[Prompt] = []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -70,6 +73,30 @@ def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
     return PromptSet(name or p.stem, prompts)
 
 
+def read_hf_prompts(spec: str, name: str | None = None) -> PromptSet:
+    """A local HF `datasets` folder (`save_to_disk`) as a prompt set: `FOLDER:FIELD`, FIELD the text column (a
+    string is one turn, a list of strings the turns of one dialogue); `id` and `category` columns are used when
+    there are. A DatasetDict takes its `test` split, else its first."""
+    from datasets import DatasetDict, load_from_disk
+
+    folder, _, column = spec.rpartition(":")
+    ds = load_from_disk(folder)
+    if isinstance(ds, DatasetDict):
+        ds = ds["test"] if "test" in ds else ds[next(iter(ds))]
+    if column not in ds.column_names:
+        raise ValueError(f"prompt set {spec}: the dataset has no column {column!r} (columns: {ds.column_names})")
+    prompts = []
+    for i, row in enumerate(ds):
+        text = row[column]
+        turns = [text] if isinstance(text, str) else list(text or [])
+        if not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(f"prompt set {spec}: row {i}: {column!r} must be a non-empty string or list of them")
+        prompts.append(Prompt(str(row.get("id", f"{Path(folder).name}-{i}")), turns, category=row.get("category")))
+    if not prompts:
+        raise ValueError(f"prompt set {spec}: no rows")
+    return PromptSet(name or Path(folder).name, prompts)
+
+
 def mt_bench() -> PromptSet:
     return read_jsonl_prompts(MT_BENCH, "mt-bench")
 
@@ -92,13 +119,16 @@ def eval_split(prepared_dir: str | Path) -> PromptSet:
 
 
 def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_prompts: int | None = None) -> PromptSet:
-    """`mt-bench`, `eval-split` (needs `prepared_dir`) or a JSONL path; keep the first `max_prompts`."""
+    """`mt-bench`, `eval-split` (needs `prepared_dir`), a JSONL path or a `datasets` folder as `FOLDER:FIELD`;
+    keep the first `max_prompts`."""
     if name == "mt-bench":
         ps = mt_bench()
     elif name == "eval-split":
         if prepared_dir is None:
             raise ValueError("prompt set eval-split needs the prepared data folder")
         ps = eval_split(prepared_dir)
+    elif ":" in name and Path(name.rpartition(":")[0]).is_dir():
+        ps = read_hf_prompts(name)
     else:
         ps = read_jsonl_prompts(name)
     if max_prompts is not None:

@@ -40,7 +40,8 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     sets: dict[str, dict[str, Any]] = report["sets"]
     names = list(sets)
     s = report.get("settings", {})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    with_categories = [n for n in names if sets[n].get("categories")]
+    fig, axes = plt.subplots(1, 3 + bool(with_categories), figsize=(15 + 5 * bool(with_categories), 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
     ax = axes[0]
@@ -90,6 +91,9 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_title(f"Decoding speed ({report.get('device', 'cpu')})")
     ax.legend(fontsize=9, loc="upper center", ncol=2)
 
+    if with_categories:
+        _categories_panel(axes[3], sets, with_categories, colors)
+
     shape = (f"steps {s.get('num_steps')} · topk {s.get('topk')} · draft tokens {s.get('num_draft_tokens')} · "
              f"T={s.get('temperature')} · max_new {s.get('max_new_tokens')}")
     target = Path(str(report.get("target", {}).get("path", "target"))).name
@@ -102,6 +106,70 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _categories_panel(ax: Any, sets: dict[str, dict[str, Any]], names: list[str], colors: list[str]) -> None:
+    """τ per prompt category (MT-Bench's eight), one group of bars per category, one bar per set."""
+    cats = sorted({c for n in names for c in sets[n]["categories"]})
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        taus = [_num(sets[n]["categories"].get(c, {}).get("tau")) for c in cats]
+        ax.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(cats))], taus, width,
+               color=colors[i % len(colors)], label=n)
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right", fontsize=9)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_ylabel("τ")
+    ax.set_title("τ per prompt category")
+    ax.legend(fontsize=9)
+
+
+def by_category(per_turn: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """τ per prompt category (MT-Bench's eight: coding and extraction draft easily, writing and roleplay do not),
+    pooled over the category's verify steps as the set's τ is; {} when the prompts name no category."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in per_turn:
+        if t.get("category") is None:
+            continue
+        c = out.setdefault(t["category"], {"turns": 0, "verify_steps": 0, "accepted_plus_bonus": 0.0})
+        c["turns"] += 1
+        if t["verify_steps"]:
+            c["verify_steps"] += t["verify_steps"]
+            c["accepted_plus_bonus"] += t["tau"] * t["verify_steps"]
+    for c in out.values():
+        c["tau"] = c.pop("accepted_plus_bonus") / c["verify_steps"] if c["verify_steps"] else float("nan")
+    return dict(sorted(out.items()))
+
+
+def card(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows a published head's card gives: one per prompt set, then one per category of a set that has them
+    (`set/category`), at the report's settings: turns, τ, acceptance per draft position, tokens per target
+    forward and speed-up (a category has τ and turns only: speed is measured per set)."""
+    rows = []
+    for name, r in report["sets"].items():
+        rows.append({"set": name, "turns": r.get("turns"), "tau": r.get("tau"),
+                     "acceptance_rate": r.get("acceptance_rate") or [],
+                     "tokens_per_forward": r.get("tokens_per_forward"), "speedup": r.get("speedup")})
+    for name, r in report["sets"].items():
+        for cat, c in (r.get("categories") or {}).items():
+            rows.append({"set": f"{name}/{cat}", "turns": c["turns"], "tau": c["tau"]})
+    return rows
+
+
+def card_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """`card` as a fixed-width table."""
+    positions = max((len(r.get("acceptance_rate") or []) for r in rows), default=0)
+    width = max([len("prompt set"), *(len(r["set"]) for r in rows)])
+    head = (f"{'prompt set':<{width}}  turns      τ  " + "".join(f"acc@{j + 1:<3}" for j in range(positions))
+            + "tok/fwd  speed-up")
+    lines = [head]
+    for r in rows:
+        acc = r.get("acceptance_rate") or []
+        cells = "".join(f"{100 * a:5.0f}% " if j < len(acc) else "     - " for j, a in
+                        enumerate(acc + [0.0] * (positions - len(acc))))
+        fwd, up = r.get("tokens_per_forward"), r.get("speedup")
+        lines.append(f"{r['set']:<{width}}  {r['turns']:>5}  {_num(r['tau']):5.3f}  {cells}"
+                     + (f"{fwd:7.2f}  {up:7.2f}x" if fwd is not None and up is not None else "      -         -"))
+    return lines
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -123,6 +191,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         if r.get("categories"):
             lines.append(f"  {name} per category: " + ", ".join(
                 f"{cat} τ={c['tau']:.3f} ({c['turns']} turns)" for cat, c in r["categories"].items()))
+    rows = report.get("card") or card(report)
+    if len(rows) > 1:
+        lines += card_lines(rows)
     for engine, r in (report.get("engines") or {}).items():
         line = f"{engine}: τ={r.get('tau', float('nan')):.3f}"
         if r.get("sglang_accept_length") is not None:

@@ -369,3 +369,75 @@ def test_tau_per_category_pools_its_verify_steps(tmp_path, capsys):
     assert "cats per category: coding τ=" in capsys.readouterr().out
     saved = json.loads((cfg.eval_dir / "report.json").read_text())
     assert saved["sets"]["cats"]["categories"] == json.loads(json.dumps(cats))
+
+
+def test_two_prompt_sets_print_one_card_and_a_datasets_folder_is_a_prompt_set(tmp_path, capsys):
+    """`eagle3 eval` on a JSONL set with categories and a local HF `datasets` folder (FOLDER:FIELD): one table
+    of every set and every category, printed and in report.json with the same numbers as the sets'."""
+    from datasets import Dataset
+
+    from eagle3.evaluate import run
+
+    cfg = _setup(tmp_path)
+    prompts = tmp_path / "cats.jsonl"
+    prompts.write_text('{"id": "a", "category": "coding", "turns": ["Write a loop"]}\n'
+                       '{"id": "b", "category": "writing", "turns": ["Write a poem"]}\n')
+    Dataset.from_dict({"question": ["What is 2+2?", "Name a colour"], "answer": ["4", "red"]}).save_to_disk(
+        str(tmp_path / "gsm"))
+    cfg.eval.prompt_sets = [str(prompts), f"{tmp_path / 'gsm'}:question"]
+    report = run(cfg)
+    saved = json.loads((cfg.eval_dir / "report.json").read_text())
+    assert saved["sets"]["gsm"]["turns"] == 2 and saved["sets"]["gsm"]["greedy_mismatches"] == 0
+    rows = {r["set"]: r for r in saved["card"]}
+    assert list(rows) == ["cats", "gsm", "cats/coding", "cats/writing"]
+    for name in ("cats", "gsm"):
+        s = saved["sets"][name]
+        assert (rows[name]["tau"], rows[name]["acceptance_rate"], rows[name]["speedup"]) == (
+            s["tau"], s["acceptance_rate"], s["speedup"])
+    assert rows["cats/coding"]["tau"] == report["sets"]["cats"]["categories"]["coding"]["tau"]
+    out = capsys.readouterr().out
+    table = out[out.index("prompt set"):].splitlines()
+    assert table[0].split()[:3] == ["prompt", "set", "turns"] and "speed-up" in table[0]
+    assert [line.split()[0] for line in table[1:5]] == ["cats", "gsm", "cats/coding", "cats/writing"]
+    assert f"{saved['sets']['gsm']['tau']:5.3f}" in table[2]
+    assert (cfg.eval_dir / "report.png").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no column 'text'.*question"):
+        from eagle3.prompts import load_prompt_set
+
+        load_prompt_set(f"{tmp_path / 'gsm'}:text")
+
+
+def test_sglang_alone_reports_categories_that_add_up_and_survives_a_turn_that_ends_at_once(tmp_path, monkeypatch):
+    """`eval.builtin: false` (SGLang decodes every turn): τ per category from each turn's own counters, pooled as
+    the set's τ is; a turn whose prefill token ended it (no spec_verify_ct) counts no verify step."""
+    from contextlib import contextmanager
+
+    from eagle3.engines import sglang_eval
+    from eagle3.prompts import Prompt, PromptSet
+
+    cfg = _setup(tmp_path)
+    metas = iter([{"completion_tokens": 9, "spec_verify_ct": 4}, {"completion_tokens": 1},
+                  {"completion_tokens": 7, "spec_verify_ct": 2}])
+
+    @contextmanager
+    def serving(cfg, draft_folder):
+        yield "http://fake", draft_folder
+
+    monkeypatch.setattr(sglang_eval, "serving", serving)
+    monkeypatch.setattr(sglang_eval, "generate", lambda url, ids, cfg, stop: {"meta_info": next(metas),
+                                                                              "output_ids": [5, 6]})
+
+    class Render:
+        def __call__(self, history):
+            return [1, 2, 3]
+
+        def answer(self, tokens, eos):
+            return "ok"
+
+    ps = PromptSet("cats", [Prompt("a", ["Write a loop", "Now in C"], category="coding"),
+                            Prompt("b", ["Write a poem"], category="writing")])
+    pooled, _ = sglang_eval.run_sglang_dialogues(cfg, [ps], Render(), tmp_path)
+    r = pooled["sets"]["cats"]
+    assert r["turns"] == 3 and r["verify_steps"] == 6 and r["tau"] == pytest.approx((8 + 6) / 6)
+    assert r["categories"]["coding"] == {"turns": 2, "verify_steps": 4, "tau": pytest.approx(8 / 4)}
+    assert r["categories"]["writing"]["tau"] == pytest.approx(6 / 2)

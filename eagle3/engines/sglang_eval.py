@@ -65,6 +65,13 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def turn_steps(meta: dict[str, Any]) -> dict[str, Any]:
+    """One turn's verify steps and τ (None when its prefill token ended it), counted as parse_sglang_meta pools
+    them: the per-category figures add back up to the set's."""
+    steps = int(meta.get("spec_verify_ct", 0))
+    return {"verify_steps": steps, "tau": (int(meta["completion_tokens"]) - 1) / steps if steps else None}
+
+
 def eagle3_flags(cfg: Config, target_path: str, draft: Path) -> list[str]:
     """`sglang.launch_server` flags that serve the target with the head as its EAGLE-3 draft."""
     from eagle3.targets.sglang import target_flags
@@ -147,6 +154,7 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
     from eagle3.data.types import Turn
     from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
+    from eagle3.report import by_category
 
     stop = stop_token_ids(cfg)
     results: dict[str, Any] = {}
@@ -155,7 +163,7 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
     total = sum(ps.num_turns for ps in sets)
     with serving(cfg, draft_folder) as (url, draft), Progress(total, "sglang", unit="turn") as progress:
         for ps in sets:
-            set_metas, rendered[ps.name] = [], []
+            set_metas, rendered[ps.name], per_turn = [], [], []
             for prompt in ps.prompts:
                 hist: list[Turn] = []
                 for text in ([None] if prompt.token_ids is not None else list(prompt.turns)):
@@ -166,11 +174,14 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
                         ids = render(hist)
                     out = generate(url, ids, cfg, stop)
                     set_metas.append(out.get("meta_info", {}))
+                    per_turn.append({"category": prompt.category, **turn_steps(set_metas[-1])})
                     rendered[ps.name].append(ids)
                     if text is not None:
                         hist.append(Turn("assistant", render.answer(out.get("output_ids") or [], set(stop))))
                     progress.update(1, tau=f"{parse_sglang_meta(set_metas)['tau']:.2f}")
             results[ps.name] = {**parse_sglang_meta(set_metas), "turns": len(set_metas), "prompts": len(ps.prompts)}
+            if categories := by_category(per_turn):
+                results[ps.name]["categories"] = categories
             metas += set_metas
     pooled = parse_sglang_meta(metas)
     pooled.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop, sets=results)
