@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
+from torch.profiler import record_function
 from transformers import DeepseekV3Config, LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
@@ -590,23 +591,26 @@ def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows
     b, t = input_ids.shape
     flat_pos = torch.arange(t, device=input_ids.device).repeat(b)
     keep = rows.keep[0]
-    q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1), hidden0, flat_pos.view(b, t))
-    scale = draft.attn_scale
-    out = attend(rows.pack(0, _rows(q)[keep]), k0, v0, [], [], rows.q_pos[0], scale)
-    hidden = draft.block(hidden0.reshape(b * t, -1)[keep], rows.unpack(0, out))  # [M0, H]
-    states = [draft.norm(hidden[rows.score[0]])]
+    with record_function("ttt_step_0"):  # named in a torch.profiler trace (benchmarks/bench_profile.py); free else
+        q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1), hidden0, flat_pos.view(b, t))
+        scale = draft.attn_scale
+        out = attend(rows.pack(0, _rows(q)[keep]), k0, v0, [], [], rows.q_pos[0], scale)
+        hidden = draft.block(hidden0.reshape(b * t, -1)[keep], rows.unpack(0, out))  # [M0, H]
+        states = [draft.norm(hidden[rows.score[0]])]
     ks: list[Tensor] = []  # step i's keys and values at the rows of keep[i] (i = 1, 2, ...)
     vs: list[Tensor] = []
     for j in range(1, rows.steps):
-        keep = rows.keep[j]
-        hidden = draft.handoff(hidden[rows.parent[j]])
-        ids = shift_tokens(input_ids, 1 + j).flatten()[keep]
-        q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
-        ks.append(k[0].transpose(0, 1))
-        vs.append(v[0].transpose(0, 1))
-        at = [rows.within(i + 1, j) for i in range(len(ks))]
-        out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0, [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
-                     [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)], rows.q_pos[j], scale)
-        hidden = draft.block(hidden, rows.unpack(j, out))
-        states.append(draft.norm(hidden[rows.score[j]]))
+        with record_function(f"ttt_step_{j}"):
+            keep = rows.keep[j]
+            hidden = draft.handoff(hidden[rows.parent[j]])
+            ids = shift_tokens(input_ids, 1 + j).flatten()[keep]
+            q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
+            ks.append(k[0].transpose(0, 1))
+            vs.append(v[0].transpose(0, 1))
+            at = [rows.within(i + 1, j) for i in range(len(ks))]
+            out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0,
+                         [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
+                         [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)], rows.q_pos[j], scale)
+            hidden = draft.block(hidden, rows.unpack(j, out))
+            states.append(draft.norm(hidden[rows.score[j]]))
     return states

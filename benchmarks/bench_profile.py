@@ -1,0 +1,88 @@
+"""Where a training step's time goes: torch.profiler over optimizer steps of the real objective (eagle3.objective)
+on synthetic features, by operator and by phase (each TTT step's forward, the loss, the backward, the optimizer).
+
+    python benchmarks/bench_profile.py --precision bf16 --ttt 4 --threads 2          # SmolLM2-135M head shapes
+    python benchmarks/bench_profile.py --precision fp32 --ttt 4 --threads 2
+
+Shapes (defaults): the SmolLM2-135M head of configs/smollm2-135m.yaml (hidden 576, 9 heads x 64, 3 KV heads, MLP
+1536, target vocab 49152, draft vocab 8192) on one micro-batch of `--tokens` (1024: two 512-token samples, 73% of
+them assistant tokens, ShareGPT's share), the shape of BENCHMARKS.md "Training speed"'s side-by-side with
+SpecForge. fp32 weights; `bf16` runs the step under CPU autocast as `train.mixed_precision: bf16` does. The
+states are random: the time of a step does not depend on their values. Prints the top operators by self CPU time
+and the phase table; one warm-up step is not profiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from gpu_check import Sizes, _head  # noqa: E402  (the synthetic head and teacher of the GPU check)
+
+SMOLLM2 = Sizes(576, 9, 64, 1536, 49152, (8192,), (1024,), (4,), {}, 0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--ttt", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from eagle3.config import TrainConfig
+    from eagle3.loss import lm_head_argmax
+    from eagle3.objective import Objective
+
+    torch.set_num_threads(a.threads)
+    device = torch.device("cpu")
+    model, teacher, lm_head = _head(SMOLLM2, "llama", SMOLLM2.draft_vocabs[0], device)
+    h, v, n = SMOLLM2.hidden, SMOLLM2.vocab, a.tokens // 2
+    mask = torch.zeros(2, n, dtype=torch.long)
+    mask[:, int(n * 0.27):] = 1
+    final = torch.randn(2, n, h, dtype=torch.bfloat16)
+    batch = {"aux": torch.randn(2, n, 3 * h, dtype=torch.bfloat16), "final": final,
+             "input_ids": torch.randint(0, v, (2, n)), "loss_mask": mask, "lengths": torch.tensor([n, n]),
+             "target_argmax": lm_head_argmax(lm_head, final.flatten(0, 1), 8192).to(torch.int32).view(2, n)}
+    objective = Objective(teacher, TrainConfig(ttt_steps=a.ttt))
+    planned = objective.plan(batch)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16")
+
+    def step() -> None:
+        with record_function("forward+loss"), autocast:
+            loss, _ = objective.loss(model, planned)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    step()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(a.steps):
+            step()
+    seconds = (time.perf_counter() - t0) / a.steps
+    print(f"{a.precision}, TTT {a.ttt}, {a.tokens} tokens, {a.threads} threads: {seconds * 1e3:.0f} ms/step "
+          f"({a.tokens / seconds:.0f} tokens/s, profiled)")
+    events = prof.key_averages()
+    phases = [e for e in events if e.key in {"forward+loss", "backward", "optimizer"} or e.key.startswith("ttt_step_")]
+    total = sum(e.cpu_time_total for e in phases if e.key in {"forward+loss", "backward", "optimizer"})
+    print("\nphase                  ms/step   share")
+    for e in sorted(phases, key=lambda e: e.key):
+        print(f"{e.key:<20} {e.cpu_time_total / a.steps / 1e3:9.1f}  {e.cpu_time_total / total:6.1%}")
+    print(f"\ntop {a.top} operators by self CPU time")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=40))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
