@@ -346,3 +346,67 @@ def _wait_until_gone(port: str, timeout_s: float = 120) -> None:
     while pids := _processes_serving(port):
         assert time.monotonic() - t0 < timeout_s, f"the killed client's SGLang server {pids} is still running"
         time.sleep(1)
+
+
+def test_two_servers_and_two_extraction_ranks_write_one_cache(tmp_path, sglang_env):
+    """docs/scale-out.md's several servers per node: target.sglang.url lists one server per process of the node,
+    two extraction ranks (RANK/LOCAL_RANK 0 and 1 of WORLD_SIZE 2) each talk to their own server and dump folder
+    and write one cache. Rank 1 is SIGKILLed mid-way and re-run alone. The cache holds every sample once, with the
+    states a one-process extraction writes (to SGLang's batching noise), and no dump is left behind."""
+    from eagle3.cache import HiddenStateDataset
+    from eagle3.prepare import run as prepare
+    from eagle3.targets.sglang import capture_flags, server_address, server_env
+    from eagle3.targets.sglang_server import SGLangServer
+
+    target = build_target("llama", tmp_path / "target")
+    cfg = base_cfg("llama", 1, tmp_path, target, chats(tmp_path / "chats.jsonl"))
+    prepare(cfg)
+    servers = []
+    try:
+        for i in (0, 1):
+            if DEVICE == "cpu":
+                os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = str(i)  # one core each
+            cfg.target.sglang.url = ["http://unused:1", "http://unused:2"]
+            _, dump = server_address(cfg.target.sglang, i)
+            servers.append(SGLangServer(capture_flags(cfg, str(target)), server_env(dump, IDS["llama"], "llama"),
+                                        tmp_path / f"server{i}.log", timeout_s=900, what=f"server {i}").__enter__())
+        one = cfg.model_copy(deep=True)
+        one.target.sglang.url, one.extract.cache_dir = servers[0].url, str(tmp_path / "cache-one")
+        one.target.sglang.dump_dir = str(tmp_path / "dump" / "0")
+        r = eagle3_cli("extract", "--config", str(write_cfg(one, tmp_path / "one.yaml")))
+        assert r.returncode == 0, r.stderr[-4000:]
+
+        two = cfg.model_copy(deep=True)
+        two.target.sglang.url, two.extract.cache_dir = [s.url for s in servers], str(tmp_path / "cache-two")
+        two_file = write_cfg(two, tmp_path / "two.yaml")
+        cmd = [sys.executable, "-m", "eagle3.cli", "extract", "--config", str(two_file)]
+
+        def env(rank: int, **extra: str) -> dict[str, str]:
+            return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", **extra}
+
+        procs = [subprocess.Popen(cmd, cwd=REPO, env=env(0), stderr=subprocess.PIPE, text=True),
+                 subprocess.Popen(cmd, cwd=REPO, env=env(1, **kill_after_batches(1)), stderr=subprocess.PIPE,
+                                  text=True)]
+        errs = [p.communicate(timeout=900)[1] for p in procs]
+        assert procs[0].returncode == 0, errs[0][-3000:]
+        assert procs[1].returncode == -signal.SIGKILL, errs[1][-3000:]
+        assert f"using the SGLang server at {servers[1].url}" in errs[1]
+        r = eagle3_cli("extract", "--config", str(two_file), env={"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"})
+        assert r.returncode == 0, r.stderr[-4000:]
+    finally:
+        for s in servers:
+            s.__exit__(None, None, None)
+    r = eagle3_cli("cache", "info", str(two.cache_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for split in ("train", "eval"):
+        a, b = HiddenStateDataset(one.cache_dir, split), HiddenStateDataset(two.cache_dir, split)
+        rows_a = {a[i]["sample_id"]: a[i] for i in range(len(a))}
+        rows_b = {b[i]["sample_id"]: b[i] for i in range(len(b))}
+        assert rows_a.keys() == rows_b.keys() and len(rows_b) == len(b), split  # every sample once
+        for sid, x in rows_a.items():
+            y = rows_b[sid]
+            assert torch.equal(x["input_ids"], y["input_ids"])
+            for key in ("aux", "final"):
+                torch.testing.assert_close(y[key].float(), x[key].float(), rtol=1e-3, atol=1e-3, msg=f"{sid} {key}")
+    for i in (0, 1):
+        assert not list((tmp_path / "dump" / str(i)).glob("*.safetensors")), i
