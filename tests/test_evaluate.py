@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -283,17 +282,21 @@ def test_vllm_eval_wiring_with_a_stand_in_vllm(tmp_path, monkeypatch):
     assert (cfg.export_dir / "vllm" / "config.json").is_file()
 
 
-@pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not __import__("os").environ.get(
-    "EAGLE3_VLLM_PYTHON"), reason="vllm not installed (set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python)")
-def test_vllm_engine_check_end_to_end(tmp_path):
-    from eagle3.evaluate import run
+def test_a_failed_vllm_run_names_its_root_cause(tmp_path, monkeypatch):
+    """vLLM fails inside its engine process (e.g. a head_dim its CPU attention lacks): the error quotes vLLM's own
+    error line, where it used to tell the user to fix an interpreter that imported vllm fine."""
+    from eagle3.engines import vllm_eval
 
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/sh\necho 'INFO starting'\necho 'RuntimeError: Unsupported CPU attention configuration: "
+                    "head_dim=16' >&2\nexit 1\n")
+    fake.chmod(0o755)
     cfg = _setup(tmp_path, engine="vllm", max_prompts=1)
-    report = run(cfg)
-    v = report["engines"]["vllm"]
-    assert v["num_drafts"] > 0 and 1.0 <= v["tau"] <= cfg.eval.num_steps + 1
-    assert (cfg.export_dir / "vllm" / "config.json").is_file()
+    with pytest.raises(RuntimeError, match=r"exit 1\): RuntimeError: Unsupported CPU attention configuration"):
+        vllm_eval.run_vllm(cfg, cfg.checkpoint_dir / "best", [[1, 2, 3]], python=str(fake))
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'vllm'\" >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="cannot import vllm: set EAGLE3_VLLM_PYTHON"):
+        vllm_eval.run_vllm(cfg, cfg.checkpoint_dir / "best", [[1, 2, 3]], python=str(fake))
 
 
 # ------------------------------------------------------------------------------------- divergence explained

@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +129,33 @@ def compare_greedy(vllm_out: list[list[int]], ref: list[list[int]], stop: list[i
     return {"greedy_same": same, "greedy_compared": len(ref), "greedy_first_diffs": first_diff}
 
 
+def _run_echoing(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, list[str]]:
+    """Run `cmd` with its output passed through to this process's stderr as it comes (vLLM's start takes minutes
+    on a CPU), keeping the last lines to explain a failure."""
+    import collections
+
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        deadline = time.monotonic() + timeout_s
+        for line in proc.stdout:  # type: ignore[union-attr]
+            sys.stderr.write(line)
+            tail.append(line.rstrip("\n"))
+            if time.monotonic() > deadline:
+                proc.kill()
+                tail.append(f"(killed after {timeout_s:.0f} s)")
+                break
+        return proc.wait(), list(tail)
+
+
+def _root_cause(tail: list[str]) -> str:
+    """The line of vLLM's output that says what went wrong."""
+    if any("No module named 'vllm'" in line for line in tail):
+        return ("this interpreter cannot import vllm: set EAGLE3_VLLM_PYTHON to vLLM's virtualenv python "
+                "(bash scripts/setup_vllm_cpu.sh creates one)")
+    errors = [line for line in tail if "Error" in line and ":" in line]
+    return errors[-1].strip() if errors else (tail[-1] if tail else "no output")
+
+
 def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: str | None = None,
              timeout_s: float = 3600, check_greedy: bool = True) -> dict[str, Any]:
     """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters.
@@ -151,11 +179,9 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
                "--num-spec", str(cfg.eval.num_steps), "--temperature", str(cfg.eval.temperature),
                "--max-tokens", str(cfg.eval.max_new_tokens), "--dtype", cfg.target.dtype, "--seed",
                str(cfg.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop)]
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s)
-        if proc.returncode != 0 or not result_file.is_file():
-            raise RuntimeError(f"vLLM check failed (exit {proc.returncode}); command: {' '.join(cmd)}. vLLM must be "
-                               "importable by that interpreter: set EAGLE3_VLLM_PYTHON to vLLM's virtualenv python "
-                               "(bash scripts/setup_vllm_cpu.sh creates one)")
+        code, tail = _run_echoing(cmd, env, timeout_s)
+        if code != 0 or not result_file.is_file():
+            raise RuntimeError(f"vLLM check failed (exit {code}): {_root_cause(tail)}; command: {' '.join(cmd)}")
         raw = json.loads(result_file.read_text())
     result = parse_vllm_metrics(raw["metrics"])
     result.update(draft_export=str(out_dir), prompts=len(prompts), generated_tokens=raw.get("generated_tokens"),
