@@ -107,7 +107,8 @@ def environment(device: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- the parts
 def run_tests(device: Any, out: Path, budget_s: float) -> dict[str, Any]:
     """tests/test_gpu.py on the device, in its own process (a CUDA error there cannot take this run down)."""
-    env = {**os.environ, "EAGLE3_TEST_DEVICE": str(device), "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keeps /tmp/site
+    env = {**os.environ, "EAGLE3_TEST_DEVICE": str(device), "PYTHONPATH": path}
     xml = out / "tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py",
            f"--junitxml={xml}"]
