@@ -189,6 +189,27 @@ def kill_after_checkpoint(step: int) -> dict[str, str]:
     return {"EAGLE3_TEST_KILL_AFTER_CHECKPOINT": str(step), "PYTHONPATH": os.pathsep.join(p for p in path if p)}
 
 
+def run_then_crash_after_checkpoint(monkeypatch, cfg, step: int) -> None:
+    """`eagle3.trainer.run(cfg)` in this process, interrupted right after its step-`step` checkpoint is written
+    (as a kill would leave it), with the trainer's save restored afterwards for the resume."""
+    import pytest
+
+    from eagle3 import trainer
+
+    real_save = trainer.save_checkpoint
+
+    def save_then_die(accelerator, model, cfg, state, *a):
+        path = real_save(accelerator, model, cfg, state, *a)
+        if state.step == step:
+            raise KeyboardInterrupt(f"simulated kill right after the step-{step} checkpoint")
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(cfg)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+
+
 def checkpoint_differences(a: str | Path, b: str | Path) -> list[str]:
     """Every file of two checkpoint step folders whose bytes differ (by their checksums.json, which records every
     file's size and SHA-256): weights, optimizer and scheduler state, RNG states, trainer state, vocab, the

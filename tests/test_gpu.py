@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import checkpoint_differences, make_prepared, tiny_llama, tiny_target_cfg
+from models import checkpoint_differences, make_prepared, run_then_crash_after_checkpoint, tiny_llama, tiny_target_cfg
 from tokenizer_builders import llama_test_tokenizer
 
 pytestmark = pytest.mark.gpu
@@ -83,18 +83,7 @@ def test_bf16_training_with_the_fused_loss_learns_and_resumes(world, monkeypatch
     assert sorted(log) == list(range(1, 9)) and log[8]["loss"] < log[1]["loss"]
 
     crashed = _cfg(world, "crashed", **kw)
-    real_save = trainer.save_checkpoint
-
-    def save_then_die(accelerator, model, cfg, state, *a):
-        path = real_save(accelerator, model, cfg, state, *a)
-        if state.step == 4:
-            raise KeyboardInterrupt("simulated kill after the step-4 checkpoint")
-        return path
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.run(crashed)
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    run_then_crash_after_checkpoint(monkeypatch, crashed, 4)
     trainer.run(crashed)
     resumed = _log(world["root"] / "crashed")
     for step in range(1, 9):

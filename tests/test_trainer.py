@@ -15,7 +15,7 @@ from eagle3.formats import load_draft
 from eagle3.objective import Objective
 
 sys.path.append(str(Path(__file__).parent))  # tests/models.py (appended: never shadow installed packages)
-from models import checkpoint_differences, make_prepared, tiny_llama, tiny_target_cfg  # noqa: E402
+from models import checkpoint_differences, make_prepared, run_then_crash_after_checkpoint, tiny_llama, tiny_target_cfg  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ batching
@@ -129,18 +129,7 @@ def test_exact_resume_after_a_crash(tiny_cache, tmp_path, monkeypatch, draft):
     trainer.run(straight)
 
     crashed = make_cfg(tiny_cache, tmp_path / "crashed", draft, **kw)
-    real_save = trainer.save_checkpoint
-
-    def save_then_die(accelerator, model, cfg, state, *a):
-        path = real_save(accelerator, model, cfg, state, *a)
-        if state.step == 4:
-            raise KeyboardInterrupt("simulated kill right after the step-4 checkpoint")
-        return path
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.run(crashed)
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    run_then_crash_after_checkpoint(monkeypatch, crashed, 4)
     assert sorted(read_log(tmp_path / "crashed")) == [1, 2, 3, 4]
     trainer.run(crashed)  # the same command again: resumes from step_4
 
