@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from gpu_check import Sizes, _head  # noqa: E402  (the synthetic head and teacher of the GPU check)
+from gpu_check import Sizes, _head, synthetic_batch  # noqa: E402  (the synthetic head and teacher of the GPU check)
 
-SMOLLM2 = Sizes(576, 9, 64, 1536, 49152, (8192,), (1024,), (4,), {}, 0)
+SMOLLM2 = Sizes(576, 9, 64, 1536, 49152, (8192,), (1024,), (4,), {}, 0, kv_heads=3)
 
 
 def main() -> int:
@@ -38,19 +38,12 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from eagle3.config import TrainConfig
-    from eagle3.loss import lm_head_argmax
     from eagle3.objective import Objective
 
     torch.set_num_threads(a.threads)
     device = torch.device("cpu")
-    model, teacher, lm_head = _head(SMOLLM2, "llama", SMOLLM2.draft_vocabs[0], device)
-    h, v, n = SMOLLM2.hidden, SMOLLM2.vocab, a.tokens // 2
-    mask = torch.zeros(2, n, dtype=torch.long)
-    mask[:, int(n * 0.27):] = 1
-    final = torch.randn(2, n, h, dtype=torch.bfloat16)
-    batch = {"aux": torch.randn(2, n, 3 * h, dtype=torch.bfloat16), "final": final,
-             "input_ids": torch.randint(0, v, (2, n)), "loss_mask": mask, "lengths": torch.tensor([n, n]),
-             "target_argmax": lm_head_argmax(lm_head, final.flatten(0, 1), 8192).to(torch.int32).view(2, n)}
+    model, teacher, _ = _head(SMOLLM2, "llama", SMOLLM2.draft_vocabs[0], device)
+    batch = synthetic_batch(teacher, SMOLLM2.hidden, 2, a.tokens // 2)
     objective = Objective(teacher, TrainConfig(ttt_steps=a.ttt))
     planned = objective.plan(batch)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
