@@ -102,12 +102,7 @@ def run_one(tree: Path, config: str, overrides: list[str], steps: int, precision
 
 def compare(a: argparse.Namespace) -> dict:
     """Revision a.against vs this tree, alternating run by run, for each TTT depth and precision."""
-    from eagle3.precision import cpu_native_bf16
-
-    native, why = cpu_native_bf16()
-    precisions = [p for p in a.precision if p == "no" or native]
-    if precisions != a.precision:
-        print(f"bench: bf16 skipped ({why})", flush=True)
+    precisions, native = measurable(a.precision)
     results: dict = {"against": a.against, "cpu": cpu_model(), "native_bf16": native, "runs": {}}
     with checkout(a.against) as base:
         for ttt in a.ttt:
@@ -130,6 +125,19 @@ def compare(a: argparse.Namespace) -> dict:
                       f"loss at step {n['last_step']}: {b['last_loss']:.6f} vs {n['last_loss']:.6f} "
                       f"(rel diff {row['loss_rel_diff']:.1e})", flush=True)
     return results
+
+
+def measurable(precisions: list[str]) -> tuple[list[str], bool]:
+    """(`precisions` less the reduced ones this CPU only emulates, whether it has native bf16): without
+    avx512_bf16/amx a bf16 run measures the emulation, not the trainer. Prints a note for what it drops; full
+    precision is spelled `no` (train.mixed_precision) or `fp32`."""
+    from eagle3.precision import cpu_native_bf16
+
+    native, why = cpu_native_bf16()
+    kept = [p for p in precisions if p in ("no", "fp32") or native]
+    if kept != precisions:
+        print(f"bench: {', '.join(p for p in precisions if p not in kept)} skipped ({why})", flush=True)
+    return kept, native
 
 
 def variants(a: argparse.Namespace) -> dict:
