@@ -278,6 +278,13 @@ class EvalConfig(Section):
     """Tokens verified per step including the root (SGLang --speculative-num-draft-tokens)."""
     temperature: float = Field(0.0, ge=0)
     """0 = greedy (output must equal the target's own); > 0 = lossless rejection sampling."""
+    draft_sampling: Literal["greedy", "probabilistic"] = "greedy"
+    """At temperature > 0, how a chain (topk 1) picks its draft tokens. `greedy`: the draft's argmax, verified as a
+    one-hot proposal (accepted with probability p(x), the target's probability at the temperature): what SGLang
+    always does and vLLM's default `draft_sample_method`. `probabilistic`: sampled from the draft at the
+    temperature and accepted with min(1, p(x)/q(x)) (EAGLE's paper; vLLM's `draft_sample_method=probabilistic`,
+    not SGLang). Both are lossless; τ differs between them, so heads are compared at the same setting. Trees
+    (topk > 1) always draft their top-k."""
     max_new_tokens: int = Field(128, ge=1)
     """Generated tokens per prompt."""
     engine: Literal["builtin", "vllm", "sglang"] = "builtin"
@@ -293,6 +300,13 @@ class EvalConfig(Section):
     """At temperature 0, a speculative answer that parts from plain greedy decoding where the plain path's top-2
     logit gap is beyond the dtype's rounding (eagle3.divergence) makes `eagle3 eval` exit 1 after writing the
     report; true: report it and exit 0. Near-ties (within the rounding) are only counted."""
+
+    @model_validator(mode="after")
+    def _sglang_drafts_greedily(self) -> EvalConfig:
+        if self.engine == "sglang" and self.draft_sampling == "probabilistic" and self.temperature > 0:
+            raise ValueError("draft_sampling=probabilistic: SGLang verifies only its draft's top-k (one-hot "
+                             "proposals); use draft_sampling=greedy with engine sglang")
+        return self
 
 
 class TrackingConfig(Section):

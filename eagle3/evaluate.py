@@ -70,7 +70,8 @@ def draft_for_target(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
 def settings_from(cfg: Config) -> SpecSettings:
     e = cfg.eval
     return SpecSettings(num_steps=e.num_steps, topk=e.topk, num_draft_tokens=e.num_draft_tokens,
-                        temperature=e.temperature, max_new_tokens=e.max_new_tokens)
+                        temperature=e.temperature, draft_sampling=e.draft_sampling,
+                        max_new_tokens=e.max_new_tokens)
 
 
 # ------------------------------------------------------------------------------------------------ running

@@ -20,13 +20,17 @@ The evaluator measures what an engine would measure, so the loop does what engin
    its real part and extended with the accepted tokens' target features. The bonus token is the next root.
 
 Sampling (temperature T > 0) is lossless, i.e. the output is distributed exactly as the target's own sampling:
-- chain (topk 1): draft tokens are *sampled* from the draft's distribution q (at temperature T, mapped from the
-  draft vocab into the target vocab); a token x is accepted with probability min(1, p(x)/q(x)), and on rejection
-  the bonus is drawn from norm(max(p - q, 0)) (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023);
-- tree (topk > 1): children are the draft's deterministic top-k, i.e. point-mass proposals; siblings are tried
-  in order, child c accepted with probability p_res(c), and on rejection c's mass is removed from the residual
-  (recursive rejection sampling with one-hot proposals, as SGLang's `tree_speculative_sampling_target_only`).
-Both are the same rule `accept w.p. min(1, p/q), residual norm(max(p - q, 0))`, with q one-hot in the tree case.
+- draft_sampling `greedy` (the default; chains and trees alike): children are the draft's deterministic top-k,
+  i.e. point-mass proposals; siblings are tried in order, child c accepted with probability p_res(c), and on
+  rejection c's mass is removed from the residual (recursive rejection sampling with one-hot proposals: SGLang's
+  `tree_speculative_sampling_target_only`, vLLM's default `draft_sample_method=greedy`);
+- draft_sampling `probabilistic`, chain (topk 1) only: draft tokens are *sampled* from the draft's distribution q
+  (at temperature T, mapped from the draft vocab into the target vocab); a token x is accepted with probability
+  min(1, p(x)/q(x)), and on rejection the bonus is drawn from norm(max(p - q, 0)) (speculative sampling,
+  Leviathan et al. 2023 / Chen et al. 2023; vLLM's `draft_sample_method=probabilistic`).
+Both are the same rule `accept w.p. min(1, p/q), residual norm(max(p - q, 0))`, with q one-hot in the greedy case.
+Their τ differ (a greedy draft is accepted with probability p(argmax q)), so τ at T > 0 is compared between engines
+at the same draft_sampling (tests/test_vllm_engine.py).
 
 Counting (engines' definitions): one *verify step* yields `accepted + 1` tokens (the bonus counts);
 τ = mean over steps of (accepted + 1). Acceptance rate at draft position j = share of steps whose accepted
@@ -74,8 +78,11 @@ class SpecSettings:
     num_draft_tokens: int = 4
     temperature: float = 0.0
     max_new_tokens: int = 128
+    draft_sampling: str = "greedy"
 
     def __post_init__(self) -> None:
+        if self.draft_sampling not in ("greedy", "probabilistic"):
+            raise ValueError(f"draft_sampling must be greedy or probabilistic, got {self.draft_sampling!r}")
         if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
             raise ValueError(f"need num_steps >= 1, topk >= 1, num_draft_tokens >= 2, got {self}")
         if self.num_draft_tokens > 1 + self.topk * self.num_steps:
@@ -371,7 +378,7 @@ class SpeculativeDecoder:
                     ) -> tuple[DraftTree, tuple[torch.Tensor, torch.Tensor]]:
         """Expand the draft tree from the root (see module docstring); return the kept tree and the draft KV."""
         s = self.s
-        sampled_chain = s.topk == 1 and s.temperature > 0
+        sampled_chain = s.topk == 1 and s.temperature > 0 and s.draft_sampling == "probabilistic"
         real = kv[0].shape[2]
         # Candidate arrays (creation order: parents before children). Parent index -1 = the root.
         c_tok: list[int] = []

@@ -45,6 +45,15 @@ def test_bad_literal_lists_choices(tmp_path: Path) -> None:
     assert "extract.mode" in str(e.value) and "'offline'" in str(e.value) and "'online'" in str(e.value)
 
 
+def test_sampled_drafts_are_refused_for_sglang(tmp_path: Path) -> None:
+    """SGLang only verifies its draft's top-k: a τ at draft_sampling=probabilistic could not be measured there."""
+    text = "eval:\n  engine: sglang\n  temperature: 0.7\n  draft_sampling: probabilistic\n"
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, text))
+    assert "eval" in str(e.value) and "draft_sampling=greedy" in str(e.value)
+    assert load_config(_write(tmp_path, text.replace("sglang", "vllm"))).eval.draft_sampling == "probabilistic"
+
+
 def test_duplicate_key_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(_write(tmp_path, "train:\n  lr: 1e-3\n  lr: 2e-3\n"))

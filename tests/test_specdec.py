@@ -248,9 +248,11 @@ def _exact_marginals(model: nn.Module, prompt: list[int], temperature: float, vo
     return [p1, p12.sum(0), p3]
 
 
-@pytest.mark.parametrize("settings", [SpecSettings(2, 1, 3), SpecSettings(2, 2, 4)], ids=["chain", "tree"])
+@pytest.mark.parametrize("settings", [SpecSettings(2, 1, 3), SpecSettings(2, 1, 3, draft_sampling="probabilistic"),
+                                      SpecSettings(2, 2, 4)], ids=["chain", "sampled-chain", "tree"])
 def test_sampling_matches_target_distribution(tmp_path, settings):
-    """Tokens 2 and 3 (both produced by speculation) follow the target's own sampling distribution."""
+    """Tokens 2 and 3 (both produced by speculation) follow the target's own sampling distribution, whether the
+    chain drafts its argmax (one-hot proposals, as SGLang and vLLM's default) or samples the draft."""
     vocab, temperature, runs = 24, 0.8, 400
     model = _target(tiny_llama(tmp_path / "t", vocab=vocab, layers=4, hidden=32, heads=2, kv_heads=1,
                                intermediate=64, seed=3))
@@ -277,6 +279,31 @@ def test_sampling_matches_target_distribution(tmp_path, settings):
         print(f"token {i + 1}: TV {_tv(counts[i], exact[i]):.3f}, accepted/step {stats.accepted_tokens / stats.steps:.2f}")
         assert _tv(counts[i], exact[i]) < 0.15, (i, _tv(counts[i], exact[i]))  # 400 samples over 24 cells
         assert _chi2_ok(counts[i], exact[i]), i
+
+
+def test_draft_sampling_decides_what_an_exact_draft_scores(tmp_path):
+    """A draft equal to the target at temperature 1: its sampled drafts are accepted every time (p/q = 1), its argmax
+    drafts only with the target's probability of that argmax, so the two τ definitions really differ (and the
+    engines' one, greedy, is not the paper's)."""
+    vocab = 24
+    model = _target(tiny_llama(tmp_path / "t", vocab=vocab, layers=4, hidden=32, heads=2, kv_heads=1,
+                               intermediate=64, seed=3))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    target = HFTargetDecoder(model, [1, 2, 3])
+    draft = OracleDraft(model, 1, torch.arange(vocab), sharpen=1.0)  # q = p at temperature 1
+    rates = {}
+    for mode in ("probabilistic", "greedy"):
+        dec = SpeculativeDecoder(target, draft, SpecSettings(3, 1, 4, temperature=1.0, max_new_tokens=13,
+                                                             draft_sampling=mode))
+        stats, g = AcceptanceStats(), torch.Generator().manual_seed(0)
+        for _ in range(20):
+            stats.add(dec.generate([1, 7, 9, 4, 11], g).accept_lengths)
+        rates[mode] = stats.acceptance_rate(3)
+    assert min(rates["probabilistic"]) >= 0.99, rates
+    assert rates["greedy"][0] < 0.9, rates
+    with pytest.raises(ValueError, match="draft_sampling"):
+        SpecSettings(3, 1, 4, draft_sampling="sampled")
 
 
 # ---------------------------------------------------------------------------------------------------------- τ

@@ -177,6 +177,7 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
         cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(cfg.target.path),
                "--draft", str(out_dir), "--prompts", str(prompts_file), "--out", str(result_file),
                "--num-spec", str(cfg.eval.num_steps), "--temperature", str(cfg.eval.temperature),
+               "--draft-sample-method", cfg.eval.draft_sampling,
                "--max-tokens", str(cfg.eval.max_new_tokens), "--dtype", cfg.target.dtype, "--seed",
                str(cfg.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop)]
         code, tail = _run_echoing(cmd, env, timeout_s)
@@ -212,6 +213,7 @@ def _child(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--num-spec", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
@@ -222,7 +224,8 @@ def _child(argv: list[str] | None = None) -> int:
     prompts = json.loads(Path(a.prompts).read_text())
     llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
               max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
-              speculative_config={"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec})
+              speculative_config={"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec,
+                                  "draft_sample_method": a.draft_sample_method})
     stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
                             stop_token_ids=stop or None)
