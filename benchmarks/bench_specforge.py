@@ -1,6 +1,6 @@
 """python benchmarks/bench_specforge.py --setup && python benchmarks/bench_specforge.py \
     --config configs/smollm2-135m.yaml --precision fp32 bf16 --ttt 4 --threads 2 --steps 20 --warmup 3 --rounds 2 \
-    -- output_dir=/tmp/bsf data.max_samples=250 data.max_length=256 target.dtype=bfloat16
+    --flops -- output_dir=/tmp/bsf data.max_samples=250 data.max_length=256 target.dtype=bfloat16
 
 Training throughput of eagle3 against SpecForge 0.2.0 (PyPI `specforge==0.2.0`, its offline EAGLE-3 trainer with a
 Llama draft layer), on the same machine, the same cached samples and the same torch, alternating run by run
@@ -19,6 +19,23 @@ first compilations fall in SpecForge's warm-up; one that lands in a counted step
 reported). Each trainer runs in its own process with `--threads` torch threads set in that process (and
 OMP_NUM_THREADS). bf16 is skipped on a CPU without native bf16 (no avx512_bf16/amx): emulated bf16 measures the
 emulation.
+
+`--flops` also counts the work of each trainer: one more run of each per precision and TTT depth, on the same
+samples and settings, whose optimizer steps (all of `train_step` on either side: forward, backward, optimizer, and
+what the teacher and loss compute) each run under torch.utils.flop_counter.FlopCounterMode; the --flops-steps
+steps after one uncounted one give GFLOP per token (their FLOPs over the same tokens the timing counts; each side
+its own samples of the pool, as in the timing), printed with the ratio SpecForge/eagle3 and, when the timing runs
+too (`--steps 0` skips it), each one's achieved GFLOP/s (GFLOP/token x tokens/s). Work, not time: how much of
+eagle3's speed is doing less, and how much is doing it faster. FlopCounterMode counts matmuls and attention (2
+FLOPs a multiply-add; attention at its full, non-causal s_q x s_k), not elementwise work (softmax, norms, RoPE,
+AdamW, clipping, the loss's reductions, argmax) on either side. Added for these steps on this CPU: torch 2.13's
+registry has no formula for the CPU kernels of scaled_dot_product_attention
+(`_scaled_dot_product_flash_attention_for_cpu` and its backward, eagle3's attention; SpecForge's reaches the
+counter as bmm) nor for in-place addmm_ (eagle3's fused loss accumulates the lm_head's weight gradient with it
+in fp32), and would count them as 0: they get the registry's SDPA and addmm formulas. The SpecForge counting run
+has TORCHDYNAMO_DISABLE=1, so its torch.compile'd functions run eagerly, as aten ops the counter sees (inductor's
+compiled kernels it would not; those functions are elementwise, so this hides no matmul, but eager is certain to
+be counted). The timing runs keep compilation.
 
 Batches, as close as the two allow: SpecForge 1 sample per optimizer step (its offline EAGLE-3 recipe's
 `training.batch_size=1`, no accumulation); eagle3 `train.batch_tokens=--batch-tokens` (1024: length-bucketed
@@ -108,7 +125,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import _mean, cpu_model, measurable, run_one  # noqa: E402
+from bench_train import _mean, cpu_model, measurable, one, run_one  # noqa: E402
 from trees import REPO  # noqa: E402
 
 VENV = REPO / ".venv-specforge"
@@ -118,6 +135,7 @@ TORCH = "torch==2.13.0"  # eagle3's .venv's torch (.ci/run); SpecForge pins 2.11
 DEPS = ["transformers==5.8.1", "accelerate", "datasets", "pydantic", "pyyaml", "safetensors", "numpy", "psutil",
         "tqdm", "huggingface-hub"]
 CONVERT_FORMAT = 1
+MIXED = {"fp32": "no", "bf16": "bf16"}  # --precision as eagle3's train.mixed_precision
 
 
 # --------------------------------------------------------------------------------------------------------- setup
@@ -322,8 +340,56 @@ def _compilations() -> tuple[int, float]:
     return sum(len(m.get(k, ())) for k in keys), sum(sum(m.get(k, ())) for k in keys)
 
 
-def specforge_one(config: str, threads: int, out: str) -> None:
-    """One `specforge train` in this process, with each optimizer step's tokens and time recorded to `out`."""
+def _flop_counter():
+    """FlopCounterMode with the formulas torch's registry lacks for what these steps run: the CPU SDPA kernels
+    (the registry has the GPU ones' and counts these as 0) get its SDPA counts, so a CPU step counts its attention
+    as a GPU step would; in-place addmm_/baddbmm_ (eagle3's fused loss accumulates the lm_head's weight gradient
+    with addmm_ where the weight is in the matmul dtype) count as addmm/baddbmm."""
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = __import__("torch").ops.aten
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(q, k, v)
+
+    def backward(grad_out, q, k, v, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(grad_out, q, k, v)
+
+    def like(op):  # the out-of-place op's formula, called with the shapes the mapping's wrapper passes
+        return lambda *args, out_shape=None, **kwargs: flop_registry[op](*args, **kwargs)
+
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+        aten.addmm_: like(aten.addmm), aten.baddbmm_: like(aten.baddbmm)})
+
+
+def eagle3_flops_one(config: str, overrides: list[str], out: str, steps: int, precision: str) -> None:
+    """bench_train's eagle3 run in this process, each optimizer step (`eagle3.trainer.train_step`, which the loop
+    looks up at each call) counted by FlopCounterMode; its tokens and FLOPs recorded to `out`."""
+    import eagle3.trainer as trainer
+
+    rows: list[dict] = []
+    inner = trainer.train_step
+
+    def counted(s, batches, plan):
+        with _flop_counter() as counter:
+            metrics = inner(s, batches, plan)
+        rows.append({"tokens": round(metrics["tokens_per_s"] * metrics["step_s"]),
+                     "flops": counter.get_total_flops()})
+        return metrics
+
+    trainer.train_step = counted
+    with tempfile.TemporaryDirectory(prefix="bench-flops-") as tmp:
+        one(config, overrides, tmp, steps, precision)
+    Path(out).write_text(json.dumps(rows))
+
+
+def specforge_one(config: str, threads: int, out: str, flops: bool = False) -> None:
+    """One `specforge train` in this process, with each optimizer step's tokens and time (or, with `flops`, its
+    FLOPs) recorded to `out`."""
+    import contextlib
+
     import torch
 
     torch.set_num_threads(threads)
@@ -344,13 +410,15 @@ def specforge_one(config: str, threads: int, out: str) -> None:
     def timed(self, batch, ctx=None):
         c0 = _compilations()
         t0 = time.perf_counter()
-        result = inner(self, batch, ctx)
+        with _flop_counter() if flops else contextlib.nullcontext() as counter:
+            result = inner(self, batch, ctx)
         t1 = time.perf_counter()
         if result.optimizer_stepped:
             c1 = _compilations()
             steps.append({"tokens": int(batch.tensors["attention_mask"].sum()), "compute_s": t1 - t0,
                           "step_s": t1 - (last_end[0] if last_end[0] is not None else t0),
-                          "compiles": c1[0] - c0[0], "compile_s": c1[1] - c0[1], "loss": float(result.loss)})
+                          "compiles": c1[0] - c0[0], "compile_s": c1[1] - c0[1], "loss": float(result.loss),
+                          "flops": counter.get_total_flops() if flops else None})
             last_end[0] = t1
         return result
 
@@ -361,16 +429,25 @@ def specforge_one(config: str, threads: int, out: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- the comparison
-def run_specforge(python: str, conv: dict, precision: str, ttt: int, steps: int, warmup: int, threads: int) -> dict:
+def specforge_steps(python: str, conv: dict, precision: str, ttt: int, total: int, threads: int,
+                    flops: bool = False) -> dict:
+    """One SpecForge run of `total` optimizer steps in its venv; what the runner recorded. Counting FLOPs, without
+    torch.compile (TORCHDYNAMO_DISABLE: compiled code runs inductor kernels the counter does not see)."""
     with tempfile.TemporaryDirectory(prefix=f"bench-specforge-{precision}-") as tmp:
         config, out = Path(tmp) / "config.json", Path(tmp) / "steps.json"
-        config.write_text(json.dumps(specforge_config(conv, precision, ttt, warmup + steps, f"{tmp}/out")))
+        config.write_text(json.dumps(specforge_config(conv, precision, ttt, total, f"{tmp}/out")))
         subprocess.run([python, __file__, "--specforge-one", str(config), "--threads", str(threads), "--out",
-                        str(out)], check=True)
+                        str(out), *(["--count-flops"] if flops else [])], check=True,
+                       env={**os.environ, **({"TORCHDYNAMO_DISABLE": "1"} if flops else {})})
         got = json.loads(out.read_text())
+    if len(got["steps"]) != total:
+        raise RuntimeError(f"SpecForge ran {len(got['steps'])} optimizer steps, {total} asked")
+    return got
+
+
+def run_specforge(python: str, conv: dict, precision: str, ttt: int, steps: int, warmup: int, threads: int) -> dict:
+    got = specforge_steps(python, conv, precision, ttt, warmup + steps, threads)
     rows = got["steps"][warmup:]
-    if len(got["steps"]) != warmup + steps:
-        raise RuntimeError(f"SpecForge ran {len(got['steps'])} optimizer steps, {warmup + steps} asked")
     time_s = sum(r["step_s"] for r in rows)
     return {"steps": len(rows), "tokens_per_s": sum(r["tokens"] for r in rows) / time_s,
             "tokens_per_s_after_epoch_0": None, "step_s": time_s / len(rows),
@@ -384,13 +461,35 @@ def run_specforge(python: str, conv: dict, precision: str, ttt: int, steps: int,
             "versions": got["versions"]}
 
 
+def gflop_per_token(rows: list[dict]) -> float:
+    """FLOPs over tokens of the counted steps (those after the first)."""
+    rows = rows[1:]
+    return sum(r["flops"] for r in rows) / sum(r["tokens"] for r in rows) / 1e9
+
+
+def count_flops(a: argparse.Namespace, python: str, conv: dict, precision: str, ttt: int) -> dict:
+    """GFLOP per token of each trainer, one run each of 1 + --flops-steps optimizer steps (the first uncounted)."""
+    total = 1 + a.flops_steps
+    with tempfile.TemporaryDirectory(prefix="bench-flops-") as tmp:
+        out = Path(tmp) / "steps.json"
+        subprocess.run([sys.executable, __file__, "--config", a.config, "--eagle3-flops", MIXED[precision], "--steps",
+                        str(total), "--out", str(out), "--", *a.overrides, f"train.ttt_steps={ttt}",
+                        f"train.batch_tokens={a.batch_tokens}"], check=True)
+        eagle3 = json.loads(out.read_text())
+    specforge = specforge_steps(python, conv, precision, ttt, total, a.threads, flops=True)["steps"]
+    e, s = gflop_per_token(eagle3), gflop_per_token(specforge)
+    return {"eagle3_gflop_per_token": e, "specforge_gflop_per_token": s, "ratio": s / e, "steps": a.flops_steps,
+            "eagle3_tokens": sum(r["tokens"] for r in eagle3[1:]),
+            "specforge_tokens": sum(r["tokens"] for r in specforge[1:])}
+
+
 def _mean_of(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
 def run_eagle3(a: argparse.Namespace, precision: str, ttt: int) -> dict:
     over = [*a.overrides, f"train.ttt_steps={ttt}", f"train.batch_tokens={a.batch_tokens}"]
-    r = run_one(REPO, a.config, over, a.warmup + a.steps, {"fp32": "no", "bf16": "bf16"}[precision], a.warmup)
+    r = run_one(REPO, a.config, over, a.warmup + a.steps, MIXED[precision], a.warmup)
     r["tokens_per_step"] = r["tokens_per_s"] * r["step_s"]
     return r
 
@@ -398,7 +497,7 @@ def run_eagle3(a: argparse.Namespace, precision: str, ttt: int) -> dict:
 def compare(a: argparse.Namespace) -> dict:
     from eagle3.config import load_config
 
-    if a.warmup < 1:
+    if a.steps and a.warmup < 1:
         raise SystemExit("--warmup must be at least 1 (SpecForge's first step compiles, and times from its start)")
     python = str(a.specforge_python)
     if not Path(python).exists():
@@ -419,28 +518,44 @@ def compare(a: argparse.Namespace) -> dict:
                      "runs": {}}
     for ttt in a.ttt:
         for prec in precisions:
-            got: dict[str, list[dict]] = {"eagle3": [], "specforge": []}
-            for _ in range(a.rounds):
-                got["eagle3"].append(run_eagle3(a, prec, ttt))
-                got["specforge"].append(run_specforge(python, conv, prec, ttt, a.steps, a.warmup, a.threads))
-            row = {side: _mean(rs) for side, rs in got.items()}
-            e, s = row["eagle3"], row["specforge"]
-            row["ratio"] = e["tokens_per_s"] / s["tokens_per_s"]
-            row["per_round"] = {side: [r["tokens_per_s"] for r in rs] for side, rs in got.items()}
-            compiled = sum(r["compiles_counted"] for r in got["specforge"])
-            if compiled:
-                without = _mean_of(got["specforge"], "tokens_per_s_without_compile")
-                row["ratio_without_compile"] = e["tokens_per_s"] / without
-                print(f"bench: {compiled} torch.compile compilation(s), "
-                      f"{sum(r['compile_s_counted'] for r in got['specforge']):.1f} s, fell in SpecForge's counted "
-                      f"steps (a new sequence length): without their seconds the ratio is "
-                      f"{row['ratio_without_compile']:.2f}x; a larger --warmup keeps them out", flush=True)
-            results["runs"][f"ttt{ttt}-{prec}"] = row
-            print(f"TTT {ttt}, {prec}: eagle3 {e['tokens_per_s']:.0f} tokens/s ({e['tokens_per_step']:.0f} "
-                  f"tokens/step), SpecForge {s['tokens_per_s']:.0f} tokens/s ({s['tokens_per_step']:.0f} tokens/step); "
-                  f"eagle3/SpecForge = {row['ratio']:.2f}x ({a.rounds} round(s), {a.steps} steps after {a.warmup})",
-                  flush=True)
+            row = results["runs"][f"ttt{ttt}-{prec}"] = timing(a, python, conv, prec, ttt) if a.steps else {}
+            if a.flops:
+                f = row["flops"] = count_flops(a, python, conv, prec, ttt)
+                line = (f"TTT {ttt}, {prec}: eagle3 {f['eagle3_gflop_per_token']:.3f} GFLOP/token, SpecForge "
+                        f"{f['specforge_gflop_per_token']:.3f} GFLOP/token; SpecForge/eagle3 = {f['ratio']:.2f}x "
+                        f"(FlopCounterMode, {a.flops_steps} steps after 1)")
+                if a.steps:
+                    for side in ("eagle3", "specforge"):
+                        f[f"{side}_gflop_per_s"] = f[f"{side}_gflop_per_token"] * row[side]["tokens_per_s"]
+                    line += (f"; achieved: eagle3 {f['eagle3_gflop_per_s']:.1f} GFLOP/s, SpecForge "
+                             f"{f['specforge_gflop_per_s']:.1f} GFLOP/s")
+                print(line, flush=True)
     return results
+
+
+def timing(a: argparse.Namespace, python: str, conv: dict, prec: str, ttt: int) -> dict:
+    """tokens/s of each trainer over --rounds alternating runs; prints its line."""
+    got: dict[str, list[dict]] = {"eagle3": [], "specforge": []}
+    for _ in range(a.rounds):
+        got["eagle3"].append(run_eagle3(a, prec, ttt))
+        got["specforge"].append(run_specforge(python, conv, prec, ttt, a.steps, a.warmup, a.threads))
+    row = {side: _mean(rs) for side, rs in got.items()}
+    e, s = row["eagle3"], row["specforge"]
+    row["ratio"] = e["tokens_per_s"] / s["tokens_per_s"]
+    row["per_round"] = {side: [r["tokens_per_s"] for r in rs] for side, rs in got.items()}
+    compiled = sum(r["compiles_counted"] for r in got["specforge"])
+    if compiled:
+        without = _mean_of(got["specforge"], "tokens_per_s_without_compile")
+        row["ratio_without_compile"] = e["tokens_per_s"] / without
+        print(f"bench: {compiled} torch.compile compilation(s), "
+              f"{sum(r['compile_s_counted'] for r in got['specforge']):.1f} s, fell in SpecForge's counted "
+              f"steps (a new sequence length): without their seconds the ratio is "
+              f"{row['ratio_without_compile']:.2f}x; a larger --warmup keeps them out", flush=True)
+    print(f"TTT {ttt}, {prec}: eagle3 {e['tokens_per_s']:.0f} tokens/s ({e['tokens_per_step']:.0f} "
+          f"tokens/step), SpecForge {s['tokens_per_s']:.0f} tokens/s ({s['tokens_per_step']:.0f} tokens/step); "
+          f"eagle3/SpecForge = {row['ratio']:.2f}x ({a.rounds} round(s), {a.steps} steps after {a.warmup})",
+          flush=True)
+    return row
 
 
 def main() -> int:
@@ -451,14 +566,18 @@ def main() -> int:
     p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--ttt", type=int, nargs="+", default=[4], help="TTT depths (train.ttt_steps / ttt_length)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each trainer's process")
-    p.add_argument("--steps", type=int, default=20, help="counted optimizer steps of each run")
+    p.add_argument("--steps", type=int, default=20, help="counted optimizer steps of each run (0: no timing runs)")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps before them, not counted")
     p.add_argument("--rounds", type=int, default=1, help="alternating runs of each trainer")
     p.add_argument("--batch-tokens", type=int, default=1024, help="eagle3's train.batch_tokens")
+    p.add_argument("--flops", action="store_true", help="also count GFLOP per token of each trainer")
+    p.add_argument("--flops-steps", type=int, default=3, help="counted optimizer steps of a --flops run, after 1")
     p.add_argument("--convert-dir", help="SpecForge's copy of the samples (default <output_dir>/specforge-offline)")
     p.add_argument("--specforge-python", help="default: --venv's python")
     p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)  # internal, in SpecForge's venv
     p.add_argument("--specforge-one", help=argparse.SUPPRESS)  # internal: one SpecForge run, in its venv
+    p.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)  # with --specforge-one
+    p.add_argument("--eagle3-flops", help=argparse.SUPPRESS)  # internal: one eagle3 run, steps counted
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="eagle3 config overrides (after --)")
     a = p.parse_args()
@@ -469,7 +588,10 @@ def main() -> int:
         check()
         return 0
     if a.specforge_one:
-        specforge_one(a.specforge_one, a.threads, a.out)
+        specforge_one(a.specforge_one, a.threads, a.out, a.count_flops)
+        return 0
+    if a.eagle3_flops:
+        eagle3_flops_one(a.config, a.overrides, a.out, a.steps, a.eagle3_flops)
         return 0
     if not a.config:
         p.error("--config is required (or --setup)")
