@@ -200,5 +200,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             line += f" (SGLang's own accept length, prefill token included: {r['sglang_accept_length']:.3f})"
         if r.get("builtin_tau") is not None:
             line += f" (built-in τ on the same prompts: {r['builtin_tau']:.3f})"
+        if r.get("untrusted"):
+            line += f"; UNTRUSTED: {r['untrusted']}"
         lines.append(line)
     return lines

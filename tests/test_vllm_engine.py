@@ -197,21 +197,19 @@ def test_tiny_target_in_real_vllm(tmp_path, vllm_python):
         assert bad["acceptance_rate"][0] <= v["acceptance_rate"][0] - 0.3, (wrong, bad, v["acceptance_rate"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "unresolved: on this exact head at temperature 0.05 vLLM 0.32 (CPU) accepts its argmax drafts at position 0 "
-    "0.08 of the time where the built-in accepts 0.68 (= the target's probability of its own argmax, the rule both "
-    "implement: tests/test_specdec.py checks it exactly); at temperature 0.3 both are ~0.03. strict: when the two "
-    "agree, this xfail fails and goes"))
 def test_sampled_acceptance_in_real_vllm_matches_builtin(tmp_path, vllm_python):
     """Temperature > 0, drafts by argmax (eval.draft_sampling=greedy, vLLM's default draft_sample_method): both
     engines accept a draft x with the target's probability p(x) at the temperature and resample the rest, so their
     per-position acceptance rates estimate the same expectations and must agree within sampling error: 4 standard
-    errors of the difference of two independent binomial proportions. (Sampled drafts, accepted with
+    errors of the difference of two independent binomial proportions. vLLM 0.32's CPU backend does not (its
+    sampled verification is off: vllm_eval.CPU_SAMPLING), so there the test requires `eagle3 eval` to flag its τ
+    UNTRUSTED and is an xfail, which fails once vLLM agrees. (Sampled drafts, accepted with
     min(1, p/q), would score this exact head ~0.95 at position 0 where vLLM's default scores p(argmax): the τ of
     the two rules differ, eagle3.specdec.)"""
     import math
 
     from eagle3.evaluate import run
+    from eagle3.report import summary_lines
 
     torch.set_num_threads(2)
     cfg = _tiny_setup(tmp_path)
@@ -225,11 +223,21 @@ def test_sampled_acceptance_in_real_vllm_matches_builtin(tmp_path, vllm_python):
     _check_counters(v, cfg.eval.num_steps)
     n_v, n_b = v["num_drafts"], b["verify_steps"]
     assert n_v >= 100 and n_b >= 100, (n_v, n_b)
+    assert b["acceptance_rate"][0] >= 0.2, b["acceptance_rate"]  # a rate far from 0, where agreement means something
+    apart = []
     for j, (pv, pb) in enumerate(zip(v["acceptance_rate"], b["acceptance_rate"], strict=True)):
         pooled = (pv * n_v + pb * n_b) / (n_v + n_b)
         se = math.sqrt(max(pooled * (1 - pooled), 1e-4) * (1 / n_v + 1 / n_b))
-        assert abs(pv - pb) <= 4 * se, (j, pv, pb, se, v["acceptance_rate"], b["acceptance_rate"])
-    assert b["acceptance_rate"][0] >= 0.2, b["acceptance_rate"]  # a rate far from 0, where agreement means something
+        if abs(pv - pb) > 4 * se:
+            apart.append((j, pv, pb, se))
+    if not v.get("untrusted"):  # a GPU: no excuse
+        assert not apart, (apart, v["acceptance_rate"], b["acceptance_rate"])
+        return
+    # vLLM 0.32's CPU backend (vllm_eval.CPU_SAMPLING): its sampled verification is off, and eval says so
+    assert "UNTRUSTED" in "\n".join(summary_lines(report))
+    assert apart, ("vLLM's CPU backend now agrees with the built-in at temperature > 0: drop vllm_eval.CPU_SAMPLING",
+                   v["acceptance_rate"], b["acceptance_rate"])
+    pytest.xfail(f"vLLM's CPU backend at temperature > 0, flagged UNTRUSTED in the report: {apart}")
 
 
 def _with_options(cfg: Config, **options) -> None:
