@@ -175,6 +175,12 @@ def test_sglang_accept_length_equals_the_builtin_and_wrong_ids_lose_it(family, t
         alone = run(cfg)
         assert alone["engines"]["sglang"]["tau"] == pytest.approx(s["builtin_tau"], rel=0.02)
         assert alone["sets"]["prompts"]["turns"] == 3 and (cfg.eval_dir / "report.png").is_file()
+        # Turns that end at their first (prefill) token: SGLang writes no spec_verify_ct for them; the run counts
+        # no verify step and finishes, where it used to abort on the missing key.
+        cfg.eval.max_new_tokens = 1
+        once = run(cfg)
+        assert once["sets"]["prompts"]["turns"] == 3 and once["engines"]["sglang"]["verify_steps"] == 0, once
+        cfg.eval.max_new_tokens = 24
 
     # The same export spelled one layer up (an engine reading "output of layer k"): SGLang serves it without a
     # word; only the acceptance shows it.
