@@ -71,7 +71,7 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_title("Acceptance rate per draft position")
     if ceiling > 1:
         ax.set_xticks(range(1, ceiling))
-    if names:
+    if ax.get_legend_handles_labels()[0]:  # none where no set has a verify step (every turn ended at once)
         ax.legend(fontsize=9)
 
     ax = axes[2]

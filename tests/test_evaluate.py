@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,9 @@ def test_sglang_meta_parse():
     # A turn that ended at its first (prefill) token: SGLang leaves spec_verify_ct out; zero verify steps, no abort.
     ended = parse_sglang_meta([*metas, {"completion_tokens": 1}])
     assert ended["tau"] == r["tau"] and ended["verify_steps"] == 20 and ended["requests"] == 3
+    # ... and so far the only turn (a dialogue's running figure after its first turn): no step yet, no abort
+    alone = parse_sglang_meta([{"completion_tokens": 1}])
+    assert alone["verify_steps"] == 0 and math.isnan(alone["tau"]) and math.isnan(alone["sglang_accept_length"])
 
 
 FAKE_VLLM = """

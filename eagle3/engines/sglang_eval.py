@@ -52,12 +52,13 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
             per_request.append(float(m["spec_accept_length"]))
         elif v > 0:
             per_request.append(c / v)
-    if verify <= 0:
-        raise ValueError("SGLang reported no verify steps: speculative decoding is not active on that server")
+    # No verify step at all is legitimate only where every turn ended at its prefill token (a server without
+    # speculative decoding fails the per-request check above first): τ is then undefined, not an error, so a
+    # dialogue's running figure after such a first turn does not abort the run.
     decoded = sum(max(int(m["completion_tokens"]) - 1, 0) for m in metas if int(m.get("spec_verify_ct", 0)) > 0)
     return {
-        "tau": decoded / verify,
-        "sglang_accept_length": completion / verify,
+        "tau": decoded / verify if verify else float("nan"),
+        "sglang_accept_length": completion / verify if verify else float("nan"),
         "mean_request_accept_length": sum(per_request) / len(per_request) if per_request else float("nan"),
         "completion_tokens": completion,
         "verify_steps": verify,
