@@ -20,9 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from gpu_check import Sizes, _head, synthetic_batch  # noqa: E402  (the synthetic head and teacher of the GPU check)
-
-SMOLLM2 = Sizes(576, 9, 64, 1536, 49152, (8192,), (1024,), (4,), {}, 0, kv_heads=3)
+from gpu_check import SMOLLM2, _head, synthetic_batch  # noqa: E402  (the synthetic head and teacher of the GPU check)
 
 
 def main() -> int:

@@ -14,7 +14,9 @@ Parts, in order; each records its figures or its error and the next one runs wha
      torch.utils.flop_counter over the step's forward and backward). fp32 weights under bf16 autocast, as
      `train.mixed_precision: bf16` runs them. The shapes are BENCHMARKS.md "Training speed"'s, so the CPU profile
      and the GPU figure read together.
-  4. `extraction`: per token, the stored full-vocab argmax (eagle3.loss.lm_head_argmax over the 163840-row
+  4. `profiled_step`: the SmolLM2 head's step that benchmarks/bench_profile.py profiles on a CPU and
+     benchmarks/bench_specforge.py compares with SpecForge (2 x 512 tokens, TTT 4), timed on the device.
+  5. `extraction`: per token, the stored full-vocab argmax (eagle3.loss.lm_head_argmax over the 163840-row
      lm_head) and fp8 quantisation of the states (eagle3.storage.quantize).
 A part over its time share is cut short and says so: the whole run stays inside --budget-s.
 """
@@ -59,6 +61,8 @@ KIMI = Sizes(7168, 64, 128, 18432, 163840, (32000, 163840), (4096, 16384), (3, 7
                                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
              8192)
 """Kimi-K2.5's head: its hidden size, attention and MLP shapes, vocab, and its own MLA dimensions."""
+SMOLLM2 = Sizes(576, 9, 64, 1536, 49152, (8192,), (1024,), (4,), {}, 0, kv_heads=3)
+"""The SmolLM2-135M recipe's head: benchmarks/bench_profile.py's CPU profile and the SpecForge side-by-side."""
 TINY = Sizes(64, 4, 16, 128, 512, (128, 512), (64, 256), (3, 7),
              {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
              256)
@@ -221,7 +225,7 @@ def synthetic_batch(teacher: Any, hidden: int, rows: int, length: int) -> dict[s
 
 
 def train_step(model: Any, teacher: Any, lm_head: Any, tokens: int, ttt: int, fused: bool, device: Any,
-               reps: int) -> dict[str, Any]:
+               reps: int, rows: int = 1) -> dict[str, Any]:
     """One Kimi-shaped micro-batch through eagle3.objective: forward, backward and AdamW step, timed; 73% of the
     tokens scored (ShareGPT's assistant share), the rest a prompt."""
     import torch
@@ -230,7 +234,7 @@ def train_step(model: Any, teacher: Any, lm_head: Any, tokens: int, ttt: int, fu
     import eagle3.objective as objective_mod
     from eagle3.config import TrainConfig
 
-    batch = synthetic_batch(teacher, lm_head.shape[1], 1, tokens)
+    batch = synthetic_batch(teacher, lm_head.shape[1], rows, tokens // rows)
     objective = objective_mod.Objective(teacher, TrainConfig(ttt_steps=ttt))
     planned = objective.plan(batch)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -322,6 +326,14 @@ def _steps(sizes: Sizes, device: Any, reps: int, deadline: float) -> list[dict[s
     return rows
 
 
+def profiled_step(device: Any, reps: int, tiny: bool) -> dict[str, Any]:
+    """The step benchmarks/bench_profile.py profiles on a CPU (SmolLM2's head, 2 x 512 tokens, TTT 4, fused
+    loss), timed on the device: the two figures read side by side."""
+    tokens = 128 if tiny else SMOLLM2.tokens[0]
+    head = _head(SMOLLM2, "llama", SMOLLM2.draft_vocabs[0], device)
+    return train_step(*head, tokens, SMOLLM2.ttt[0], True, device, reps, rows=2)
+
+
 def summary(results: dict[str, Any]) -> str:
     env, mm = results.get("environment", {}), results.get("matmul", {})
     rate = mm.get("bf16_tflops")
@@ -340,6 +352,11 @@ def summary(results: dict[str, Any]) -> str:
         else:
             mfu = f"{r['achieved_tflops'] / rate:.0%}" if rate else "?"
             lines.append(f"{key}: {r['tokens_per_s']:.0f} tok/s, {r.get('peak_gb', float('nan')):.1f} GB, MFU {mfu}")
+    ps = results.get("profiled_step", {})
+    if ps:
+        lines.append(f"SmolLM2 head step (bench_profile.py's shape): {ps['error']}" if "error" in ps else
+                     f"SmolLM2 head step (bench_profile.py's shape): {ps['tokens_per_s']:.0f} tok/s, "
+                     f"{ps['step_s'] * 1e3:.1f} ms")
     x = results.get("extraction", {})
     if "error" in x:
         lines.append(f"extraction: {x['error']}")
@@ -356,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check", help="results folder ($OUT on the device)")
     ap.add_argument("--budget-s", type=float, default=480, help="wall-clock budget of the whole run")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (after one warm-up)")
-    ap.add_argument("--skip", action="append", default=[], choices=["tests", "matmul", "train_step", "extraction"])
+    ap.add_argument("--skip", action="append", default=[], choices=["tests", "matmul", "train_step", "profiled_step",
+                                                                             "extraction"])
     a = ap.parse_args(argv)
     import torch
 
@@ -369,11 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     results: dict[str, Any] = {"environment": environment(device), "sizes": sizes.__dict__, "tiny": a.tiny}
-    shares = {"tests": 0.35, "matmul": 0.05, "train_step": 0.45, "extraction": 0.1}
+    shares = {"tests": 0.35, "matmul": 0.05, "train_step": 0.45, "extraction": 0.1}  # profiled_step: seconds
     parts = {
         "tests": lambda: run_tests(device, out, shares["tests"] * a.budget_s),
         "matmul": lambda: matmul_rate(device, sizes.matmul_n),
         "train_step": lambda: _steps(sizes, device, a.reps, time.monotonic() + shares["train_step"] * a.budget_s),
+        "profiled_step": lambda: profiled_step(device, a.reps, a.tiny),
         "extraction": lambda: extraction(sizes, device, a.reps),
     }
     for name, fn in parts.items():

@@ -29,7 +29,8 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert not [s for s in steps if "error" in s], [s for s in steps if "error" in s]
     for s in steps:
         assert s["tokens_per_s"] > 0 and s["step_tflop"] > 0, s
+    assert res["profiled_step"]["tokens_per_s"] > 0 and res["profiled_step"]["ttt"] == 4, res["profiled_step"]
     x = res["extraction"]
     assert x["argmax_us_per_token"] > 0 and x["fp8_quantize_us_per_token"] > 0
     summary = (tmp_path / "summary.txt").read_text()
-    assert "tests: 3 run, 0 failed" in summary and "train step" in summary and summary == r.stdout[-len(summary):]
+    assert "tests: 3 run, 0 failed" in summary and "train step" in summary and "SmolLM2 head step" in summary and summary == r.stdout[-len(summary):]
