@@ -276,9 +276,13 @@ def run(cfg: Config) -> dict[str, Any]:
         all_prompts = [p for ps in rendered.values() for p in ps]
         builtin_tau = _pooled_tau(report)
         if engine == "vllm":
-            from eagle3.engines.vllm_eval import run_vllm
+            from eagle3.engines.vllm_eval import pooled_groups, run_vllm
 
-            result = run_vllm(cfg, folder, all_prompts)
+            # one group per set and category, in the rendered prompts' order, so vLLM's τ fills the same card
+            groups = [f"{name}/{t['category']}" if t.get("category") else name
+                      for name, r in report["sets"].items() for t in r["per_turn"]]
+            result = run_vllm(cfg, folder, all_prompts, groups=groups)
+            result["groups"] |= {name: pooled_groups(result["groups"], name) for name in report["sets"]}
         else:
             from eagle3.engines.sglang_eval import run_sglang
 

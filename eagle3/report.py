@@ -152,6 +152,10 @@ def card(report: dict[str, Any]) -> list[dict[str, Any]]:
     for name, r in report["sets"].items():
         for cat, c in (r.get("categories") or {}).items():
             rows.append({"set": f"{name}/{cat}", "turns": c["turns"], "tau": c["tau"]})
+    for engine, e in (report.get("engines") or {}).items():
+        for row in rows:  # an engine that ran the same prompts group by group (vLLM): its τ on each row
+            if row["set"] in (e.get("groups") or {}):
+                row[f"{engine}_tau"] = e["groups"][row["set"]]["tau"]
     return rows
 
 
@@ -159,8 +163,9 @@ def card_lines(rows: list[dict[str, Any]]) -> list[str]:
     """`card` as a fixed-width table."""
     positions = max((len(r.get("acceptance_rate") or []) for r in rows), default=0)
     width = max([len("prompt set"), *(len(r["set"]) for r in rows)])
+    engines = sorted({k for r in rows for k in r if k.endswith("_tau")})
     head = (f"{'prompt set':<{width}}  turns      τ  " + "".join(f"acc@{j + 1:<3}" for j in range(positions))
-            + "tok/fwd  speed-up")
+            + "tok/fwd  speed-up" + "".join(f"  {k.removesuffix('_tau') + ' τ':>8}" for k in engines))
     lines = [head]
     for r in rows:
         acc = r.get("acceptance_rate") or []
@@ -168,7 +173,8 @@ def card_lines(rows: list[dict[str, Any]]) -> list[str]:
                         enumerate(acc + [0.0] * (positions - len(acc))))
         fwd, up = r.get("tokens_per_forward"), r.get("speedup")
         lines.append(f"{r['set']:<{width}}  {r['turns']:>5}  {_num(r['tau']):5.3f}  {cells}"
-                     + (f"{fwd:7.2f}  {up:7.2f}x" if fwd is not None and up is not None else "      -         -"))
+                     + (f"{fwd:7.2f}  {up:7.2f}x" if fwd is not None and up is not None else "      -         -")
+                     + "".join(f"  {_num(r.get(k)):8.3f}" for k in engines))
     return lines
 
 

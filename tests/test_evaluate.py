@@ -268,7 +268,7 @@ class LLM:
         self.n = speculative_config["num_speculative_tokens"]
 
     def generate(self, prompts, params):
-        self.count = len(prompts)
+        self.count = getattr(self, "count", 0) + len(prompts)  # vLLM's counters are cumulative
         return [_Req([5] * params.kw["max_tokens"]) for _ in prompts]
 
     def get_metrics(self):
@@ -295,6 +295,31 @@ def test_vllm_eval_wiring_with_a_stand_in_vllm(tmp_path, monkeypatch):
     assert v["prompts"] == 2 and v["generated_tokens"] == 12  # both turns of the first prompt, replayed
     assert v["builtin_tau"] == pytest.approx(report["sets"]["prompts"]["tau"])
     assert (cfg.export_dir / "vllm" / "config.json").is_file()
+    # its τ fills the card's vLLM column, row by row
+    assert v["groups"]["prompts"]["tau"] == pytest.approx(2.0) and report["card"][0]["vllm_tau"] == pytest.approx(2.0)
+
+
+def test_vllm_counters_per_group_of_prompts():
+    """vLLM runs each set/category in turn; each group's τ is its counters' growth, the set's the groups pooled."""
+    from eagle3.engines.vllm_eval import group_metrics, pooled_groups
+
+    def snap(group, drafts, accepted, per_pos):
+        return {"group": group, "metrics": [
+            {"name": "vllm:spec_decode_num_drafts", "value": drafts},
+            {"name": "vllm:spec_decode_num_draft_tokens", "value": 3 * drafts},
+            {"name": "vllm:spec_decode_num_accepted_tokens", "value": accepted},
+            {"name": "vllm:spec_decode_num_accepted_tokens_per_pos", "values": per_pos}]}
+
+    g = group_metrics([snap("mt-bench/coding", 10, 15, [8, 5, 2]), snap("mt-bench/writing", 30, 19, [14, 8, 3]),
+                       snap("mt-bench/math", 30, 19, [14, 8, 3])])  # math: every turn ended at once
+    assert g["mt-bench/coding"]["tau"] == pytest.approx(2.5)
+    assert g["mt-bench/coding"]["acceptance_rate"] == pytest.approx([0.8, 0.5, 0.2])
+    assert g["mt-bench/writing"]["tau"] == pytest.approx(1.2)  # (19 - 15) / (30 - 10)
+    assert g["mt-bench/writing"]["acceptance_rate"] == pytest.approx([0.3, 0.15, 0.05])
+    assert g["mt-bench/math"]["num_drafts"] == 0 and math.isnan(g["mt-bench/math"]["tau"])
+    pooled = pooled_groups(g, "mt-bench")
+    assert pooled["tau"] == pytest.approx(1 + 19 / 30) and pooled["acceptance_rate"] == pytest.approx([14 / 30, 8 / 30,
+                                                                                                       3 / 30])
 
 
 def test_a_failed_vllm_run_names_its_root_cause(tmp_path, monkeypatch):

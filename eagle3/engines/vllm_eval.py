@@ -43,6 +43,52 @@ PREFIX = "vllm:spec_decode_"
 def parse_vllm_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Spec-decode counters -> τ and per-position acceptance. `records`: [{"name", "value"} | {"name", "values"}]
     as `LLM.get_metrics()` gives them (Counter / Vector); label sets of the same name are summed."""
+    totals, per_pos = _counters(records)
+    if totals["num_drafts"] <= 0:
+        raise ValueError("vLLM reported no speculative drafts: was the draft loaded (speculative_config) and were "
+                         "stats enabled (disable_log_stats=False)?")
+    return _rates(totals, per_pos)
+
+
+def group_metrics(snapshots: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per group of prompts, τ and acceptance from the counters' growth while that group ran: `snapshots` are
+    [{"group", "metrics"}] taken after each group, in run order (vLLM's counters are cumulative). A group with no
+    draft (every turn ended at once) has τ nan."""
+    out: dict[str, dict[str, Any]] = {}
+    before: tuple[dict[str, float], list[float]] = ({}, [])
+    for snap in snapshots:
+        totals, per_pos = _counters(snap["metrics"])
+        delta = {k: v - before[0].get(k, 0.0) for k, v in totals.items()}
+        pos = [v - (before[1][i] if i < len(before[1]) else 0.0) for i, v in enumerate(per_pos)]
+        out[snap["group"]] = _rates(delta, pos)
+        before = (totals, per_pos)
+    return out
+
+
+def pooled_groups(groups: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """The groups `name` and `name/...` counted together (a prompt set over its categories)."""
+    parts = [g for k, g in groups.items() if k == name or k.startswith(name + "/")]
+    totals = {k: float(sum(g[k] for g in parts)) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    width = max((len(g["acceptance_rate"]) for g in parts), default=0)
+    per_pos = [sum(g["acceptance_rate"][i] * g["num_drafts"] for g in parts if i < len(g["acceptance_rate"]))
+               for i in range(width)]
+    return _rates(totals, per_pos)
+
+
+def _rates(totals: dict[str, float], per_pos: list[float]) -> dict[str, Any]:
+    drafts = totals["num_drafts"]
+    return {
+        "tau": 1.0 + totals["num_accepted_tokens"] / drafts if drafts else float("nan"),
+        "acceptance_rate": [v / drafts for v in per_pos] if drafts else [],
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(totals["num_draft_tokens"]),
+        "num_accepted_tokens": int(totals["num_accepted_tokens"]),
+        "draft_token_acceptance": (totals["num_accepted_tokens"] / totals["num_draft_tokens"]
+                                   if totals["num_draft_tokens"] else float("nan")),
+    }
+
+
+def _counters(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[float]]:
     totals = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
     per_pos: list[float] = []
     for r in records:
@@ -57,19 +103,7 @@ def parse_vllm_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
             per_pos += [0.0] * (len(values) - len(per_pos))
             for i, v in enumerate(values):
                 per_pos[i] += v
-    drafts = totals["num_drafts"]
-    if drafts <= 0:
-        raise ValueError("vLLM reported no speculative drafts: was the draft loaded (speculative_config) and were "
-                         "stats enabled (disable_log_stats=False)?")
-    return {
-        "tau": 1.0 + totals["num_accepted_tokens"] / drafts,
-        "acceptance_rate": [v / drafts for v in per_pos],
-        "num_drafts": int(drafts),
-        "num_draft_tokens": int(totals["num_draft_tokens"]),
-        "num_accepted_tokens": int(totals["num_accepted_tokens"]),
-        "draft_token_acceptance": (totals["num_accepted_tokens"] / totals["num_draft_tokens"]
-                                   if totals["num_draft_tokens"] else float("nan")),
-    }
+    return totals, per_pos
 
 
 # ------------------------------------------------------------------------------------------- parent side
@@ -169,8 +203,10 @@ CPU_SAMPLING = (
 
 
 def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: str | None = None,
-             timeout_s: float = 3600, check_greedy: bool = True) -> dict[str, Any]:
-    """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters.
+             timeout_s: float = 3600, check_greedy: bool = True, groups: list[str] | None = None) -> dict[str, Any]:
+    """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters; with `groups`
+    (one name per prompt, e.g. `mt-bench/coding`), vLLM runs each group in turn and `groups` in the result holds
+    each one's τ and acceptance (group_metrics).
 
     At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
     the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
@@ -186,12 +222,18 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
     with tempfile.TemporaryDirectory(prefix="eagle3-vllm-") as tmp:
         prompts_file, result_file = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         prompts_file.write_text(json.dumps(prompts))
+        groups_args: list[str] = []
+        if groups is not None:
+            if len(groups) != len(prompts):
+                raise ValueError(f"{len(groups)} group names for {len(prompts)} prompts")
+            (Path(tmp) / "groups.json").write_text(json.dumps(groups))
+            groups_args = ["--groups", str(Path(tmp) / "groups.json")]
         cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(cfg.target.path),
                "--draft", str(out_dir), "--prompts", str(prompts_file), "--out", str(result_file),
                "--num-spec", str(cfg.eval.num_steps), "--temperature", str(cfg.eval.temperature),
                "--draft-sample-method", cfg.eval.draft_sampling,
                "--max-tokens", str(cfg.eval.max_new_tokens), "--dtype", cfg.target.dtype, "--seed",
-               str(cfg.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop)]
+               str(cfg.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *groups_args]
         code, tail = _run_echoing(cmd, env, timeout_s)
         if code != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM check failed (exit {code}): {_root_cause(tail)}; command: {' '.join(cmd)}")
@@ -200,6 +242,8 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
     result.update(draft_export=str(out_dir), prompts=len(prompts), generated_tokens=raw.get("generated_tokens"),
                   seconds=raw.get("seconds"), vllm_version=raw.get("vllm_version"), stop_token_ids=stop,
                   outputs=raw.get("outputs"))
+    if raw.get("group_metrics"):
+        result["groups"] = group_metrics(raw["group_metrics"])
     if cfg.eval.temperature > 0 and raw.get("platform") == "cpu":
         result["untrusted"] = CPU_SAMPLING
         log.warning("vLLM's acceptance at temperature %s: %s", cfg.eval.temperature, CPU_SAMPLING)
@@ -233,6 +277,7 @@ def _child(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-token-ids", default="", help="comma-separated ids to stop at (the evaluator's eos set)")
+    p.add_argument("--groups", help="JSON list: a group name per prompt; each group runs in turn, metrics after each")
     a = p.parse_args(argv)
     import vllm  # type: ignore[import-not-found]
 
@@ -244,20 +289,33 @@ def _child(argv: list[str] | None = None) -> int:
     stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
                             stop_token_ids=stop or None)
+    def metrics() -> list[dict[str, Any]]:
+        records = []
+        for m in llm.get_metrics():
+            if hasattr(m, "values"):
+                records.append({"name": m.name, "values": list(m.values)})
+            elif hasattr(m, "value"):
+                records.append({"name": m.name, "value": m.value})
+        return records
+
+    requests = [TokensPrompt(prompt_token_ids=x) for x in prompts]
+    groups = json.loads(Path(a.groups).read_text()) if a.groups else [""] * len(prompts)
+    outs: list[Any] = [None] * len(prompts)
+    snapshots = []
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in prompts], params)
+    for g in dict.fromkeys(groups):  # in order of first appearance
+        idx = [i for i, x in enumerate(groups) if x == g]
+        for i, o in zip(idx, llm.generate([requests[i] for i in idx], params), strict=True):
+            outs[i] = o
+        snapshots.append({"group": g, "metrics": metrics()})
     seconds = time.perf_counter() - t0
-    records = []
-    for m in llm.get_metrics():
-        if hasattr(m, "values"):
-            records.append({"name": m.name, "values": list(m.values)})
-        elif hasattr(m, "value"):
-            records.append({"name": m.name, "value": m.value})
+    records = snapshots[-1]["metrics"] if snapshots else metrics()
     Path(a.out).write_text(json.dumps({
         "metrics": records, "seconds": seconds, "vllm_version": getattr(vllm, "__version__", None),
         "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "platform": _platform(),
+        "group_metrics": snapshots if a.groups else None,
     }))
     return 0
 
