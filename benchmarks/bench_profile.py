@@ -10,6 +10,14 @@ them assistant tokens, ShareGPT's share), the shape of BENCHMARKS.md "Training s
 SpecForge. fp32 weights; `bf16` runs the step under CPU autocast as `train.mixed_precision: bf16` does. The
 states are random: the time of a step does not depend on their values. Prints the top operators by self CPU time
 and the phase table; one warm-up step is not profiled.
+
+    python benchmarks/bench_profile.py --precision bf16 --ttt 4 --steps 8 --config configs/smollm2-135m.yaml \
+        -- output_dir=runs/bench32 data.max_samples=320
+
+profiles the real trainer instead (`eagle3.trainer.set_up` + `train_step`, what `eagle3 train` runs) on the
+config's cached batches, preloaded so the data thread is out of the picture, with each part of the step named:
+the fused lm_head + loss (`softce`), the teacher's distribution, the backward, grad clipping, the optimizer.
+Needs the config's prepared data and cache (BENCHMARKS.md "Where a bf16 step's time goes").
 """
 
 from __future__ import annotations
@@ -31,7 +39,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--config", help="profile the real trainer on this config's cache (with the overrides after --)")
+    ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
+    if a.config:
+        return real_trainer(a)
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -70,6 +82,67 @@ def main() -> int:
     print("\nphase                  ms/step   share")
     for e in sorted(phases, key=lambda e: e.key):
         print(f"{e.key:<20} {e.cpu_time_total / a.steps / 1e3:9.1f}  {e.cpu_time_total / total:6.1%}")
+    print(f"\ntop {a.top} operators by self CPU time")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=40))
+    return 0
+
+
+def real_trainer(a: argparse.Namespace) -> int:
+    """The trainer's own step (eagle3.trainer.train_step) on preloaded cached batches, its parts named."""
+    import functools
+    import tempfile
+    from contextlib import closing
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import eagle3.loss
+    from eagle3 import trainer
+    from eagle3.batching import plan_epoch
+    from eagle3.config import load_config
+    from eagle3.logs import setup_logging
+
+    torch.set_num_threads(a.threads)
+    setup_logging()
+    cfg = load_config(a.config, [*a.overrides, f"train.ttt_steps={a.ttt}", f"cpu_threads={a.threads}"])
+    cfg.extract.cache_dir, cfg.data.output_dir = str(cfg.cache_dir), str(cfg.prepared_dir)
+    cfg.output_dir = tempfile.mkdtemp(prefix="bench-profile-")  # the cache stays; nothing is written next to it
+    t = cfg.train
+    t.mixed_precision = "no" if a.precision == "fp32" else "bf16"
+    t.resume, t.max_steps, t.save_every, t.eval_every, cfg.tracking.backend = False, 10**6, 10**9, 10**9, "none"
+    s = trainer.set_up(cfg)
+
+    def named(obj: object, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        setattr(obj, attr, wrapper)
+
+    for obj, attr, label in [(s.objective, "loss", "forward+loss"), (s.objective.teacher, "probs", "teacher"),
+                             (s.accelerator, "backward", "backward"), (s.accelerator, "clip_grad_norm_", "clip"),
+                             (s.optimizer, "step", "optimizer"), (eagle3.loss._LinearSoftCE, "apply", "softce")]:
+        named(obj, attr, label)
+    plan = plan_epoch(s.train_ds.lengths, t.batch_tokens, t.seed, 0, 0, 1)
+    n = min(len(plan.batches), a.steps + 1)
+    with closing(s.train_ds.iter_collated(plan.batches[:n], False)) as it:
+        batches = iter(list(it))
+    trainer.train_step(s, batches, plan)  # the warm-up step, not profiled
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n - 1):
+            trainer.train_step(s, batches, plan)
+    seconds = (time.perf_counter() - t0) / (n - 1)
+    print(f"{a.precision}, TTT {a.ttt}, the trainer on {a.config}'s cache, {a.threads} threads: {seconds * 1e3:.0f} "
+          f"ms/step over {n - 1} steps (profiled)")
+    events = prof.key_averages()
+    names = {"forward+loss", "softce", "teacher", "backward", "clip", "optimizer"}
+    print("\nphase                  ms/step")
+    for e in sorted((e for e in events if e.key in names or e.key.startswith("ttt_step_")), key=lambda e: e.key):
+        print(f"{e.key:<20} {e.cpu_time_total / (n - 1) / 1e3:9.1f}")
     print(f"\ntop {a.top} operators by self CPU time")
     print(events.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=40))
     return 0
