@@ -282,7 +282,8 @@ def run(cfg: Config) -> dict[str, Any]:
             groups = [f"{name}/{t['category']}" if t.get("category") else name
                       for name, r in report["sets"].items() for t in r["per_turn"]]
             result = run_vllm(cfg, folder, all_prompts, groups=groups)
-            result["groups"] |= {name: pooled_groups(result["groups"], name) for name in report["sets"]}
+            found = result.setdefault("groups", {})
+            found |= {name: pooled_groups(found, name) for name in report["sets"] if name not in found}
         else:
             from eagle3.engines.sglang_eval import run_sglang
 
