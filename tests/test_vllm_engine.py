@@ -201,11 +201,12 @@ def test_sampled_acceptance_in_real_vllm_matches_builtin(tmp_path, vllm_python):
     """Temperature > 0, drafts by argmax (eval.draft_sampling=greedy, vLLM's default draft_sample_method): both
     engines accept a draft x with the target's probability p(x) at the temperature and resample the rest, so their
     per-position acceptance rates estimate the same expectations and must agree within sampling error: 4 standard
-    errors of the difference of two independent binomial proportions. vLLM 0.32's CPU backend does not (its
-    sampled verification is off: vllm_eval.CPU_SAMPLING), so there the test requires `eagle3 eval` to flag its τ
-    UNTRUSTED and is an xfail, which fails once vLLM agrees. (Sampled drafts, accepted with
-    min(1, p/q), would score this exact head ~0.95 at position 0 where vLLM's default scores p(argmax): the τ of
-    the two rules differ, eagle3.specdec.)"""
+    errors of the difference of two independent binomial proportions. vLLM 0.32's CPU backend, as installed,
+    divides the target's logits at the draft positions by garbage instead of the temperature (vllm_eval's
+    _repair_cpu_expand: it accepted this exact head's drafts 0.02-0.08 of the time where p(argmax) is 0.68); the
+    eval repairs that in vLLM's process and says so, and this test is what shows the repair makes vLLM agree.
+    (Sampled drafts, accepted with min(1, p/q), would score this exact head ~0.95 at position 0 where vLLM's
+    default scores p(argmax): the τ of the two rules differ, eagle3.specdec.)"""
     import math
 
     from eagle3.evaluate import run
@@ -230,14 +231,24 @@ def test_sampled_acceptance_in_real_vllm_matches_builtin(tmp_path, vllm_python):
         se = math.sqrt(max(pooled * (1 - pooled), 1e-4) * (1 / n_v + 1 / n_b))
         if abs(pv - pb) > 4 * se:
             apart.append((j, pv, pb, se))
-    if not v.get("untrusted"):  # a GPU: no excuse
-        assert not apart, (apart, v["acceptance_rate"], b["acceptance_rate"])
+    assert not v.get("untrusted"), v["untrusted"]
+    assert "UNTRUSTED" not in "\n".join(summary_lines(report))
+    assert not apart, (apart, v["acceptance_rate"], b["acceptance_rate"], v.get("sampling_repair"))
+    if not v.get("sampling_repair"):  # a vLLM (or a GPU) without the CPU bug
         return
-    # vLLM 0.32's CPU backend (vllm_eval.CPU_SAMPLING): its sampled verification is off, and eval says so
-    assert "UNTRUSTED" in "\n".join(summary_lines(report))
-    assert apart, ("vLLM's CPU backend now agrees with the built-in at temperature > 0: drop vllm_eval.CPU_SAMPLING",
-                   v["acceptance_rate"], b["acceptance_rate"])
-    pytest.xfail(f"vLLM's CPU backend at temperature > 0, flagged UNTRUSTED in the report: {apart}")
+    # Negative control: the same run with vLLM's CPU sampler as installed scores the exact head far below p(argmax)
+    prompts_file = tmp_path / "rendered.json"
+    prompts_file.write_text(json.dumps(json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())["prompts"]))
+    out = tmp_path / "as-installed.json"
+    subprocess.run([vllm_python, vllm_eval.__file__, "--target", cfg.target.path, "--draft", v["draft_export"],
+                    "--prompts", str(prompts_file), "--out", str(out), "--max-tokens", "48",
+                    "--dtype", cfg.target.dtype, "--temperature", "0.05", "--seed", str(cfg.eval.seed), "--keep-vllm-sampler",
+                    "--stop-token-ids", ",".join(map(str, v["stop_token_ids"]))], check=True, timeout=900)
+    raw = json.loads(out.read_text())
+    assert raw["sampling_ok"] is False and raw["sampling_repair"] is None
+    broken = vllm_eval.parse_vllm_metrics(raw["metrics"])
+    assert broken["acceptance_rate"][0] <= b["acceptance_rate"][0] - 0.3, (broken["acceptance_rate"],
+                                                                            b["acceptance_rate"])
 
 
 def _with_options(cfg: Config, **options) -> None:

@@ -194,12 +194,11 @@ def _root_cause(tail: list[str]) -> str:
 
 
 CPU_SAMPLING = (
-    "not to be trusted on vLLM's CPU backend (vLLM 0.32): at temperature > 0 it accepts an exact head's argmax "
-    "drafts far less often than the target's probability of them, the rule it implements (0.08 vs 0.68 at "
-    "temperature 0.05; ~0.2 vs ~0.9 at 1e-4, where its greedy path gives ~0.9), except on an answer that repeats one "
-    "token: as if the target's probabilities were read at other positions. The built-in evaluator's τ, or vLLM on a "
-    "GPU, is the one to use (tests/test_vllm_engine.py::test_sampled_acceptance_in_real_vllm_matches_builtin)")
-"""Why vLLM's τ at temperature > 0 is flagged on a CPU."""
+    "not to be trusted: this vLLM's CPU backend scales the target's logits at the draft positions by garbage "
+    "instead of the temperature (its C++ stand-in for the Triton `expand_kernel` writes into an int64 copy of the "
+    "output and drops it, vllm/utils/cpu_triton_utils.py in vLLM 0.32), and the repair the eval applies for it did "
+    "not take. The built-in evaluator's τ, or vLLM on a GPU, is the one to use")
+"""Why vLLM's τ at temperature > 0 is flagged on a CPU (see _repair_cpu_expand)."""
 
 
 def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: str | None = None,
@@ -244,7 +243,10 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
                   outputs=raw.get("outputs"))
     if raw.get("group_metrics"):
         result["groups"] = group_metrics(raw["group_metrics"])
-    if cfg.eval.temperature > 0 and raw.get("platform") == "cpu":
+    if raw.get("sampling_repair"):
+        result["sampling_repair"] = raw["sampling_repair"]
+        log.info("vLLM: %s", raw["sampling_repair"])
+    if cfg.eval.temperature > 0 and raw.get("platform") == "cpu" and not raw.get("sampling_ok"):
         result["untrusted"] = CPU_SAMPLING
         log.warning("vLLM's acceptance at temperature %s: %s", cfg.eval.temperature, CPU_SAMPLING)
     if check_greedy and cfg.eval.temperature <= 0 and raw.get("outputs") is not None:
@@ -278,10 +280,13 @@ def _child(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-token-ids", default="", help="comma-separated ids to stop at (the evaluator's eos set)")
     p.add_argument("--groups", help="JSON list: a group name per prompt; each group runs in turn, metrics after each")
+    p.add_argument("--keep-vllm-sampler", action="store_true",
+                   help="do not repair the CPU backend's sampled verification (to see what _repair_cpu_expand fixes)")
     a = p.parse_args(argv)
     import vllm  # type: ignore[import-not-found]
 
     prompts = json.loads(Path(a.prompts).read_text())
+    repair, sampling_ok = _repair_cpu_expand(not a.keep_vllm_sampler) if a.temperature > 0 else (None, True)
     llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
               max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
               speculative_config={"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec,
@@ -315,13 +320,58 @@ def _child(argv: list[str] | None = None) -> int:
         "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "platform": _platform(),
+        "sampling_repair": repair,
+        "sampling_ok": sampling_ok,
         "group_metrics": snapshots if a.groups else None,
     }))
     return 0
 
 
+def _expand_ok() -> bool:
+    """Whether vLLM's rejection sampler expands a per-request value to its draft positions correctly (the
+    temperature it divides the target's logits by there), probed with the kernels a worker of this platform runs."""
+    import torch
+    from vllm.v1.sample import rejection_sampler  # type: ignore[import-not-found]
+
+    got = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.3125, 0.0]), torch.tensor([1, 3]), 3,
+                                                   replace_from=0, replace_to=1)
+    return got.tolist() == [0.3125, 1.0, 1.0]
+
+
+def _repair_cpu_expand(repair: bool = True) -> tuple[str | None, bool]:
+    """(what was repaired or None, whether sampled verification is right now) for temperature > 0.
+
+    vLLM 0.32's CPU backend (no Triton) registers C++ stand-ins for the rejection sampler's Triton kernels; the
+    one for `expand_kernel` converts its float output to an int64 copy, writes that, and drops it, so
+    `expand_batch_to_tokens` returns uninitialised memory and the target's logits at the draft positions are
+    divided by garbage instead of the temperature (greedy and the bonus token do not go through it). Where the
+    probe shows that, the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with a torch version of
+    `expand_batch_to_tokens`: the same semantics as the Triton kernel, which a GPU runs."""
+    import torch
+    from vllm.platforms import current_platform  # type: ignore[import-not-found]
+    from vllm.v1.sample import rejection_sampler  # type: ignore[import-not-found]
+
+    if not current_platform.is_cpu():  # GPUs run the Triton kernel
+        return None, True
+    current_platform.register_triton_kernel_overrides()  # what a worker does first (worker_base.py)
+    if _expand_ok() or not repair:
+        return None, _expand_ok()
+
+    def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                               replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return x.repeat_interleave(counts.long(), output_size=num_tokens)
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patch must live where the sampler runs
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    return ("its CPU expand_kernel stand-in returns garbage (the target's logits at draft positions were divided "
+            "by uninitialised memory at temperature > 0): replaced by a torch expand_batch_to_tokens, engine in "
+            "one process"), _expand_ok()
+
+
 def _platform() -> str:
-    """`cpu` on vLLM's CPU backend (whose sampled verification is off: CPU_SAMPLING), else its device type."""
+    """`cpu` on vLLM's CPU backend, else its device type."""
     try:
         from vllm.platforms import current_platform  # type: ignore[import-not-found]
     except ImportError:  # a layout without it
