@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,6 @@ from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.logs import Progress, setup_logging
 from eagle3.prompts import Prompt, PromptSet, load_prompt_set
-from eagle3.report import by_category
 from eagle3.specdec import AcceptanceStats, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 from eagle3.targets.hf import eos_ids, load_target
 from eagle3.targets.info import TargetInfo
@@ -99,6 +99,7 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     from eagle3.divergence import explain
 
     spec, base = AcceptanceStats(), AcceptanceStats()
+    per_cat: dict[str, tuple[AcceptanceStats, AcceptanceStats]] = {}  # the same sums per prompt category
     greedy = dec.s.temperature <= 0
     num_layers = dec.target.model.config.get_text_config().num_hidden_layers
     divergences = []
@@ -120,8 +121,12 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
             out = dec.generate(ids_spec, g)
             g = torch.Generator().manual_seed(seed + 1000 * i + t)
             ref = dec.generate_baseline(ids_base, g)
-            spec.add(out.accept_lengths, len(out.tokens), out.target_forwards, out.seconds)
-            base.add([], len(ref.tokens), ref.target_forwards, ref.seconds)
+            sums = [(spec, base)]
+            if prompt.category is not None:
+                sums.append(per_cat.setdefault(prompt.category, (AcceptanceStats(), AcceptanceStats())))
+            for s, b in sums:
+                s.add(out.accept_lengths, len(out.tokens), out.target_forwards, out.seconds)
+                b.add([], len(ref.tokens), ref.target_forwards, ref.seconds)
             if greedy and out.tokens != ref.tokens and ids_spec != ids_base:
                 # an earlier turn of this dialogue parted: its answers are in these two prompts, so this turn
                 # follows from that divergence and is not judged again
@@ -141,9 +146,10 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
             progress.update(1, tau=f"{spec.tau:.2f}")
     result = metrics(spec, base, dec.s.num_steps)
     result.update(prompts=len(ps.prompts), turns=len(per_turn), per_turn=per_turn)
-    categories = by_category(per_turn)
-    if categories:
-        result["categories"] = categories
+    if per_cat:  # each category as a set of its own: the card's rows (report.card)
+        turns = Counter(t["category"] for t in per_turn)
+        result["categories"] = {c: {"turns": turns[c], **metrics(s, b, dec.s.num_steps)}
+                                for c, (s, b) in sorted(per_cat.items())}
     if greedy:
         near = sum(d["near_tie"] for d in divergences)
         result.update(greedy_mismatches=len(divergences) + inherited, near_ties=near,

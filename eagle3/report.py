@@ -143,7 +143,7 @@ def by_category(per_turn: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def card(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows a published head's card gives: one per prompt set, then one per category of a set that has them
     (`set/category`), at the report's settings: turns, τ, acceptance per draft position, tokens per target
-    forward and speed-up (a category has τ and turns only: speed is measured per set)."""
+    forward and speed-up (a category of the built-in has them all; one an engine reports has τ and turns)."""
     rows = []
     for name, r in report["sets"].items():
         rows.append({"set": name, "turns": r.get("turns"), "tau": r.get("tau"),
@@ -151,7 +151,9 @@ def card(report: dict[str, Any]) -> list[dict[str, Any]]:
                      "tokens_per_forward": r.get("tokens_per_forward"), "speedup": r.get("speedup")})
     for name, r in report["sets"].items():
         for cat, c in (r.get("categories") or {}).items():
-            rows.append({"set": f"{name}/{cat}", "turns": c["turns"], "tau": c["tau"]})
+            rows.append({"set": f"{name}/{cat}", "turns": c["turns"], "tau": c["tau"],
+                         "acceptance_rate": c.get("acceptance_rate") or [],
+                         "tokens_per_forward": c.get("tokens_per_forward"), "speedup": c.get("speedup")})
     for engine, e in (report.get("engines") or {}).items():
         for row in rows:  # an engine that ran the same prompts group by group (vLLM): its τ on each row
             if row["set"] in (e.get("groups") or {}):

@@ -409,6 +409,13 @@ def test_tau_per_category_pools_its_verify_steps(tmp_path, capsys):
     steps = sum(c["verify_steps"] for c in cats.values())
     assert steps == r["verify_steps"]
     assert sum(c["tau"] * c["verify_steps"] for c in cats.values()) / steps == pytest.approx(r["tau"])
+    # every figure of a set's card, per category, adding back up to the set's
+    for j, rate in enumerate(r["acceptance_rate"]):
+        assert sum(c["acceptance_rate"][j] * c["verify_steps"] for c in cats.values()) / steps == pytest.approx(rate)
+    for key in ("generated_tokens", "baseline_generated_tokens", "accepted_tokens"):
+        assert sum(c[key] for c in cats.values()) == r[key]
+    assert sum(c["seconds"]["spec"] for c in cats.values()) == pytest.approx(r["seconds"]["spec"])
+    assert all(c["tokens_per_forward"] >= 1 and c["speedup"] > 0 for c in cats.values())
     assert "cats per category: coding τ=" in capsys.readouterr().out
     saved = json.loads((cfg.eval_dir / "report.json").read_text())
     assert saved["sets"]["cats"]["categories"] == json.loads(json.dumps(cats))
@@ -437,12 +444,15 @@ def test_two_prompt_sets_print_one_card_and_a_datasets_folder_is_a_prompt_set(tm
         s = saved["sets"][name]
         assert (rows[name]["tau"], rows[name]["acceptance_rate"], rows[name]["speedup"]) == (
             s["tau"], s["acceptance_rate"], s["speedup"])
-    assert rows["cats/coding"]["tau"] == report["sets"]["cats"]["categories"]["coding"]["tau"]
+    coding = report["sets"]["cats"]["categories"]["coding"]
+    assert (rows["cats/coding"]["tau"], rows["cats/coding"]["acceptance_rate"], rows["cats/coding"]["speedup"]) == (
+        coding["tau"], coding["acceptance_rate"], coding["speedup"])
     out = capsys.readouterr().out
     table = out[out.index("prompt set"):].splitlines()
     assert table[0].split()[:3] == ["prompt", "set", "turns"] and "speed-up" in table[0]
     assert [line.split()[0] for line in table[1:5]] == ["cats", "gsm", "cats/coding", "cats/writing"]
     assert f"{saved['sets']['gsm']['tau']:5.3f}" in table[2]
+    assert "%" in table[3] and f"{coding['speedup']:7.2f}x" in table[3]  # a category's row is a full row
     assert (cfg.eval_dir / "report.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="no column 'text'.*question"):
         from eagle3.prompts import load_prompt_set
