@@ -494,3 +494,40 @@ def test_sglang_alone_reports_categories_that_add_up_and_survives_a_turn_that_en
     assert r["turns"] == 3 and r["verify_steps"] == 6 and r["tau"] == pytest.approx((8 + 6) / 6)
     assert r["categories"]["coding"] == {"turns": 2, "verify_steps": 4, "tau": pytest.approx(8 / 4)}
     assert r["categories"]["writing"]["tau"] == pytest.approx(6 / 2)
+
+
+@pytest.mark.parametrize("device,route", [("cpu", "/server_info"), ("cpu", "/get_server_info"),
+                                          ("cuda", "/server_info")])
+def test_sglang_on_a_cpu_flags_its_sampled_tau(device, route):
+    """SGLang's CPU platform verifies greedily at any temperature (read in SGLang 0.5.23), so a τ it reports at
+    temperature > 0 is greedy decoding's: flagged from the server's own /server_info (or the older
+    /get_server_info), never at temperature 0, and not on a GPU server."""
+    import http.server
+    import threading
+
+    from eagle3.engines.sglang_eval import CPU_GREEDY, sampling_caveat
+
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            asked.append(self.path)
+            body = json.dumps({"device": device, "tp_size": 1}).encode()
+            self.send_response(200 if self.path == route else 404)
+            self.end_headers()
+            self.wfile.write(body if self.path == route else b"not found")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        cfg = Config()
+        assert sampling_caveat(url, cfg) is None and asked == []  # greedy: nothing to check
+        cfg.eval.temperature = 0.7
+        assert sampling_caveat(url, cfg) == (CPU_GREEDY if device == "cpu" else None)
+        assert asked[-1] == route
+    finally:
+        httpd.shutdown()

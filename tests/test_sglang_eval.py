@@ -170,6 +170,20 @@ def test_sglang_accept_length_equals_the_builtin_and_wrong_ids_lose_it(family, t
     assert s["tau"] == pytest.approx(s["builtin_tau"], rel=0.02), (s, b["tau"])
     assert s["tau"] >= 3.5  # every draft position exact, as built
 
+    if family == "llama":  # temperature > 0: the target's distribution is nearly flat, so sampling accepts ~nothing
+        from eagle3.engines.sglang_eval import CPU_GREEDY
+
+        cfg.eval.temperature = 0.7
+        hot = run(cfg)
+        s_hot, b_hot = hot["engines"]["sglang"], hot["sets"]["prompts"]
+        assert b_hot["acceptance_rate"][0] < 0.2, b_hot  # the built-in samples: the exact head's argmax rarely wins
+        greedy_after_first = all(len(set(o[1:])) <= 1 for o in s_hot["outputs"])  # the repeating target's argmax
+        if DEVICE == "cpu":  # SGLang's CPU platform commits the argmax at any temperature: flagged, not sampled
+            assert s_hot.get("untrusted") == CPU_GREEDY and greedy_after_first, s_hot
+        else:
+            assert not s_hot.get("untrusted") and not greedy_after_first, s_hot
+        cfg.eval.temperature = 0.0
+
     if family == "kimi":  # the Kimi recipe's mode: SGLang alone decodes every turn (eval.builtin=false)
         cfg.eval.checkpoint, cfg.eval.builtin = s["draft"], False
         alone = run(cfg)

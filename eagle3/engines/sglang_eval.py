@@ -66,6 +66,37 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+CPU_GREEDY = (
+    "not the sampled acceptance: SGLang's CPU platform verifies every draft greedily at any temperature "
+    "(speculative/eagle_utils.py `_verify_uses_greedy` in SGLang 0.5.23: its sampling kernel is CUDA-only), so this "
+    "is greedy decoding's τ. The built-in evaluator's τ, or SGLang on a GPU, is the one to use")
+"""Why SGLang's τ at temperature > 0 is flagged when the server runs on a CPU."""
+
+
+def sampling_caveat(url: str, cfg: Config) -> str | None:
+    """Why the server's τ at the eval's temperature is not the sampled one, or None. Read from the server's own
+    `device` (its /server_info), so a server the user started is judged as it runs, not as the config says."""
+    from eagle3.targets.sglang_server import http_json
+
+    if cfg.eval.temperature <= 0:
+        return None
+    info: dict[str, Any] | None = None
+    for route in ("/server_info", "/get_server_info"):  # the second is the name before SGLang 0.5.23
+        try:
+            info = http_json("GET", url.rstrip("/") + route, timeout=cfg.target.sglang.timeout_s)
+            break
+        except (RuntimeError, OSError):
+            continue
+    if info is None:
+        log.warning("SGLang at %s: no /server_info, so whether it samples at temperature %s is not checked",
+                    url, cfg.eval.temperature)
+        return None
+    if str(info.get("device", "")).lower() == "cpu":
+        log.warning("SGLang's acceptance at temperature %s: %s", cfg.eval.temperature, CPU_GREEDY)
+        return CPU_GREEDY
+    return None
+
+
 def turn_steps(meta: dict[str, Any]) -> dict[str, Any]:
     """One turn's verify steps and τ (None when its prefill token ended it), counted as parse_sglang_meta pools
     them: the per-category figures add back up to the set's."""
@@ -141,9 +172,12 @@ def run_sglang(cfg: Config, prompts: list[list[int]], draft_folder: Path | None 
         for ids in prompts:
             outs.append(generate(url, ids, cfg, stop))
             progress.update(1)
+        caveat = sampling_caveat(url, cfg)
     result = parse_sglang_meta([o.get("meta_info", {}) for o in outs])
     result.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop,
                   outputs=[o.get("output_ids") for o in outs])
+    if caveat:
+        result["untrusted"] = caveat
     return result
 
 
@@ -184,6 +218,9 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
             if categories := by_category(per_turn):
                 results[ps.name]["categories"] = categories
             metas += set_metas
+        caveat = sampling_caveat(url, cfg)
     pooled = parse_sglang_meta(metas)
     pooled.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop, sets=results)
+    if caveat:
+        pooled["untrusted"] = caveat
     return pooled, rendered
