@@ -15,7 +15,8 @@ Each prompt goes to `/generate` as token ids. SGLang's `meta_info` carries `comp
 `spec_verify_ct` (verify steps); its own `spec_accept_length` is completion_tokens / spec_verify_ct, which counts
 the token of the prefill as if a verify step had made it. `tau` here excludes it ((completion_tokens - 1) /
 spec_verify_ct, pooled over all prompts), which is exactly what the built-in evaluator and vLLM call τ
-(accepted + bonus per verify step); SGLang's own figure is reported beside it.
+(accepted + bonus per verify step); SGLang's own figure is reported beside it. At temperature > 0 a server on a
+CPU commits its argmax anyway, so its τ is marked UNTRUSTED there (`sampling_caveat`).
 """
 
 from __future__ import annotations
