@@ -40,7 +40,7 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     sets: dict[str, dict[str, Any]] = report["sets"]
     names = list(sets)
     s = report.get("settings", {})
-    with_categories = [n for n in names if sets[n].get("categories")]
+    with_categories = [n for n in names if shown_categories(sets[n])]
     fig, axes = plt.subplots(1, 3 + bool(with_categories), figsize=(15 + 5 * bool(with_categories), 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
@@ -140,6 +140,13 @@ def by_category(per_turn: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
+def shown_categories(r: dict[str, Any]) -> dict[str, Any]:
+    """A set's categories as the card, summary and PNG show them: none where there is only one, whose row would
+    repeat the set's (report.json keeps it)."""
+    cats = r.get("categories") or {}
+    return cats if len(cats) > 1 else {}
+
+
 def card(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows a published head's card gives: one per prompt set, then one per category of a set that has them
     (`set/category`), at the report's settings: turns, τ, acceptance per draft position, tokens per target
@@ -150,7 +157,7 @@ def card(report: dict[str, Any]) -> list[dict[str, Any]]:
                      "acceptance_rate": r.get("acceptance_rate") or [],
                      "tokens_per_forward": r.get("tokens_per_forward"), "speedup": r.get("speedup")})
     for name, r in report["sets"].items():
-        for cat, c in (r.get("categories") or {}).items():
+        for cat, c in shown_categories(r).items():
             rows.append({"set": f"{name}/{cat}", "turns": c["turns"], "tau": c["tau"],
                          "acceptance_rate": c.get("acceptance_rate") or [],
                          "tokens_per_forward": c.get("tokens_per_forward"), "speedup": c.get("speedup")})
@@ -196,9 +203,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         if r.get("clear_divergences"):
             line += f"; ERROR: {r['clear_divergences']} turn(s) part from plain greedy at a clear margin (a bug)"
         lines.append(line)
-        if r.get("categories"):
+        if cats := shown_categories(r):
             lines.append(f"  {name} per category: " + ", ".join(
-                f"{cat} τ={c['tau']:.3f} ({c['turns']} turns)" for cat, c in r["categories"].items()))
+                f"{cat} τ={c['tau']:.3f} ({c['turns']} turns)" for cat, c in cats.items()))
     rows = report.get("card") or card(report)
     if len(rows) > 1:
         lines += card_lines(rows)

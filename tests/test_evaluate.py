@@ -531,3 +531,18 @@ def test_sglang_on_a_cpu_flags_its_sampled_tau(device, route):
         assert asked[-1] == route
     finally:
         httpd.shutdown()
+
+
+def test_a_set_of_one_category_gets_no_category_row():
+    """A set whose prompts share one category (the quickstart's first MT-bench questions, all "writing"): the
+    card and summary give no category row, which would repeat the set's; report.json keeps the category."""
+    from eagle3.report import card, summary_lines
+
+    row = {"turns": 4, "tau": 1.5, "acceptance_rate": [0.3], "tokens_per_forward": 1.4, "speedup": 0.9,
+           "verify_steps": 8}
+    one = {"sets": {"mt": {**row, "categories": {"writing": dict(row)}}}}
+    two = {"sets": {"mt": {**row, "categories": {"writing": dict(row), "coding": dict(row)}}}}
+    assert [r["set"] for r in card(one)] == ["mt"]
+    assert not any("per category" in line for line in summary_lines(one))
+    assert [r["set"] for r in card(two)] == ["mt", "mt/writing", "mt/coding"]
+    assert any("mt per category: writing" in line for line in summary_lines(two))
