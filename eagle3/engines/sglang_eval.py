@@ -77,17 +77,11 @@ CPU_GREEDY = (
 def sampling_caveat(url: str, cfg: Config) -> str | None:
     """Why the server's τ at the eval's temperature is not the sampled one, or None. Read from the server's own
     `device` (its /server_info), so a server the user started is judged as it runs, not as the config says."""
-    from eagle3.targets.sglang_server import http_json
+    from eagle3.targets.sglang_server import server_info
 
     if cfg.eval.temperature <= 0:
         return None
-    info: dict[str, Any] | None = None
-    for route in ("/server_info", "/get_server_info"):  # the second is the name before SGLang 0.5.23
-        try:
-            info = http_json("GET", url.rstrip("/") + route, timeout=cfg.target.sglang.timeout_s)
-            break
-        except (RuntimeError, OSError):
-            continue
+    info = server_info(url, timeout=cfg.target.sglang.timeout_s)
     if info is None:
         log.warning("SGLang at %s: no /server_info, so whether it samples at temperature %s is not checked",
                     url, cfg.eval.temperature)

@@ -76,6 +76,7 @@ from eagle3.targets.sglang_server import (
     exit_on_sigterm,
     http_json,
     log_tail,
+    server_info,
     sglang_python,
     wait_healthy,
 )
@@ -322,20 +323,10 @@ class SGLangTarget:
         return path
 
     # -- preflight
-    def server_info(self) -> dict[str, Any] | None:
-        for route in ("/server_info", "/get_server_info"):
-            try:
-                info = http_json("GET", f"{self.url}{route}", timeout=10.0)
-            except (RuntimeError, OSError):
-                continue
-            if isinstance(info, dict):
-                return info
-        return None
-
     def preflight(self, sample: list[int] | None = None) -> None:
         """Before hours of extraction: ids valid for the depth, server flags, and a probe's dump checked twice."""
         validate_layer_ids(self.layer_ids, self.num_layers, where="target.aux_layer_ids")
-        info = self.server_info()
+        info = server_info(self.url)
         if info is None:
             log.warning("preflight: %s answers neither /server_info nor /get_server_info; flags not checked", self.url)
         else:

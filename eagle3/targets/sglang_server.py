@@ -64,6 +64,19 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0) ->
     return json.loads(raw) if raw.strip() else None
 
 
+def server_info(url: str, timeout: float = 10.0) -> dict[str, Any] | None:
+    """The server's resolved arguments (`device`, `disable_radix_cache`, ...) from /server_info, or from
+    /get_server_info (its name before SGLang 0.5.23); None where it answers neither."""
+    for route in ("/server_info", "/get_server_info"):
+        try:
+            info = http_json("GET", url.rstrip("/") + route, timeout=timeout)
+        except (RuntimeError, OSError):
+            continue
+        if isinstance(info, dict):
+            return info
+    return None
+
+
 def log_tail(log_file: Path | None, lines: int = 40) -> str:
     if log_file is None or not log_file.is_file():
         return ""
