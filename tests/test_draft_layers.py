@@ -139,10 +139,80 @@ def test_norm_output_and_fc_norm_change_the_computation():
         if flip.get("fc_norm"):
             with torch.no_grad():
                 for norm in other.fc_norm:
-                    norm.weight.fill_(1.0)
+                    norm.weight.uniform_(0.5, 1.5)
         a, b = ttt_unroll(base, base.project(aux), ids, 3), ttt_unroll(other, other.project(aux), ids, 3)
         differs = [not torch.allclose(x, y, atol=1e-4) for x, y in zip(a, b, strict=True)]
         assert differs == ([False, True, True] if "norm_output" in flip else [True, True, True]), flip
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written out (float32 statistics, as the engines' and transformers' kernels compute it)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_fc_norm_normalises_each_aux_state_with_its_own_weights(arch):
+    """EAGLE-3.1 fc_norm: fc(cat(rmsnorm(low) * w0, rmsnorm(mid) * w1, rmsnorm(high) * w2)), written out here. The
+    three weights are random and distinct (make()), so a weight applied to another third, one norm over the
+    concatenation or a skipped norm all give other numbers."""
+    m = make(arch, fc_norm=True)
+    torch.manual_seed(3)
+    aux = torch.randn(2, 7, 3 * H) * torch.tensor([0.1, 1.0, 10.0]).repeat_interleave(H)  # three magnitudes
+    eps = m.config.rms_norm_eps
+    weights = [m.fc_norm[i].weight.detach() for i in range(3)]
+    assert all(not torch.allclose(weights[i], weights[j]) for i, j in ((0, 1), (0, 2), (1, 2)))
+    by_hand = torch.cat([_rms_norm(x, w, eps) for x, w in zip(aux.split(H, dim=-1), weights, strict=True)], dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(m.project(aux), by_hand @ m.fc.weight.T, atol=1e-5, rtol=1e-5)
+        swapped = torch.cat([_rms_norm(x, w, eps) for x, w in zip(aux.split(H, dim=-1), weights[::-1], strict=True)],
+                            dim=-1)
+        assert not torch.allclose(m.project(aux), swapped @ m.fc.weight.T, atol=1e-3)  # the check can tell
+
+
+def _step0_output(m: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The layer's pre-`norm` output at step 0 (target features, tokens shifted by one), through causal SDPA: no
+    TTT kernel, no `decode`, no hand-off."""
+    feature = m.project(aux)
+    q, k, v = m.attention_inputs(torch.nn.functional.pad(ids[:, 1:], (0, 1)), feature, torch.arange(ids.shape[1])[None])
+    n_rep = q.shape[1] // k.shape[1]
+    from eagle3.model import repeat_kv
+
+    out = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
+                                                           is_causal=True, scale=m.attn_scale)
+    return m.after_attention(feature, out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_step_1_receives_the_pre_norm_or_with_norm_output_the_normed_hidden(monkeypatch, arch, norm_output):
+    """What step 1 is fed, in the training-time test and in `decode` (the evaluator's drafting): step 0's pre-norm
+    output h0 (EAGLE-3), or norm(h0) with the final norm's own weight (EAGLE-3.1 norm_output), norm written out
+    here. The norm's weight is random, so the two differ by far more than the tolerance."""
+    m = make(arch, fc_norm=True, norm_output=norm_output)
+    torch.manual_seed(4)
+    aux, ids = torch.randn(1, 9, 3 * H), torch.randint(0, V, (1, 9))
+    with torch.no_grad():
+        h0 = _step0_output(m, aux, ids)[0]  # [T, H]
+        normed = _rms_norm(h0, m.norm.weight.detach(), m.config.rms_norm_eps)
+        want, other = (normed, h0) if norm_output else (h0, normed)
+        assert (want - other).abs().max() > 0.1
+
+        seen: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
+        real_inputs, real_block = m.attention_inputs, m.block
+        monkeypatch.setattr(m, "attention_inputs", lambda i, hidden, p: seen.append(hidden) or real_inputs(i, hidden, p))
+        monkeypatch.setattr(m, "block", lambda hidden, a: outputs.append(real_block(hidden, a)) or outputs[-1])
+        ttt_unroll(m, m.project(aux), ids, 2)
+        block0, fed1 = outputs[0], seen[1].reshape(-1, H)  # every row kept: rows in position order
+        torch.testing.assert_close(block0, h0, atol=1e-5, rtol=1e-5)  # the block's output is step 0's output
+        expected = _rms_norm(block0, m.norm.weight, m.config.rms_norm_eps) if norm_output else block0
+        assert torch.equal(fed1, expected)
+        monkeypatch.undo()
+
+        handed, _, _ = m.decode(torch.nn.functional.pad(ids[:, 1:], (0, 1)), m.project(aux), torch.arange(9)[None],
+                                None)
+        torch.testing.assert_close(handed[0], want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch,fc_norm,norm_output", [("mla", True, True), ("llama", True, True), ("mla", False, False)])
