@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from rel_world import CLI, EXTRACT, TRAIN, error_block, no_traceback, run_cmd, shared_world, tree_bytes, write_cfg
+from rel_world import CLI, EXTRACT, TRAIN, env, error_block, no_traceback, run_cmd, shared_world, tree_bytes, write_cfg
+from test_ddp import PORT, run_launcher  # a free port, again on a fresh one if another process takes it
 
 pytestmark = pytest.mark.slow
 
@@ -154,23 +154,25 @@ def test_extraction_does_not_care_about_the_draft_vocab(world, tmp_path):
 
 # ------------------------------------------------------------------------------------------------- checkpoints
 def test_resume_falls_back_to_the_newest_intact_checkpoint(world, tmp_path):
-    """The newest step's weights cut short: resume names it, starts from the step before, and ends where an
-    uninterrupted run ends (the data plan is a function of the step)."""
-    from eagle3.formats import load_draft
+    """The newest step's weights cut short: resume names it, starts from the step before, and writes step 6
+    again, intact and byte for byte the uninterrupted run's (the data plan is a function of the step)."""
+    from eagle3.checkpoints import checkpoint_problems
 
     cfgd, cfg = _own(world, tmp_path, cache=False, train__max_steps=6, train__keep_checkpoints=3)
     r = run_cmd([*TRAIN, "--config", str(cfg)])
     assert r.returncode == 0, r.stderr[-3000:]
     ckpts = tmp_path / "run" / "checkpoints"
-    reference = {k: v.clone() for k, v in load_draft(ckpts / "step_6" / "draft").state_dict().items()}
+    uninterrupted = tree_bytes(ckpts / "step_6")  # weights, optimizer, scheduler, RNG, trainer state, draft/
     weights = ckpts / "step_6" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     r = run_cmd([*TRAIN, "--config", str(cfg)])
     assert r.returncode == 0 and no_traceback(r.stderr), r.stderr[-3000:]
     assert f"checkpoint {ckpts / 'step_6'} is damaged (model.safetensors: 1000 bytes where" in r.stderr
     assert f"resumed from {ckpts / 'step_4'}" in r.stderr
-    again = load_draft(ckpts / "step_6" / "draft").state_dict()
-    assert all(torch.equal(again[k], reference[k]) for k in reference)
+    assert checkpoint_problems(ckpts / "step_6") == []
+    again = tree_bytes(ckpts / "step_6")
+    assert again.keys() == uninterrupted.keys()
+    assert [f for f in uninterrupted if again[f] != uninterrupted[f]] == []
     # every checkpoint damaged: one error, nothing overwritten
     for step in (2, 4, 6):
         (ckpts / f"step_{step}" / "trainer_state.json").write_text("{not json")
@@ -201,8 +203,8 @@ def test_under_accelerate_launch_the_error_is_the_launchers_root_cause(world, tm
     cfgd, cfg = _own(world, tmp_path)
     _flip(sorted((tmp_path / "cache" / "train").glob("*.arrow"))[0], 100, 64)
     launch = [CLI[0], "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-              "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29547"]
-    r = run_cmd([*launch, TRAIN[1], "--config", str(cfg)], ACCELERATE_USE_CPU="true")
+              "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", PORT]
+    r = run_launcher([*launch, TRAIN[1], "--config", str(cfg)], env(ACCELERATE_USE_CPU="true"), timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]
     assert "SIGABRT" not in r.stderr and "terminate called" not in r.stderr, r.stderr[-3000:]
     summary = r.stderr[r.stderr.index("Root Cause"):]
