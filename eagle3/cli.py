@@ -2,6 +2,7 @@
 
     eagle3 config show --config configs/smollm2-135m.yaml train.lr=3e-4
     eagle3 prepare --config configs/smollm2-135m.yaml
+    eagle3 data show --config configs/smollm2-135m.yaml --index 3   # one prepared sample, trained spans marked
     eagle3 extract --config configs/smollm2-135m.yaml
     eagle3 train --config configs/smollm2-135m.yaml        # or: accelerate launch train.py --config ...
     eagle3 eval --config configs/smollm2-135m.yaml
@@ -44,6 +45,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from eagle3.prepare import run
 
     run(_cfg(args))
+    return 0
+
+
+def cmd_data_show(args: argparse.Namespace) -> int:
+    from eagle3.data.show import show
+
+    color = {"auto": None, "always": True, "never": False}[args.color]
+    print(show(_cfg(args), index=args.index, sample_id=args.id, split=args.split, color=color))
     return 0
 
 
@@ -145,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     docs.set_defaults(fn=lambda _args: print(config_docs(), end="") or 0)
 
     add("prepare", cmd_prepare, "conversations -> chat template -> input_ids + loss_mask, and the draft vocab")
+    data_p = sub.add_parser("data", help="inspect the prepared data")
+    data_sub = data_p.add_subparsers(dest="action", required=True)
+    what = "print one prepared sample as the target sees it: the trained spans marked, token counts, its source record"
+    ds = data_sub.add_parser("show", help=what, description=what)
+    _with_config(ds)
+    pick = ds.add_mutually_exclusive_group()
+    pick.add_argument("--index", type=int, default=None, help="the sample's index in --split (default 0)")
+    pick.add_argument("--id", default=None, help="the sample's id (either split)")
+    ds.add_argument("--split", choices=["train", "eval"], default="train")
+    ds.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                    help="mark trained spans in colour (auto: on a terminal) or between [[ and ]]")
+    ds.set_defaults(fn=cmd_data_show)
     add("regenerate", cmd_regenerate, "self-distillation: re-answer every conversation with the target")
     add("extract", cmd_extract, "target hidden states -> the on-disk cache (offline mode)")
     add("train", cmd_train, "train the EAGLE-3 head (single process; use accelerate launch train.py for more)")

@@ -32,14 +32,22 @@ import pyarrow as pa
 from eagle3.config import Config, SourceConfig
 from eagle3.data.prepared import PreparedError, is_prepared, read_prepared_meta, save_vocab
 from eagle3.data.sources import SourceStats, read_conversations, resolve_source_path, source_name
-from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, render, resolve_template
-from eagle3.data.types import Conversation, Turn
+from eagle3.data.templates import (
+    ChatTemplate,
+    TemplateError,
+    check_renders_tools,
+    load_tokenizer,
+    render,
+    resolve_template,
+)
+from eagle3.data.types import Conversation, turn_from_row, turn_to_row
 from eagle3.data.vocab import DraftVocab, build_draft_vocab
 from eagle3.fsutil import atomic_dir, current_umask, file_records
 from eagle3.logs import Progress, log
 
-PREPARE_VERSION = 1
-"""Bump when the rendering/masking rules change, so old prepared folders are rebuilt."""
+PREPARE_VERSION = 2
+"""Bump when the rendering/masking rules change, so old prepared folders are rebuilt (2: tool conversations are
+read and rendered instead of skipped; samples record their source and record)."""
 SMALL_FILE_BYTES = 16 << 20
 """Source files up to this size are identified by content hash; bigger ones by path + size + mtime."""
 MAX_TEMPLATE_ERROR_SHARE = 0.01
@@ -135,16 +143,29 @@ def read_all(cfg: Config) -> tuple[list[Conversation], list[SourceStats]]:
     return convs, all_stats
 
 
+Rendered = tuple[Conversation, list[int], list[int], str]
+"""(conversation, input_ids, loss_mask, error): error is a template error's text ("" when it rendered)."""
+Sample = tuple[str, np.ndarray, np.ndarray, str | None, int | None]
+"""(id, input_ids, loss_mask, source, record): one row of the prepared folder."""
+
+
 def _conv_to_row(c: Conversation) -> dict[str, Any]:
-    return {"id": c.id, "turns": [{"role": t.role, "content": t.content, "reasoning": t.reasoning} for t in c.turns]}
+    # tools as JSON text: Arrow cannot hold free-form JSON schemas as columns
+    return {"id": c.id, "turns": [turn_to_row(t) for t in c.turns],
+            "tools": json.dumps(c.tools) if c.tools else "", "source": c.source, "record": c.record}
+
+
+def _conv_from_row(r: dict[str, Any]) -> Conversation:
+    return Conversation(r["id"], [turn_from_row(t) for t in r["turns"]], json.loads(r["tools"]) if r["tools"] else None,
+                        r["source"], r["record"])
 
 
 def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, thinking: bool,
                  system_prompt: str | None) -> dict[str, list]:
     """datasets.map worker (num_proc > 1): render a batch, keeping a template error as text instead of raising."""
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "error": []}
-    for cid, turns in zip(batch["id"], batch["turns"], strict=True):
-        conv = Conversation(cid, [Turn(t["role"], t["content"], t["reasoning"]) for t in turns])
+    for row in ({k: batch[k][i] for k in batch} for i in range(len(batch["id"]))):
+        conv = _conv_from_row(row)
         try:
             ids, mask = render(conv, tokenizer, tpl, thinking, system_prompt)
             err = ""
@@ -156,18 +177,18 @@ def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, thin
     return out
 
 
-def render_all(convs: list[Conversation], cfg: Config, tokenizer: Any, tpl: ChatTemplate
-               ) -> list[tuple[str, list[int], list[int], str]]:
-    """(id, input_ids, loss_mask, error) per conversation, in order; a plain loop or datasets.map(num_proc)."""
+def render_all(convs: list[Conversation], cfg: Config, tokenizer: Any, tpl: ChatTemplate) -> list[Rendered]:
+    """(conversation, input_ids, loss_mask, error) per conversation, in order; a plain loop or
+    datasets.map(num_proc)."""
     d = cfg.data
     if d.num_proc > 1:
         from datasets import Dataset
 
         ds = Dataset.from_list([_conv_to_row(c) for c in convs])
-        ds = ds.map(_render_rows, batched=True, batch_size=64, num_proc=d.num_proc, remove_columns=["turns"],
+        ds = ds.map(_render_rows, batched=True, batch_size=64, num_proc=d.num_proc, remove_columns=ds.column_names,
                     fn_kwargs={"tokenizer": tokenizer, "tpl": tpl, "thinking": d.thinking,
                                "system_prompt": d.system_prompt}, desc="render")
-        return list(zip(ds["id"], ds["input_ids"], ds["loss_mask"], ds["error"], strict=True))
+        return list(zip(convs, ds["input_ids"], ds["loss_mask"], ds["error"], strict=True))
     results = []
     tokens = 0
     with Progress(len(convs), "render", unit="conv") as bar:
@@ -178,16 +199,15 @@ def render_all(convs: list[Conversation], cfg: Config, tokenizer: Any, tpl: Chat
             except TemplateError as e:
                 ids, mask, err = [], [], str(e)
             tokens += len(ids)
-            results.append((c.id, ids, mask, err))
+            results.append((c, ids, mask, err))
             bar.update(1, tokens=tokens)
     return results
 
 
-def fit_length(rendered: list[tuple[str, list[int], list[int], str]], max_length: int, overlength: str,
-               stats: Counter[str]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+def fit_length(rendered: list[Rendered], max_length: int, overlength: str, stats: Counter[str]) -> list[Sample]:
     """Apply max_length (truncate or drop) and drop samples with no loss-masked token; count what was lost."""
     kept = []
-    for cid, ids, mask, err in rendered:
+    for conv, ids, mask, err in rendered:
         if err:
             stats["template_error"] += 1
             continue
@@ -203,7 +223,9 @@ def fit_length(rendered: list[tuple[str, list[int], list[int], str]], max_length
         if not m.any():
             stats["dropped_no_loss_tokens"] += 1
             continue
-        kept.append((cid, np.asarray(ids, dtype=np.int32), m))
+        kept.append((conv.id, np.asarray(ids, dtype=np.int32), m, conv.source, conv.record))
+        if conv.has_tools:
+            stats["tool_conversations"] += 1
     return kept
 
 
@@ -214,7 +236,7 @@ def eval_count(n: int, eval_size: float) -> int:
     return int(eval_size)
 
 
-def _to_dataset(samples: list[tuple[str, np.ndarray, np.ndarray]]) -> Any:
+def _to_dataset(samples: list[Sample]) -> Any:
     """Build the Arrow table straight from numpy (offsets + flat values): no per-token Python objects."""
     from datasets import Dataset
 
@@ -226,11 +248,14 @@ def _to_dataset(samples: list[tuple[str, np.ndarray, np.ndarray]]) -> Any:
         "id": pa.array([s[0] for s in samples], type=pa.string()),
         "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat_ids, type=pa.int32())),
         "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(flat_mask, type=pa.int8())),
+        # where each sample came from, for `eagle3 data show` (eagle3.data.show)
+        "source": pa.array([s[3] for s in samples], type=pa.string()),
+        "record": pa.array([s[4] for s in samples], type=pa.int64()),
     })
     return Dataset(table)
 
 
-def _flat(samples: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+def _flat(samples: list[Sample]) -> tuple[np.ndarray, np.ndarray]:
     if not samples:
         return np.zeros(0, np.int32), np.zeros(0, np.int8)
     return np.concatenate([s[1] for s in samples]), np.concatenate([s[2] for s in samples])
@@ -412,6 +437,7 @@ def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any,
     """Render the conversations with the template, fit them to data.max_length; (eval samples, train samples,
     seconds spent rendering)."""
     d = cfg.data
+    check_renders_tools(tokenizer, tpl, sum(c.has_tools for c in used), len(used), "conversations")
     t_render = time.monotonic()
     rendered = render_all(used, cfg, tokenizer, tpl)
     render_s = time.monotonic() - t_render

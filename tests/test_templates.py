@@ -146,7 +146,7 @@ def test_real_sharegpt_ids_equal_full_tokenization(smol_tok):
 
 
 # ---------------------------------------------------------------------------------------------- built-ins
-EOT = {"kimi-k2.5": "<|im_end|>", "chatml": "<|im_end|>", "llama3": "<|eot_id|>",
+EOT = {"kimi-k2.5": "<|im_end|>", "chatml": "<|im_end|>", "chatml-tools": "<|im_end|>", "llama3": "<|eot_id|>",
        "deepseek-v3": "<｜end▁of▁sentence｜>"}
 
 

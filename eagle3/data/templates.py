@@ -33,13 +33,14 @@ The built-in `kimi-k2.5` adds no default system prompt (use data.system_prompt).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from eagle3.data.types import Conversation, Turn
+from eagle3.data.types import Conversation, ToolCall, Turn
 
 if TYPE_CHECKING:
     from eagle3.config import TargetConfig
@@ -50,12 +51,22 @@ KIMI_K25 = (
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
     "{%- endfor -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{%- endif -%}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|><think>"
+    "{%- set name = m.get('name') or m['role'] -%}"
+    "{%- if m['role'] == 'user' -%}<|im_user|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>{{ name }}<|im_middle|><think>"
     "{%- if thinking and loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
-    "{{ m['reasoning_content'] }}{%- endif -%}</think>{{ m['content'] }}<|im_end|>"
+    "{{ m['reasoning_content'] }}{%- endif -%}</think>{{ m['content'] }}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for c in m['tool_calls'] -%}<|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>"
+    "{%- if c['function']['arguments'] is string -%}{{ c['function']['arguments'] }}"
+    "{%- else -%}{{ c['function']['arguments'] | tojson }}{%- endif -%}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}<|im_end|>"
+    "{%- elif m['role'] == 'tool' -%}<|im_system|>{{ name }}<|im_middle|>## Return of {{ m['tool_call_id'] }}"
+    "{{ '\\n' }}{{ m['content'] }}<|im_end|>"
+    "{%- else -%}<|im_system|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
@@ -64,6 +75,44 @@ KIMI_K25 = (
 
 CHATML = (
     "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+# ChatML with tools, the Hermes / Qwen2.5 convention (vLLM and SGLang parse its calls with `--tool-call-parser
+# hermes`): the tools declared in the system turn as one JSON object a line inside <tools></tools>, each call a
+# {"name", "arguments"} object inside <tool_call></tool_call> after the turn's text, results as a user turn of
+# <tool_response> blocks (consecutive results share one turn). Without tools it renders exactly as `chatml`.
+_TOOLS_HEAD = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+_TOOLS_TAIL = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call>"
+)
+CHATML_TOOLS = (
+    "{%- set sys = messages and messages[0]['role'] == 'system' -%}"
+    "{%- if tools -%}{{ '<|im_start|>system\\n' }}{%- if sys -%}{{ messages[0]['content'] + '\\n\\n' }}{%- endif -%}"
+    "{{ '" + _TOOLS_HEAD + "' }}{%- for t in tools -%}{{ '\\n' }}{{ t | tojson }}{%- endfor -%}"
+    "{{ '" + _TOOLS_TAIL + "<|im_end|>\\n' }}"
+    "{%- elif sys -%}{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if loop.first and sys -%}"
+    "{%- elif m['role'] == 'assistant' -%}{{ '<|im_start|>assistant\\n' + m['content'] }}"
+    "{%- for c in m.get('tool_calls') or [] -%}"
+    "{%- if m['content'] or not loop.first -%}{{ '\\n' }}{%- endif -%}"
+    "{{ '<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
+    "{%- if c['function']['arguments'] is string -%}{{ c['function']['arguments'] }}"
+    "{%- else -%}{{ c['function']['arguments'] | tojson }}{%- endif -%}{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}{{ '<|im_end|>\\n' }}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
@@ -91,6 +140,7 @@ DEEPSEEK_V3 = (
 BUILTIN: dict[str, tuple[str, tuple[str, ...]]] = {
     "kimi-k2.5": (KIMI_K25, ("<|im_end|>",)),
     "chatml": (CHATML, ("<|im_end|>",)),
+    "chatml-tools": (CHATML_TOOLS, ("<|im_end|>",)),
     "llama3": (LLAMA3, ("<|eot_id|>",)),
     "deepseek-v3": (DEEPSEEK_V3, ("<｜end▁of▁sentence｜>",)),
 }
@@ -102,6 +152,9 @@ class TemplateError(ValueError):
     """The template cannot give a trustworthy loss mask (not prefix-stable, or no template at all)."""
 
 
+ToolStyle = Literal["kimi", "hermes"]
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     name: str
@@ -109,6 +162,23 @@ class ChatTemplate:
     text: str
     eot: tuple[str, ...]
     """End-of-turn strings; the answer's mask ends after the last one found in the answer span."""
+
+    @property
+    def tool_style(self) -> ToolStyle | None:
+        """How the template writes a call, read off its text: Kimi's marker tokens (`<|tool_call_begin|>`) or
+        Hermes' `<tool_call>` tags; None for a template that writes no calls."""
+        if "<|tool_call_begin|>" in self.text:
+            return "kimi"
+        if "<tool_call>" in self.text:
+            return "hermes"
+        return None
+
+    @property
+    def arguments_as_text(self) -> bool:
+        """Whether calls' arguments reach the template as the JSON text the model wrote. eagle3's built-ins and
+        Kimi's own template print text as it is; other templates (Qwen's, Hermes') follow transformers' rule that
+        arguments are a dict and apply `tojson` to them, so they get the parsed object."""
+        return self.name in BUILTIN or self.tool_style == "kimi"
 
 
 def resolve_template(template: str | ChatTemplate, tokenizer: Any) -> ChatTemplate:
@@ -137,25 +207,82 @@ def resolve_template(template: str | ChatTemplate, tokenizer: Any) -> ChatTempla
 
 
 # ----------------------------------------------------------------------------------------------- rendering
-def chat_messages(turns: list[Turn], thinking: bool) -> list[dict[str, str]]:
-    """Turns -> the message dicts chat templates read (`reasoning_content` only in thinking mode)."""
-    out = []
+def chat_messages(turns: list[Turn], thinking: bool, tpl: ChatTemplate | None = None) -> list[dict[str, Any]]:
+    """Turns -> the message dicts chat templates read (`reasoning_content` only in thinking mode; `tool_calls`
+    and tool results in the OpenAI shape).
+
+    A Kimi-style template prints call ids, and Kimi's server issues them as `functions.{name}:{n}`, n counting
+    the conversation's calls from 0 (SGLang's and vLLM's `kimi_k2` tool parsers): ids are rewritten to that, and
+    each result's `tool_call_id` with them, so a head learns the ids its target emits whatever the source used."""
+    kimi = tpl is not None and tpl.tool_style == "kimi"
+    as_text = tpl is None or tpl.arguments_as_text
+    ids: dict[str | None, str] = {}
+    out: list[dict[str, Any]] = []
     for t in turns:
-        m = {"role": t.role, "content": t.content}
+        m: dict[str, Any] = {"role": t.role, "content": t.content}
         if thinking and t.role == "assistant" and t.reasoning:
             m["reasoning_content"] = t.reasoning
+        if t.tool_calls:
+            calls = []
+            for c in t.tool_calls:
+                cid = c.id
+                if kimi:
+                    cid = ids[c.id] = f"functions.{c.name}:{len(ids)}"
+                args: Any = c.arguments if as_text else json.loads(c.arguments)
+                calls.append({"id": cid, "type": "function", "function": {"name": c.name, "arguments": args}})
+            m["tool_calls"] = calls
+        if t.role == "tool":
+            m["tool_call_id"] = ids.get(t.tool_call_id, t.tool_call_id) if kimi else t.tool_call_id
+            if t.name is not None:
+                m["name"] = t.name
         out.append(m)
     return out
 
 
-def _apply(tokenizer: Any, tpl: ChatTemplate, messages: list[dict[str, str]], gen: bool, thinking: bool) -> str:
+def _apply(tokenizer: Any, tpl: ChatTemplate, messages: list[dict[str, Any]], gen: bool, thinking: bool,
+           tools: list[dict[str, Any]] | None = None) -> str:
     text = tokenizer.apply_chat_template(
-        messages, chat_template=tpl.text, tokenize=False, add_generation_prompt=gen,
+        messages, chat_template=tpl.text, tokenize=False, add_generation_prompt=gen, tools=tools or None,
         thinking=thinking, enable_thinking=thinking,
     )
     if not isinstance(text, str):
         raise TemplateError(f"chat template {tpl.name!r}: rendering did not return text ({type(text).__name__})")
     return text
+
+
+TOOL_TEMPLATES = ("kimi-k2.5", "chatml-tools")
+"""The built-ins that render tools (for the message that names them)."""
+_PROBE = "eagle3_probe"
+
+
+def renders_tools(tokenizer: Any, tpl: ChatTemplate) -> bool:
+    """Whether the template renders all of a tool conversation: a probe's declaration, call (name and argument)
+    and result must all appear in its output. A template that ignores them (plain ChatML, SmolLM2's own) would
+    train a head on conversations with the tools silently missing."""
+    probe = Conversation("probe", [
+        Turn("user", "q"),
+        Turn("assistant", "", tool_calls=(ToolCall(f"{_PROBE}_fn", json.dumps({f"{_PROBE}_arg": 1}), "call_0"),)),
+        Turn("tool", f"{_PROBE}_result", tool_call_id="call_0", name=f"{_PROBE}_fn"),
+        Turn("assistant", "done"),
+    ], tools=[{"type": "function", "function": {"name": f"{_PROBE}_fn", "description": f"{_PROBE}_doc",
+                                                "parameters": {"type": "object", "properties": {}}}}])
+    try:
+        text = _apply(tokenizer, tpl, chat_messages(probe.turns, False, tpl), False, False, probe.tools)
+    except Exception:  # noqa: BLE001 - a template that raises on tools (raise_exception, a missing key) cannot
+        return False
+    return all(x in text for x in (f"{_PROBE}_doc", f"{_PROBE}_arg", f"{_PROBE}_result")) and text.count(
+        f"{_PROBE}_fn") >= 2
+
+
+def check_renders_tools(tokenizer: Any, tpl: ChatTemplate, needing: int, of: int, what: str) -> None:
+    """Refuse to render `needing` conversations with tools (of `of`) through a template that drops them."""
+    if needing and not renders_tools(tokenizer, tpl):
+        raise TemplateError(
+            f"{needing} of {of} {what} use tools (declarations, calls or results), but data.chat_template="
+            f"{tpl.name!r} does not render them (a probe's tools, call and result do not all appear in its output). "
+            f"Set data.chat_template to a template that does: {' or '.join(TOOL_TEMPLATES)} (built-in: Kimi-K2.5's "
+            f"format, and ChatML with Hermes/Qwen-style tool calls for ChatML models such as SmolLM2), or a Jinja "
+            f"file of the target's own")
 
 
 def _with_system(turns: list[Turn], system_prompt: str | None) -> list[Turn]:
@@ -184,15 +311,16 @@ def answer_spans(conv: Conversation, tokenizer: Any, template: str | ChatTemplat
     turns = _with_system(conv.turns, system_prompt)
     last_user = max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
     if thinking:  # the template drops reasoning before the last user turn; drop it here too (prefix stability)
-        turns = [Turn(t.role, t.content, None) if i < last_user else t for i, t in enumerate(turns)]
-    messages = chat_messages(turns, thinking)
-    full = _apply(tokenizer, tpl, messages, gen=False, thinking=thinking)
+        turns = [t.with_(reasoning=None) if i < last_user else t for i, t in enumerate(turns)]
+    messages = chat_messages(turns, thinking, tpl)
+    tools = conv.tools
+    full = _apply(tokenizer, tpl, messages, gen=False, thinking=thinking, tools=tools)
     spans: list[tuple[int, int]] = []
     for i, t in enumerate(turns):
         if t.role != "assistant":
             continue
-        prompt = _apply(tokenizer, tpl, messages[:i], gen=True, thinking=thinking) if i else ""
-        with_answer = _apply(tokenizer, tpl, messages[: i + 1], gen=False, thinking=thinking)
+        prompt = _apply(tokenizer, tpl, messages[:i], gen=True, thinking=thinking, tools=tools) if i else ""
+        with_answer = _apply(tokenizer, tpl, messages[: i + 1], gen=False, thinking=thinking, tools=tools)
         if not with_answer.startswith(prompt):
             raise _not_prefix(tpl, conv.id, i, "the generation prompt is not a prefix of the render with the answer",
                               prompt, with_answer)
@@ -258,11 +386,11 @@ def render(conv: Conversation, tokenizer: Any, template: str | ChatTemplate, thi
 
 
 def render_prompt(turns: list[Turn], tokenizer: Any, template: str | ChatTemplate, thinking: bool,
-                  system_prompt: str | None = None) -> list[int]:
+                  system_prompt: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of the generation prompt for the next assistant turn after `turns` (regenerate / eval)."""
     tpl = resolve_template(template, tokenizer)
-    text = _apply(tokenizer, tpl, chat_messages(_with_system(turns, system_prompt), thinking), gen=True,
-                  thinking=thinking)
+    text = _apply(tokenizer, tpl, chat_messages(_with_system(turns, system_prompt), thinking, tpl), gen=True,
+                  thinking=thinking, tools=tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

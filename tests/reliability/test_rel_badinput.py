@@ -103,7 +103,7 @@ def test_messy_source_is_repaired_or_skipped_and_counted_by_the_cli(world, tmp_p
     meta = json.loads((tmp_path / "run" / "prepared" / "meta.json").read_text())
     s = meta["summary"]["sources"][0]
     assert s["skipped"] == {"malformed_json": 2, "no_assistant_turn": 2, "non_string_value": 1,
-                            "not_a_conversation": 1, "unknown_role": 1}, s
+                            "not_a_conversation": 1, "tool_result_without_call": 1}, s
     assert s["malformed_lines"] == [5, 20] and s["utf8_replacements"] == 1
     assert s["repaired"] == {"lone_surrogate_replaced": 1}
     # Both huge messages are cut at data.max_length; the huge prompt leaves no answer token, so it is dropped.
