@@ -99,12 +99,42 @@ def _setup(tmp_path: Path, **eval_overrides) -> Config:
     return cfg
 
 
+def _copy_through(cfg: Config, head) -> None:
+    """Rewrite _setup's target as one that repeats its current token, and `head` as a head exact for it at every
+    draft position. Every target layer adds nothing (o_proj, down_proj zero), so each state is the token's
+    embedding e_x and the target's lm_head row y is the unit vector of norm(e_y): the logits are cosines, largest
+    at y = x. The head copies the high feature (fc = [0 | 0 | I], its own o_proj and down_proj zero) into the
+    target's final norm and its lm_head rows of the head's draft vocab: it drafts x again and again, accepted
+    wherever x is in its draft vocab."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.target.path)
+    h = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        e = model.model.embed_tokens.weight
+        normed = model.model.norm(e)
+        model.lm_head.weight.copy_(normed / normed.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+        model.save_pretrained(cfg.target.path)
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * h:] = torch.eye(h)
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+        head.norm.weight.copy_(model.model.norm.weight)
+    head.init_from_target(model.lm_head.weight.detach(), e.detach())
+
+
 @pytest.mark.parametrize("arch", ["llama", "mla"])
 def test_eval_takes_a_published_head(tmp_path, arch):
     """`eagle3 eval` of a head in a published layout (full vocab, no d2t; the Llama one without draft_vocab_size or
-    layer ids, which then get the engines' default ids for this target), losslessly."""
+    layer ids, which then get the engines' default ids for this target; the MLA one with SGLang's spelling of
+    them): an exact copying head keeps its acceptance through that folder, and the same folder with every weight
+    zeroed accepts nothing (greedy decoding is lossless whatever a head drafts: only acceptance tells)."""
     from dataclasses import replace
 
+    from safetensors.torch import load_file, save_file
     from test_draft_layers import published_llama, published_mla
 
     from eagle3.evaluate import run
@@ -120,11 +150,18 @@ def test_eval_takes_a_published_head(tmp_path, arch):
     torch.manual_seed(1)
     head = Eagle3Draft(config)
     head.set_vocab(torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool))
+    _copy_through(cfg, head)
     folder = (published_mla(tmp_path / "pub", head, [i - 1 for i in default_layer_ids(4)]) if arch == "mla"
               else published_llama(tmp_path / "pub", head))
     cfg.eval.checkpoint, cfg.eval.prompt_sets = str(folder), cfg.eval.prompt_sets[:1]
-    report = run(cfg)
-    assert report["sets"]["prompts"]["greedy_mismatches"] == 0 and report["sets"]["prompts"]["turns"] == 3
+    r = run(cfg)["sets"]["prompts"]
+    assert r["greedy_mismatches"] == 0 and r["turns"] == 3
+    assert r["acceptance_rate"] == [1.0, 1.0, 1.0], r["acceptance_rate"]
+
+    weights = folder / "model.safetensors"
+    save_file({k: torch.zeros_like(v) for k, v in load_file(str(weights)).items()}, str(weights))
+    zero = run(cfg)["sets"]["prompts"]
+    assert zero["greedy_mismatches"] == 0 and zero["acceptance_rate"] == [0.0, 0.0, 0.0], zero["acceptance_rate"]
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 4), (2, 3, 6)], ids=["chain", "tree"])
@@ -419,6 +456,45 @@ def test_tau_per_category_pools_its_verify_steps(tmp_path, capsys):
     assert "cats per category: coding τ=" in capsys.readouterr().out
     saved = json.loads((cfg.eval_dir / "report.json").read_text())
     assert saved["sets"]["cats"]["categories"] == json.loads(json.dumps(cats))
+
+
+def test_a_categorys_figures_equal_a_run_over_its_prompts_alone(tmp_path):
+    """A category's row is what a run over that category's prompts alone reports: a turn filed under another
+    category moves its verify steps and acceptances there while the sums still add up. The head is exact
+    wherever the token its target repeats is in the draft vocab (`_copy_through`: a quarter of the tokens), and the
+    prompts end with their own text (no generation header), so each turn repeats its own last token: turns whose
+    τ is 4 and turns whose τ is 1, a mixture unique to each category."""
+    from eagle3.evaluate import run
+    from eagle3.formats import load_draft, save_draft
+
+    cfg = _setup(tmp_path)
+    head = load_draft(cfg.checkpoint_dir / "best")
+    _copy_through(cfg, head)
+    save_draft(head, cfg.checkpoint_dir / "best")
+    template = tmp_path / "plain.jinja"
+    template.write_text("{{ messages | map(attribute='content') | join(' ') }}")
+    cfg.data.chat_template = str(template)
+    rows = [{"id": "a", "category": "coding", "turns": ["Write a loop", "Now in C"]},
+            {"id": "b", "category": "writing", "turns": ["Write a poem"]},
+            {"id": "c", "category": "coding", "turns": ["Sort a list"]},
+            {"id": "d", "category": "writing", "turns": ["Tell me a story", "Make it bold"]}]
+    # the test tokenizer spells these letters as their ASCII codes: p 112, t 116 and d 100 are in the draft vocab
+    # (multiples of 4), C 67, m 109 and y 121 are not: τ 4, 1, 4 for coding, 1, 1, 4 for writing
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg.eval.prompt_sets = [str(mixed)]
+    cats = run(cfg)["sets"]["mixed"]["categories"]
+    same = ("turns", "tau", "acceptance_rate", "verify_steps", "accepted_tokens", "generated_tokens",
+            "baseline_generated_tokens", "tokens_per_forward")
+    for category in ("coding", "writing"):
+        alone = tmp_path / f"{category}.jsonl"
+        alone.write_text("".join(json.dumps(r) + "\n" for r in rows if r["category"] == category))
+        cfg.eval.prompt_sets = [str(alone)]
+        s = run(cfg)["sets"][category]
+        assert {k: cats[category][k] for k in same} == {k: s[k] for k in same}, category
+        taus = {t["tau"] for t in s["per_turn"]}
+        assert min(taus) < 1.5 and max(taus) > 3.5, s["per_turn"]  # the category mixes exact and useless turns
+    assert cats["coding"]["tau"] != cats["writing"]["tau"], cats
 
 
 def test_two_prompt_sets_print_one_card_and_a_datasets_folder_is_a_prompt_set(tmp_path, capsys):
