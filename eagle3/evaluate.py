@@ -31,7 +31,7 @@ from eagle3 import threads
 from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.logs import Progress, setup_logging
-from eagle3.prompts import Prompt, PromptSet, load_prompt_set
+from eagle3.prompts import PromptSet, load_prompt_set
 from eagle3.specdec import AcceptanceStats, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 from eagle3.targets.hf import eos_ids, load_target
 from eagle3.targets.info import TargetInfo
@@ -76,16 +76,25 @@ def settings_from(cfg: Config) -> SpecSettings:
 
 # ------------------------------------------------------------------------------------------------ running
 class PromptRenderer:
-    """Text turns -> token ids with the target's chat template (eagle3.data.templates.render_prompt)."""
+    """Turns (tools included) -> token ids with the target's chat template (eagle3.data.templates.render_prompt)."""
 
     def __init__(self, tokenizer: Any, cfg: Config):
         self.tokenizer, self.cfg = tokenizer, cfg
 
-    def __call__(self, history: list[Any]) -> list[int]:
+    def __call__(self, history: list[Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
         from eagle3.data.templates import render_prompt
 
         d = self.cfg.data
-        return render_prompt(history, self.tokenizer, d.chat_template, d.thinking, d.system_prompt)
+        return render_prompt(history, self.tokenizer, d.chat_template, d.thinking, d.system_prompt, tools)
+
+    def check_tools(self, sets: list[PromptSet]) -> None:
+        """Refuse prompt sets with tools under a template that would drop them (they would be measured on prompts
+        the target never sees in service)."""
+        from eagle3.data.templates import check_renders_tools, resolve_template
+
+        prompts = [p for ps in sets for p in ps.prompts]
+        tpl = resolve_template(self.cfg.data.chat_template, self.tokenizer)
+        check_renders_tools(self.tokenizer, tpl, sum(p.has_tools for p in prompts), len(prompts), "prompts")
 
     def answer(self, tokens: list[int], eos: set[int]) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
@@ -107,15 +116,16 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     rendered: list[list[int]] = []
     per_turn: list[dict[str, Any]] = []
     for i, prompt in enumerate(ps.prompts):
-        hist_spec: list[Turn] = []
-        hist_base: list[Turn] = []
-        for t, text in enumerate(_turns(prompt)):
-            if text is None:
-                ids_spec = ids_base = list(prompt.token_ids or [])
+        hist_spec: list[Turn] = list(prompt.messages or [])
+        hist_base: list[Turn] = list(prompt.messages or [])
+        for t, text in enumerate(prompt.to_generate()):
+            if prompt.token_ids is not None:
+                ids_spec = ids_base = list(prompt.token_ids)
             else:
-                hist_spec.append(Turn("user", text))
-                hist_base.append(Turn("user", text))
-                ids_spec, ids_base = render(hist_spec), render(hist_base)
+                if text is not None:
+                    hist_spec.append(Turn("user", text))
+                    hist_base.append(Turn("user", text))
+                ids_spec, ids_base = render(hist_spec, prompt.tools), render(hist_base, prompt.tools)
             threads.adjust()  # once per turn: its spec and plain decodes run on the same thread count
             g = torch.Generator().manual_seed(seed + 1000 * i + t)
             out = dec.generate(ids_spec, g)
@@ -158,10 +168,6 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     return result, rendered
 
 
-def _turns(prompt: Prompt) -> list[str | None]:
-    return [None] if prompt.token_ids is not None else list(prompt.turns)
-
-
 def metrics(spec: AcceptanceStats, base: AcceptanceStats, num_positions: int) -> dict[str, Any]:
     tps_spec, tps_base = spec.tokens_per_second, base.tokens_per_second
     return {
@@ -191,9 +197,11 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     dec = SpeculativeDecoder(target, draft, settings, eos)
     render = PromptRenderer(tokenizer, cfg)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
+    render.check_tools(sets)
     # Warm-up (first-call allocations would otherwise be billed to whichever method runs first).
     warm = sets[0].prompts[0]
-    warm_ids = warm.token_ids if warm.token_ids is not None else render([_user(warm.turns[0])])
+    warm_ids = warm.token_ids if warm.token_ids is not None else render(
+        list(warm.messages or []) + [_user(x) for x in warm.turns[:1]], warm.tools)
     full = dec.s.max_new_tokens
     dec.s.max_new_tokens = 4
     dec.generate(warm_ids[:64], torch.Generator().manual_seed(0))
@@ -253,6 +261,7 @@ def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[in
     log.info("eval in SGLang only: target %s (TP=%d), draft %s", cfg.target.path, cfg.target.sglang.tp_size, folder)
     render = PromptRenderer(load_tokenizer(cfg.target), cfg)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
+    render.check_tools(sets)
     result, rendered = run_sglang_dialogues(cfg, sets, render, folder)
     report: dict[str, Any] = {
         "engine": "sglang",

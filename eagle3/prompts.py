@@ -7,8 +7,17 @@
   signature and docstring in a code block, as chat models are asked for code.
 - `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
   (assistant) token, i.e. the first user turn already rendered with the generation prompt.
+- `bfcl`: BFCL v4's single-turn function-calling questions (Berkeley Function Calling Leaderboard, Apache-2.0; the
+  question files of the PyPI package `bfcl-eval`, fetched once, eagle3.bundled), one card category per file:
+  simple_python, simple_java, simple_javascript, multiple, parallel, parallel_multiple, irrelevance (its live_* and
+  multi_turn_* files are left out). Each question is asked with its functions as `tools`, as BFCL prepares them
+  for OpenAI-style function-calling models: names with dots get underscores, BFCL's types become JSON-schema types
+  (`dict` -> object, `float` -> number, ...; unknown -> string) and each description gets BFCL's language note.
+  The answer (a call, or text for `irrelevance`) is generated.
 - a path to a JSONL file: one object per line, `{"prompt": "..."}` or `{"turns": ["...", "..."]}`
-  (optional `"id"`, `"category"`).
+  (optional `"id"`, `"category"`), or an agentic prompt `{"tools": [...], "messages": [...]}` in any shape
+  eagle3.data.sources reads (tool calls and results included): the history up to its last assistant turn, which
+  is generated (a record ending with a user or tool turn is all history).
 - `FOLDER:FIELD`: a local HF `datasets` folder (`save_to_disk`, e.g. GSM8K's test split as `/data/gsm8k:question`),
   FIELD its text column (optional `id` and `category` columns).
 
@@ -20,6 +29,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from eagle3.data.types import Turn
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 MT_BENCH = ASSETS / "mt_bench_question.jsonl"
@@ -27,12 +39,24 @@ MT_BENCH = ASSETS / "mt_bench_question.jsonl"
 
 @dataclass
 class Prompt:
-    """One prompt: user turns as text (rendered by the evaluator) or an already-rendered token prefix."""
+    """One prompt: user turns as text (rendered by the evaluator), a history of messages (tools included) whose
+    next assistant turn is generated, or an already-rendered token prefix."""
 
     id: str
     turns: list[str] = field(default_factory=list)
     token_ids: list[int] | None = None
     category: str | None = None
+    messages: list[Turn] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def to_generate(self) -> list[str | None]:
+        """One entry per generated turn: the user text asked first, or None where the prompt is the whole history
+        (token ids, or messages)."""
+        return [None] if self.token_ids is not None or self.messages is not None else list(self.turns)
+
+    @property
+    def has_tools(self) -> bool:
+        return bool(self.tools) or any(t.tool_calls or t.role == "tool" for t in self.messages or [])
 
 
 @dataclass
@@ -42,15 +66,15 @@ class PromptSet:
 
     @property
     def num_turns(self) -> int:
-        return sum(max(1, len(p.turns)) for p in self.prompts)
+        return sum(len(p.to_generate()) for p in self.prompts)
 
 
 def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
     """`{"prompt": str}` or `{"turns": [str, ...]}` per line; errors name the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, humaneval, eval-split, a "
-                                "JSONL path, or a datasets folder as FOLDER:FIELD)")
+        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, humaneval, bfcl, eval-split, "
+                                "a JSONL path, or a datasets folder as FOLDER:FIELD)")
     prompts: list[Prompt] = []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -60,7 +84,10 @@ def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}:{i}: not valid JSON ({e.msg})") from None
         if not isinstance(rec, dict):
-            raise ValueError(f"{p}:{i}: expected an object with \"prompt\" or \"turns\"")
+            raise ValueError(f"{p}:{i}: expected an object with \"prompt\", \"turns\" or \"messages\"")
+        if "messages" in rec or "conversations" in rec:
+            prompts.append(_history_prompt(rec, p, i))
+            continue
         if "turns" in rec:
             turns = rec["turns"]
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
@@ -74,6 +101,24 @@ def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
     if not prompts:
         raise ValueError(f"{p}: no prompts")
     return PromptSet(name or p.stem, prompts)
+
+
+def _history_prompt(rec: dict[str, Any], path: Path, line: int) -> Prompt:
+    """An agentic (or any messages) prompt: its history up to the last assistant turn, which is generated."""
+    from eagle3.data.sources import parse_record
+
+    try:
+        conv = parse_record(rec, path.stem, line - 1, for_generation=True)
+    except ValueError as e:
+        raise ValueError(f"{path}:{line}: not a usable conversation ({e}; eagle3.data.sources lists the reasons)"
+                         ) from None
+    turns = list(conv.turns)
+    if turns and turns[-1].role == "assistant":
+        turns.pop()  # the reference answer: what the evaluator generates
+    if not turns or turns[-1].role not in ("user", "tool"):
+        raise ValueError(f"{path}:{line}: the history must end with a user or tool turn before the generated answer")
+    pid = str(rec.get("id", f"{path.stem}-{line}"))
+    return Prompt(pid, category=rec.get("category"), messages=turns, tools=conv.tools)
 
 
 def read_hf_prompts(spec: str, name: str | None = None) -> PromptSet:
@@ -123,6 +168,60 @@ def humaneval() -> PromptSet:
                                    for r in rows])
 
 
+_BFCL_TYPES = {"integer": "integer", "number": "number", "float": "number", "string": "string", "boolean": "boolean",
+               "bool": "boolean", "array": "array", "list": "array", "dict": "object", "object": "object",
+               "tuple": "array", "any": "string", "byte": "integer", "short": "integer", "long": "integer",
+               "double": "number", "char": "string", "ArrayList": "array", "Array": "array", "HashMap": "object",
+               "Hashtable": "object", "Queue": "array", "Stack": "array", "Any": "string", "String": "string",
+               "Bigint": "integer"}
+"""BFCL's parameter types -> JSON-schema types (bfcl_eval.constants.type_mappings.GORILLA_TO_OPENAPI)."""
+_BFCL_LANGUAGE = {"simple_java": "Java 8 SDK", "simple_javascript": "JavaScript"}
+
+
+def _json_schema(schema: Any) -> Any:
+    """BFCL's schema with the `type` of it, of each property and of array items mapped to JSON schema's (an
+    unknown one to string); other keys as they are (a property may itself be named `type`)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("type"), str):
+        out["type"] = _BFCL_TYPES.get(out["type"], "string")
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: _json_schema(v) for k, v in out["properties"].items()}
+    if "items" in out:
+        out["items"] = _json_schema(out["items"])
+    return out
+
+
+def bfcl_tools(functions: list[dict[str, Any]], category: str) -> list[dict[str, Any]]:
+    """BFCL functions as OpenAI tools, the way BFCL hands them to function-calling models."""
+    note = f" Note that the provided function is in {_BFCL_LANGUAGE.get(category, 'Python 3')} syntax."
+    tools = []
+    for fn in functions:
+        params = _json_schema(fn.get("parameters") or {"type": "dict", "properties": {}})
+        params["type"] = "object"
+        tools.append({"type": "function", "function": {"name": fn["name"].replace(".", "_"),
+                                                       "description": fn.get("description", "") + note,
+                                                       "parameters": params}})
+    return tools
+
+
+def bfcl() -> PromptSet:
+    from eagle3.bundled import BFCL_CATEGORIES, bfcl_file
+
+    prompts = []
+    for category in BFCL_CATEGORIES:
+        for line in bfcl_file(category).read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            (messages,) = rec["question"][:1]  # single-turn categories: one turn of messages
+            turns = [Turn("system" if m["role"] == "system" else "user", m["content"]) for m in messages]
+            prompts.append(Prompt(rec["id"], category=category, messages=turns,
+                                  tools=bfcl_tools(rec["function"], category)))
+    return PromptSet("bfcl", prompts)
+
+
 def eval_split(prepared_dir: str | Path) -> PromptSet:
     """Prompts of the prepared eval split: each sample's tokens before its first assistant (loss-masked) token."""
     from eagle3.data.prepared import load_prepared
@@ -141,12 +240,15 @@ def eval_split(prepared_dir: str | Path) -> PromptSet:
 
 
 def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_prompts: int | None = None) -> PromptSet:
-    """`mt-bench`, `humaneval`, `eval-split` (needs `prepared_dir`), a JSONL path or a `datasets` folder as `FOLDER:FIELD`;
-    keep the first `max_prompts`."""
+    """`mt-bench`, `humaneval`, `bfcl`, `eval-split` (needs `prepared_dir`), a JSONL path or a `datasets` folder as
+    `FOLDER:FIELD`; keep the first `max_prompts` (per category where the set has categories, so a capped `bfcl`
+    still covers every category)."""
     if name == "mt-bench":
         ps = mt_bench()
     elif name == "humaneval":
         ps = humaneval()
+    elif name == "bfcl":
+        ps = bfcl()
     elif name == "eval-split":
         if prepared_dir is None:
             raise ValueError("prompt set eval-split needs the prepared data folder")
@@ -156,5 +258,15 @@ def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_promp
     else:
         ps = read_jsonl_prompts(name)
     if max_prompts is not None:
-        ps.prompts = ps.prompts[:max_prompts]
+        ps.prompts = _first_per_category(ps.prompts, max_prompts) if name == "bfcl" else ps.prompts[:max_prompts]
     return ps
+
+
+def _first_per_category(prompts: list[Prompt], n: int) -> list[Prompt]:
+    seen: dict[str | None, int] = {}
+    out = []
+    for p in prompts:
+        if seen.get(p.category, 0) < n:
+            seen[p.category] = seen.get(p.category, 0) + 1
+            out.append(p)
+    return out

@@ -557,7 +557,7 @@ def test_sglang_alone_reports_categories_that_add_up_and_survives_a_turn_that_en
                                                                               "output_ids": [5, 6]})
 
     class Render:
-        def __call__(self, history):
+        def __call__(self, history, tools=None):
             return [1, 2, 3]
 
         def answer(self, tokens, eos):

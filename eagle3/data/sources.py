@@ -205,6 +205,15 @@ def read_record(src: SourceConfig, index: int) -> Any:
     raise IndexError(f"{src.path} has no record {index}")
 
 
+def parse_record(record: Any, name: str, index: int, for_generation: bool = False) -> Conversation:
+    """One record (either shape, tools included) as a conversation, with the rules above; a record that would be
+    skipped raises ValueError naming the reason (for prompt files, where one bad record is the file's error)."""
+    try:
+        return _to_conversation(record, index, name, None, SourceStats(name), for_generation)
+    except _Skip as e:
+        raise ValueError(str(e)) from None
+
+
 def _shape(src: SourceConfig) -> str | None:
     return src.format if src.format in ("sharegpt", "messages") else None
 

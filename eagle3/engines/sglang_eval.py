@@ -158,6 +158,7 @@ def serving(cfg: Config, draft_folder: Path | None) -> Iterator[tuple[str, Path 
 
 def run_sglang(cfg: Config, prompts: list[list[int]], draft_folder: Path | None = None) -> dict[str, Any]:
     """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order."""
+    from eagle3.engines import prompt_agreement
     from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
 
@@ -171,6 +172,8 @@ def run_sglang(cfg: Config, prompts: list[list[int]], draft_folder: Path | None 
     result = parse_sglang_meta([o.get("meta_info", {}) for o in outs])
     result.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop,
                   outputs=[o.get("output_ids") for o in outs])
+    result.update(prompt_agreement("SGLang", [len(p) for p in prompts],
+                                   [o.get("meta_info", {}).get("prompt_tokens") for o in outs]))
     if caveat:
         result["untrusted"] = caveat
     return result
@@ -195,13 +198,14 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
         for ps in sets:
             set_metas, rendered[ps.name], per_turn = [], [], []
             for prompt in ps.prompts:
-                hist: list[Turn] = []
-                for text in ([None] if prompt.token_ids is not None else list(prompt.turns)):
-                    if text is None:
+                hist: list[Turn] = list(prompt.messages or [])
+                for text in prompt.to_generate():
+                    if prompt.token_ids is not None:
                         ids = list(prompt.token_ids)
                     else:
-                        hist.append(Turn("user", text))
-                        ids = render(hist)
+                        if text is not None:
+                            hist.append(Turn("user", text))
+                        ids = render(hist, prompt.tools)
                     out = generate(url, ids, cfg, stop)
                     set_metas.append(out.get("meta_info", {}))
                     per_turn.append({"category": prompt.category, **turn_steps(set_metas[-1])})

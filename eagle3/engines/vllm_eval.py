@@ -241,6 +241,10 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
     result.update(draft_export=str(out_dir), prompts=len(prompts), generated_tokens=raw.get("generated_tokens"),
                   seconds=raw.get("seconds"), vllm_version=raw.get("vllm_version"), stop_token_ids=stop,
                   outputs=raw.get("outputs"))
+    if raw.get("prompt_tokens") is not None:
+        from eagle3.engines import prompt_agreement
+
+        result.update(prompt_agreement("vLLM", [len(p) for p in prompts], raw["prompt_tokens"]))
     if raw.get("group_metrics"):
         result["groups"] = group_metrics(raw["group_metrics"])
     if raw.get("sampling_repair"):
@@ -319,6 +323,8 @@ def _child(argv: list[str] | None = None) -> int:
         "metrics": records, "seconds": seconds, "vllm_version": getattr(vllm, "__version__", None),
         "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "prompt_tokens": [len(ids) if (ids := getattr(o, "prompt_token_ids", None)) is not None else None
+                          for o in outs],
         "platform": _platform(),
         "sampling_repair": repair,
         "sampling_ok": sampling_ok,
