@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from agentic_data import good_records
 from models import kimi_wrapped
 from tokenizer_builders import kimi_test_tokenizer
 
@@ -28,11 +29,11 @@ def recipe_cfg(root: Path, target: Path, data: Path, head: list[str]) -> Config:
     return load_config(REPO / "configs" / "kimi-k2.5.yaml", [
         f"output_dir={root / 'run'}", f"target.path={target}", "target.backend=hf", "target.device=cpu",
         "target.dtype=float32", "target.num_layers=6", f"target.aux_layer_ids={IDS}",
-        f"data.sources=[{{path: {data}}}]", "data.eval_size=3", "data.num_proc=1",
+        f"data.sources=[{{path: {data}}}]", "data.eval_size=3", "data.max_length=1024", "data.num_proc=1",
         "draft.vocab_size=96", "draft.hidden_size=null", "draft.num_attention_heads=null",
         "draft.num_key_value_heads=null", "draft.head_dim=null", "draft.intermediate_size=null",
         "extract.shard_samples=8",
-        "train.max_steps=4", "train.batch_tokens=512", "train.grad_accum=1", "train.mixed_precision='no'",
+        "train.max_steps=4", "train.batch_tokens=1024", "train.grad_accum=1", "train.mixed_precision='no'",
         "train.eval_every=2", "train.save_every=2", "train.log_every=1", "train.lr=3e-3",
         "eval.prompt_sets=[eval-split]", "eval.max_prompts=2", "eval.max_new_tokens=12", "eval.engine=builtin", "eval.builtin=true",
         *head,
@@ -57,12 +58,14 @@ def kimi_run(tmp_path_factory, request) -> dict:
     target = kimi_wrapped(root / "kimi", vocab=163840, layers=6)
     kimi_test_tokenizer(target)
     data = root / "chats.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": [
+    chats = [{"messages": [
         {"role": "system", "content": "You are Kimi."},
         {"role": "user", "content": f"What is {i} plus {i}?"},
         {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
         {"role": "user", "content": "Thanks!"},
-        {"role": "assistant", "content": "You are welcome."}]}) for i in range(14)))
+        {"role": "assistant", "content": "You are welcome."}]} for i in range(14)]
+    # agentic traffic: tools declared, parallel calls, their results, text before a call, a call-only answer
+    data.write_text("\n".join(json.dumps(r) for r in chats + good_records(4)))
     cfg = recipe_cfg(root, target, data, HEADS[request.param])
     return {"cfg": cfg, "head": request.param, "prepare": prepare.run(cfg), "extract": extract(cfg),
             "train": train(cfg)}
@@ -80,6 +83,19 @@ def test_recipe_prepare_extract_train(kimi_run):
     masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
     assert masked[-1] == 163586  # the loss covers each answer's <|im_end|>
     assert p.t2d[163586]
+    # a conversation with tools: the tool-call section (every marker and the arguments) is trained, the tool
+    # declaration and the results are not
+    rows = [r for r in [*p.train, *p.eval] if r["id"].startswith("par")]
+    assert rows, "the agentic record with parallel calls and results was not prepared"
+    ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
+    assert ids[:3] == [163594, *list(b"to")]  # <|im_system|>tool_declare<|im_middle|> opens the sample
+    assert not any(mask[: ids.index(163586) + 1])  # the whole declaration turn is prompt
+    markers = {163595: 1, 163596: 1, 163597: 2, 163598: 2, 163599: 2}  # section begin/end, 2 x call begin/args/end
+    assert {t: ids.count(t) for t in markers} == markers
+    assert all(m for t, m in zip(ids, mask, strict=True) if t in markers)
+    result = list(b"## Return of functions.get_weather:0\n")
+    start = next(i for i in range(len(ids)) if ids[i:i + len(result)] == result)
+    assert not any(mask[start - 3:start + len(result)])  # the result turn's header and text are prompt
 
     s = summary(cfg.cache_dir)
     assert s["fingerprint"]["layer_ids"] == IDS and s["fingerprint"]["hidden_size"] == 64
