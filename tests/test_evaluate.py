@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from copy_heads import copy_high_feature, repeat_current_token
 from models import make_prepared, tiny_llama
 from tokenizer_builders import llama_test_tokenizer
 
@@ -99,33 +100,6 @@ def _setup(tmp_path: Path, **eval_overrides) -> Config:
     return cfg
 
 
-def _copy_through(cfg: Config, head) -> None:
-    """Rewrite _setup's target as one that repeats its current token, and `head` as a head exact for it at every
-    draft position. Every target layer adds nothing (o_proj, down_proj zero), so each state is the token's
-    embedding e_x and the target's lm_head row y is the unit vector of norm(e_y): the logits are cosines, largest
-    at y = x. The head copies the high feature (fc = [0 | 0 | I], its own o_proj and down_proj zero) into the
-    target's final norm and its lm_head rows of the head's draft vocab: it drafts x again and again, accepted
-    wherever x is in its draft vocab."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(cfg.target.path)
-    h = model.config.hidden_size
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        e = model.model.embed_tokens.weight
-        normed = model.model.norm(e)
-        model.lm_head.weight.copy_(normed / normed.norm(dim=-1, keepdim=True).clamp_min(1e-12))
-        model.save_pretrained(cfg.target.path)
-        head.fc.weight.zero_()
-        head.fc.weight[:, 2 * h:] = torch.eye(h)
-        head.midlayer.self_attn.o_proj.weight.zero_()
-        head.midlayer.mlp.down_proj.weight.zero_()
-        head.norm.weight.copy_(model.model.norm.weight)
-    head.init_from_target(model.lm_head.weight.detach(), e.detach())
-
-
 @pytest.mark.parametrize("arch", ["llama", "mla"])
 def test_eval_takes_a_published_head(tmp_path, arch):
     """`eagle3 eval` of a head in a published layout (full vocab, no d2t; the Llama one without draft_vocab_size or
@@ -150,7 +124,8 @@ def test_eval_takes_a_published_head(tmp_path, arch):
     torch.manual_seed(1)
     head = Eagle3Draft(config)
     head.set_vocab(torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool))
-    _copy_through(cfg, head)
+    repeat_current_token(cfg.target.path)
+    copy_high_feature(head, cfg.target.path)
     folder = (published_mla(tmp_path / "pub", head, [i - 1 for i in default_layer_ids(4)]) if arch == "mla"
               else published_llama(tmp_path / "pub", head))
     cfg.eval.checkpoint, cfg.eval.prompt_sets = str(folder), cfg.eval.prompt_sets[:1]
@@ -299,9 +274,14 @@ class _Req:
 
 class LLM:
     def __init__(self, model, speculative_config, **kw):
-        cfg = json.load(open(speculative_config["model"] + "/config.json"))
-        assert cfg["speculators_model_type"] == "eagle3", cfg
-        assert speculative_config["method"] == "eagle3" and kw["enforce_eager"] and not kw["disable_log_stats"]
+        self.ngram = speculative_config["method"] == "ngram"
+        if self.ngram:  # prompt lookup: no draft model, the lookup window (eval.ngram_min / ngram_max)
+            assert (speculative_config["prompt_lookup_min"], speculative_config["prompt_lookup_max"]) == (2, 4)
+        else:
+            cfg = json.load(open(speculative_config["model"] + "/config.json"))
+            assert cfg["speculators_model_type"] == "eagle3", cfg
+            assert speculative_config["method"] == "eagle3"
+        assert kw["enforce_eager"] and not kw["disable_log_stats"]
         self.n = speculative_config["num_speculative_tokens"]
 
     def generate(self, prompts, params):
@@ -309,9 +289,10 @@ class LLM:
         return [_Req([5] * params.kw["max_tokens"]) for _ in prompts]
 
     def get_metrics(self):
-        d = 4 * self.count
+        d = (1 if self.ngram else 4) * self.count  # n-gram: 1 draft per prompt, all 3 tokens accepted
+        accepted = 3 * d if self.ngram else d
         return [Counter("vllm:spec_decode_num_drafts", d), Counter("vllm:spec_decode_num_draft_tokens", d * self.n),
-                Counter("vllm:spec_decode_num_accepted_tokens", d), Vector(
+                Counter("vllm:spec_decode_num_accepted_tokens", accepted), Vector(
                     "vllm:spec_decode_num_accepted_tokens_per_pos", [d * 0.6, d * 0.3, d * 0.1])]
 """
 
@@ -334,6 +315,11 @@ def test_vllm_eval_wiring_with_a_stand_in_vllm(tmp_path, monkeypatch):
     assert (cfg.export_dir / "vllm" / "config.json").is_file()
     # its τ fills the card's vLLM column, row by row
     assert v["groups"]["prompts"]["tau"] == pytest.approx(2.0) and report["card"][0]["vllm_tau"] == pytest.approx(2.0)
+    # vLLM's own n-gram drafting on the same prompts fills the card's vLLM n-gram column: 2 prompts of 6 tokens,
+    # 3 accepted each, so 12 tokens in 12 - 6 forwards
+    assert v["ngram"]["method"] == "ngram" and v["ngram"]["tau"] == pytest.approx(4.0)
+    assert report["card"][0]["vllm_ngram_tau"] == pytest.approx(4.0)
+    assert report["card"][0]["vllm_ngram_tokens_per_forward"] == pytest.approx(12 / 6)
 
 
 def test_vllm_counters_per_group_of_prompts():
@@ -461,7 +447,7 @@ def test_tau_per_category_pools_its_verify_steps(tmp_path, capsys):
 def test_a_categorys_figures_equal_a_run_over_its_prompts_alone(tmp_path):
     """A category's row is what a run over that category's prompts alone reports: a turn filed under another
     category moves its verify steps and acceptances there while the sums still add up. The head is exact
-    wherever the token its target repeats is in the draft vocab (`_copy_through`: a quarter of the tokens), and the
+    wherever the token its target repeats is in the draft vocab (copy_heads: a quarter of the tokens), and the
     prompts end with their own text (no generation header), so each turn repeats its own last token: turns whose
     τ is 4 and turns whose τ is 1, a mixture unique to each category."""
     from eagle3.evaluate import run
@@ -469,7 +455,8 @@ def test_a_categorys_figures_equal_a_run_over_its_prompts_alone(tmp_path):
 
     cfg = _setup(tmp_path)
     head = load_draft(cfg.checkpoint_dir / "best")
-    _copy_through(cfg, head)
+    repeat_current_token(cfg.target.path)
+    copy_high_feature(head, cfg.target.path)
     save_draft(head, cfg.checkpoint_dir / "best")
     template = tmp_path / "plain.jinja"
     template.write_text("{{ messages | map(attribute='content') | join(' ') }}")
