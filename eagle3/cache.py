@@ -49,6 +49,7 @@ import torch
 
 from eagle3.fsutil import file_problem, replace_dir, sha256_file, tmp_sibling, write_json_atomic
 from eagle3.layer_ids import LAYER_ID_CONVENTION
+from eagle3.locks import writes
 from eagle3.logs import UserError
 from eagle3.precision import DTYPES
 from eagle3.storage import fp8_states, quantize, state_bytes_per_token
@@ -688,6 +689,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
 
 # ---------------------------------------------------------------------------------------------------- convert
+@writes(lambda dst, **_: dst, "cache convert")
 def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
     """Re-store a complete exact cache as `storage` into a new folder, shard by shard and record batch by record
     batch, so the result is byte-identical to extracting with `extract.storage=<storage>` (same batches, same
@@ -742,6 +744,7 @@ _ARGMAX_SOURCE = ("weights_id", "dtype", "hidden_size", "architectures")
 """The fingerprint fields that decide the target's argmax: an upgrade must read the lm_head the states came from."""
 
 
+@writes(lambda cache_dir, **_: cache_dir, "cache upgrade")  # extract refuses format 1: no rank parts to meet
 def upgrade(cache_dir: str | Path, argmax: Any, expected: dict[str, Any]) -> int:
     """Upgrade a format-1 cache to format 2 in place: each shard gains its `target_argmax` column (computed once
     here with `argmax`, an eagle3.loss.ArgmaxHead of the cache's target) and a checksum; every other byte of its

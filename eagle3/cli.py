@@ -71,9 +71,15 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from eagle3.trainer import run
+    from eagle3.locks import writing
 
-    run(_cfg(args))
+    cfg = _cfg(args)
+    # The trainer's own lock (eagle3.trainer.run), taken here too before its 4 s of imports: a second run is refused
+    # at once.
+    with writing(cfg.checkpoint_dir, "train", per_rank=True):
+        from eagle3.trainer import run
+
+        run(cfg)
     return 0
 
 

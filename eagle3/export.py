@@ -29,6 +29,7 @@ from eagle3.formats import (
 )
 from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import ArchFamily
+from eagle3.locks import writes
 from eagle3.precision import DTYPES
 
 log = logging.getLogger("eagle3")
@@ -53,6 +54,7 @@ def _is_replaceable(out: Path) -> bool:
         return False
 
 
+@writes(lambda out, **_: out, "export")
 def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", dtype: str | None = "bfloat16",
            num_speculative_tokens: int = 3, target_family: ArchFamily | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for `to` into `out` (atomically); return `out`.

@@ -48,6 +48,7 @@ from eagle3.cache import (
     shard_name,
 )
 from eagle3.data.prepared import load_prepared
+from eagle3.locks import writes
 from eagle3.logs import Progress, disk_full_error, setup_logging
 from eagle3.loss import ArgmaxHead
 from eagle3.prepare import check_prepared
@@ -115,6 +116,7 @@ def _disk_full(e: BaseException, path: Path, cache_dir: Path, tokens_left: int, 
         f"(or set extract.cache_dir to a bigger disk) and re-run the same command: it resumes. ({e})")
 
 
+@writes(lambda cfg, **_: cfg.cache_dir, "extract", per_rank=True)  # ranks share the cache, one part each
 def run(cfg: Config, backend: Any = None) -> dict[str, Any]:
     """Extract this rank's missing shards of every prepared split into `cfg.cache_dir`."""
     setup_logging()

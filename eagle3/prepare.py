@@ -43,6 +43,7 @@ from eagle3.data.templates import (
 from eagle3.data.types import Conversation, turn_from_row, turn_to_row
 from eagle3.data.vocab import DraftVocab, build_draft_vocab
 from eagle3.fsutil import atomic_dir, current_umask, file_records
+from eagle3.locks import writes
 from eagle3.logs import Progress, log
 
 PREPARE_VERSION = 2
@@ -302,6 +303,7 @@ def _print_summary(out: Path, s: dict[str, Any]) -> None:
     print("\n".join(lines), flush=True)
 
 
+@writes(lambda cfg, **_: cfg.prepared_dir, "prepare")
 def run(cfg: Config) -> dict[str, Any]:
     """Prepare (or reuse) the dataset in cfg.prepared_dir; return the summary dict (also in meta.json)."""
     t0 = time.monotonic()

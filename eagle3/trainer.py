@@ -33,6 +33,7 @@ from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, read_prepared_meta
 from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily, sglang_family
+from eagle3.locks import writes
 from eagle3.logs import Progress, UserError, setup_logging
 from eagle3.loss import ArgmaxHead, StepStats, Teacher, summarise
 from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
@@ -223,6 +224,7 @@ def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config
 
 
 # -------------------------------------------------------------------------------------------------- the loop
+@writes(lambda cfg, **_: cfg.checkpoint_dir, "train", per_rank=True)  # also covers train_log.jsonl, the export
 def run(cfg: Config) -> dict[str, Any]:
     """Train; return the final metrics (also written to <output_dir>/train_log.jsonl, one line per step)."""
     setup_logging()

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from eagle3.config import Config
 from eagle3.data.types import Conversation
+from eagle3.locks import writes
 from eagle3.logs import Progress
 from eagle3.regenerate.dialogue import Dialogue, Outcome, split_reasoning, to_sharegpt
 from eagle3.regenerate.output import JsonlAppender, failed_path, recover
@@ -105,6 +106,7 @@ def make_backend(cfg: Config) -> Backend:
     return HFBackend(cfg)
 
 
+@writes(lambda cfg, **_: cfg.regenerated_path, "regenerate")
 def regenerate(cfg: Config, conversations: Iterable[Conversation], backend: Backend | None = None) -> Summary:
     """Regenerate `conversations` into `cfg.regenerated_path`, resuming from what is already there."""
     out = cfg.regenerated_path
