@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -213,23 +212,92 @@ def test_kill_resume_gives_identical_fp8_bytes(world, caches, tmp_path):
     assert _files(cfg.cache_dir) == _files(caches["fp8"].cache_dir)
 
 
-def test_training_on_fp8_tracks_the_exact_cache(caches, tmp_path):
-    """Same data, seed and steps: the fp8 cache's losses stay within a few % of the exact cache's."""
-    logs = {}
+def _context_target(path):
+    """A tiny Llama whose next token is a function of the whole context, read linearly off the aux states, so a
+    head learns it in a few hundred steps and keeps it on held-out samples: the embeddings live in the first half
+    of the hidden dims; layer 3 (below the mid and high ids, 4 and 5) attends uniformly (q, k zero) and writes
+    the mean of its values into the second half; every other layer adds nothing; the lm_head reads only that
+    second half, over the draft vocab's tokens (the others score 0)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_llama(path, vocab=256, hidden=64, layers=8)
+    w = load_file(str(target / "model.safetensors"))
+    h, g = 64, torch.Generator().manual_seed(5)
+    w["model.embed_tokens.weight"][:, h // 2:] = 0
+    for name, t in w.items():
+        m = re.search(r"layers\.(\d+)\.", name)
+        if m and int(m.group(1)) != 3 and ("o_proj" in name or "down_proj" in name):
+            t.zero_()
+        elif m and ("q_proj" in name or "k_proj" in name or "down_proj" in name):
+            t.zero_()
+        elif m and "v_proj" in name:
+            t.normal_(0, 1.0, generator=g)
+        elif m and "o_proj" in name:
+            t.zero_()
+            t[h // 2:] = torch.randn(h // 2, t.shape[1], generator=g)
+    w["lm_head.weight"] = torch.zeros(256, h)
+    w["lm_head.weight"][:64, h // 2:] = torch.randn(64, h // 2, generator=g)
+    save_file(w, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def learnable(tmp_path_factory):
+    """128 train and 32 eval samples of `_context_target`, extracted exact and fp8."""
+    root = tmp_path_factory.mktemp("learnable")
+    target = _context_target(root / "target")
+    prepared = make_prepared(root / "prepared", n=128, n_eval=32, vocab=256, draft_vocab=64, max_len=40)
+    out = {}
     for storage in ("exact", "fp8"):
-        cfg = caches[storage].model_copy(deep=True)
-        cfg.extract.cache_dir = str(caches[storage].cache_dir)
+        cfg = tiny_target_cfg(target, prepared, root / storage, shard_samples=32, batch_tokens=256, storage=storage)
+        cfg.draft.vocab_size = 64
+        extract(cfg)
+        out[storage] = cfg
+    return out
+
+
+def _heldout(cfg, draft_folder) -> dict[str, float]:
+    """The trainer's eval of a head over the whole eval split of `cfg`'s cache (as benchmarks/bench_heldout.py
+    scores heads trained on other storages on the same exact states)."""
+    from eagle3.data.prepared import load_vocab
+    from eagle3.formats import load_draft
+    from eagle3.loss import Teacher
+    from eagle3.objective import Objective
+    from eagle3.targets.weights import load_target_head
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.train.eval_max_samples = None
+    accelerator = trainer.make_accelerator(cfg)
+    d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
+    embed, lm_head, _ = load_target_head(cfg.target.path)
+    objective = Objective(Teacher(lm_head.float(), d2t, t2d), cfg.train)
+    draft = accelerator.prepare(load_draft(draft_folder, embed_weight=embed))
+    return trainer.evaluate(accelerator, draft, objective, HiddenStateDataset(cfg.cache_dir, "eval"), cfg)
+
+
+def test_a_head_trained_on_fp8_accepts_as_the_exact_caches_does(learnable, tmp_path):
+    """Same data, seed and 200 steps on each cache, then both heads scored on the exact cache's held-out split:
+    the fp8 head's simulated acceptance length within 3% of the exact head's (BENCHMARKS.md "fp8 cache", SmolLM2
+    at 2448 steps: -0.7%; here 1.76-1.77 exact, -0.8% to +0.3%), and the exact head far above an untrained one
+    (1.01). Teacher-forced (sim_accept_len_tf): on random tokens the text seldom agrees with the target, so the
+    greedy-chain figure has next to no contexts. Dequantising with the first state's scale for all three lands
+    at 1.06, without the scales at 1.59."""
+    scorer = learnable["exact"].model_copy(deep=True)
+    scorer.train.ttt_steps = 3
+    heads = {}
+    for storage, cfg in learnable.items():
+        cfg = cfg.model_copy(deep=True)
+        cfg.extract.cache_dir = str(learnable[storage].cache_dir)
         cfg.output_dir = str(tmp_path / storage)
         t = cfg.train
-        t.batch_tokens, t.ttt_steps, t.lr, t.warmup_ratio, t.log_every, t.max_steps, t.eval_every = \
-            160, 3, 3e-3, 0.2, 1, 8, 4
+        t.batch_tokens, t.ttt_steps, t.lr, t.warmup_ratio, t.log_every = 160, 3, 3e-3, 0.1, 50
+        t.max_steps = t.eval_every = t.save_every = 200
         trainer.run(cfg)
-        logs[storage] = [json.loads(x) for x in (tmp_path / storage / "train_log.jsonl").read_text().splitlines()]
-    a = [r["loss"] for r in logs["exact"] if "loss" in r]
-    b = [r["loss"] for r in logs["fp8"] if "loss" in r]
-    assert len(a) == len(b) == 8
-    for x, y in zip(a, b, strict=True):
-        assert y == pytest.approx(x, rel=0.05)
+        heads[storage] = _heldout(scorer, cfg.checkpoint_dir / "step_200" / "draft")["sim_accept_len_tf"]
+    assert heads["exact"] >= 1.5, heads  # the head learned the target
+    assert heads["fp8"] == pytest.approx(heads["exact"], rel=0.03), heads
 
 
 def test_verify_passes_fp8_and_still_catches_an_off_by_one_layer(world, caches, tmp_path, capsys):
