@@ -16,12 +16,20 @@ assistant turns already in the history + 1, so a test can check what history eac
 With `chat_template_kwargs.thinking` the reply carries reasoning as `reasoning_style` says: `field`
 (message.reasoning_content), `tags` (`<think>…</think>` in content) or `open` (`…</think>`: the prompt already
 ended with `<think>`).
+
+Tool calls, as a server started with a tool-call parser returns them: when the request carries `tools` and its
+last message (a user turn or a tool result) says `CALL <name> <json object>` (several: parallel calls), the reply
+is those calls (content null, finish_reason `tool_calls`, arguments the JSON text as written, ids
+`functions.<name>:<n>` with n counting the calls in the history, as SGLang's kimi_k2 parser issues them);
+`BAD_CALL` makes one whose arguments are not JSON (after the text `let me call`). A reply to tool results without a trigger is the text
+`A<k>: after <result> + <result>...` (the results that end the history), so a test can see what was replayed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import threading
 import time
 from collections import deque
@@ -85,6 +93,20 @@ class FakeOpenAIServer:
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         k = sum(m["role"] == "assistant" for m in messages) + 1
         answer = f"A{k}: {last_user}"
+        results = []
+        for m in reversed(messages):
+            if m["role"] != "tool":
+                break
+            results.insert(0, m["content"])
+        if results:
+            answer = f"A{k}: after {' + '.join(results)}"
+        calls = _calls(messages[-1]["content"] or "", sum(len(m.get("tool_calls") or []) for m in messages)) \
+            if body.get("tools") and messages else []
+        if calls:
+            tokens = sum(len(c["function"]["arguments"].split()) for c in calls)
+            content = "let me call" if calls[0]["function"]["name"] == "broken" else None
+            return self._completion({"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls",
+                                    tokens)
         message: dict[str, Any] = {"role": "assistant", "content": answer}
         if (body.get("chat_template_kwargs") or {}).get("thinking"):
             thought = f"thinking about {last_user}"
@@ -96,6 +118,9 @@ class FakeOpenAIServer:
                 message["content"] = f"{thought}</think>{answer}"
         finish = "length" if "LONG" in last_user else "stop"
         tokens = len(message["content"].split()) + len(message.get("reasoning_content", "").split())
+        return self._completion(message, finish, tokens)
+
+    def _completion(self, message: dict[str, Any], finish: str, tokens: int) -> dict[str, Any]:
         return {"id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "model": self.model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                 "usage": {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}}
@@ -154,6 +179,23 @@ class FakeOpenAIServer:
                     raise ValueError(f"unknown scripted action {action!r}")
 
         return Handler
+
+
+_CALL = re.compile(r"CALL ([\w.\-]+) ")
+
+
+def _calls(text: str, earlier: int) -> list[dict[str, Any]]:
+    """The calls a message's `CALL <name> <json>` triggers ask for (`BAD_CALL`: one with broken arguments)."""
+    if "BAD_CALL" in text:
+        return [{"id": f"functions.broken:{earlier}", "type": "function",
+                 "function": {"name": "broken", "arguments": "{city: nowhere"}}]
+    out = []
+    decoder = json.JSONDecoder()
+    for m in _CALL.finditer(text):
+        _, end = decoder.raw_decode(text, m.end())
+        out.append({"id": f"functions.{m[1]}:{earlier + len(out)}", "type": "function",
+                    "function": {"name": m[1], "arguments": text[m.end():end]}})
+    return out
 
 
 def main() -> None:

@@ -2,17 +2,33 @@
 
     eagle3 regenerate --config configs/smollm2-135m.yaml regenerate.max_tokens=64 data.max_samples=20
 
-Reads every source in `data.sources` (at most `data.max_samples` conversations, taken in source order), keeps
-the system and user turns, and replaces each assistant turn with the target's answer, turn by turn (later turns
-see the regenerated earlier answers). A conversation that reaches `data.max_length` tokens ends with the answer
-that got it there: `prepare` would cut the later turns anyway. Writes ShareGPT JSONL to `regenerate.output` (default
-`<output_dir>/regenerated.jsonl`), one line per finished conversation, the format `prepare` reads.
+Reads every source in `data.sources` as prompts (at most `data.max_samples` conversations, taken in source
+order; a trailing user turn or tool result is kept, and a record without any answer is a prompt too), keeps the
+system and user turns, and replaces each assistant turn with the target's answer, turn by turn (later turns see the
+regenerated earlier answers). A conversation that reaches `data.max_length` tokens ends with the answer that got it
+there: `prepare` would cut the later turns anyway. Writes JSONL to `regenerate.output` (default
+`<output_dir>/regenerated.jsonl`), one line per finished conversation, in a shape `prepare` reads: ShareGPT, or
+OpenAI `messages` with `tools` for a conversation that uses tools.
+
+Tool use (eagle3.regenerate.dialogue): the conversation's `tools` go with every prompt, and a recorded tool result
+is replayed only while the regenerated call equals the recorded one (same name, same arguments as JSON); at the
+first different call the conversation ends there (`cut_at_different_call` in the summary).
 To train on the result, point the data at it:
 
     eagle3 prepare --config configs/smollm2-135m.yaml 'data.sources=[{path: runs/smollm2-135m/regenerated.jsonl}]'
 
-Backends (`regenerate.backend`): `hf` generates in process with transformers (small targets, tests); `openai`
-talks to OpenAI-compatible servers (SGLang, vLLM) listed in `regenerate.endpoints`.
+Backends (`regenerate.backend`): `hf` generates in process with transformers (small targets, tests) and parses
+the calls out of the generated text in the template's format (eagle3.data.tool_calls); `openai` talks to
+OpenAI-compatible servers (SGLang, vLLM) listed in `regenerate.endpoints`, sends `tools` and stores the returned
+`tool_calls`. The server must parse calls itself, with its tool-call parser for the target's format; Kimi-K2.5:
+
+    python -m sglang.launch_server --model-path moonshotai/Kimi-K2.5 --tp 8 --trust-remote-code \
+        --tool-call-parser kimi_k2 --reasoning-parser kimi_k2
+    vllm serve moonshotai/Kimi-K2.5 -tp 8 --trust-remote-code \
+        --enable-auto-tool-choice --tool-call-parser kimi_k2 --reasoning-parser kimi_k2
+
+(`hermes` is the parser for Qwen2.5-style `<tool_call>` JSON, eagle3's `chatml-tools`.) Without a tool-call parser
+SGLang answers with the calls as text (markers stripped), and vLLM refuses a request that carries tools.
 
 A killed run resumes where it stopped: finished conversations are skipped, a torn last line is cut off.
 Conversations that fail after `regenerate.max_retries` retries are listed in `<output>.failed.jsonl` and the
@@ -33,7 +49,7 @@ from eagle3.config import Config
 from eagle3.data.types import Conversation
 from eagle3.locks import writes
 from eagle3.logs import Progress
-from eagle3.regenerate.dialogue import Dialogue, Outcome, split_reasoning, to_sharegpt
+from eagle3.regenerate.dialogue import Dialogue, Outcome, split_reasoning, to_record
 from eagle3.regenerate.output import JsonlAppender, failed_path, recover
 
 __all__ = ["Summary", "load_conversations", "make_backend", "regenerate", "run", "split_reasoning"]
@@ -63,6 +79,16 @@ class Summary:
     truncated_conversations: int = 0
     cut_at_max_length: int = 0
     """Conversations ended early because they reached data.max_length tokens (prepare would cut the rest)."""
+    cut_at_different_call: int = 0
+    """Conversations ended at an answer whose tool calls differ from the record's (other calls, a call for text,
+    text for a call), where the record went on: its later results answer calls the model did not make."""
+    tool_call_answers: int = 0
+    """Answers written that are tool calls."""
+    replayed_results: int = 0
+    """Recorded tool results written after a regenerated call equal to the recorded one."""
+    malformed_tool_calls: int = 0
+    """Answers whose tool calls did not parse, kept as text (HF backend: the template's format; OpenAI: a call
+    without a name or whose arguments are not a JSON object)."""
     tokens: int = 0
     seconds: float = 0.0
     total_in_output: int = 0
@@ -76,7 +102,9 @@ class Summary:
         return (
             f"regenerate: {self.regenerated} regenerated, {self.failed} failed{failed}, "
             f"{self.truncated_turns} answers truncated at max_tokens (in {self.truncated_conversations} "
-            f"conversations), {self.cut_at_max_length} ended early at data.max_length, {self.skipped_done} skipped as already done, {self.skipped_duplicate} duplicate ids "
+            f"conversations), {self.cut_at_max_length} ended early at data.max_length, "
+            f"{self.cut_at_different_call} ended at a tool call that differs from the record's{self._tool_detail()}, "
+            f"{self.skipped_done} skipped as already done, {self.skipped_duplicate} duplicate ids "
             f"and {self.skipped_no_prompt} without a user turn skipped; {self.tokens} tokens in "
             f"{self.seconds:.1f}s ({self.tokens_per_s:.1f} tok/s, "
             f"{self.regenerated / self.seconds if self.seconds else 0:.2f} conv/s). "
@@ -85,13 +113,21 @@ class Summary:
         )
 
 
+    def _tool_detail(self) -> str:
+        if not (self.tool_call_answers or self.replayed_results or self.malformed_tool_calls):
+            return ""
+        return (f" ({self.tool_call_answers} answers are tool calls, {self.replayed_results} recorded results "
+                f"replayed, {self.malformed_tool_calls} answers with malformed calls kept as text)")
+
+
 def load_conversations(cfg: Config) -> Iterator[Conversation]:
-    """Every conversation of every `data.sources` entry, in order, capped at `data.max_samples`."""
+    """Every conversation of every `data.sources` entry, in order, capped at `data.max_samples`, read as prompts
+    (`for_generation`: a trailing user turn or tool result stays, no answer is needed)."""
     from eagle3.data.sources import read_conversations
 
     def all_sources() -> Iterator[Conversation]:
         for src in cfg.data.sources:
-            yield from read_conversations(src)
+            yield from read_conversations(src, for_generation=True)
 
     return islice(all_sources(), cfg.data.max_samples)
 
@@ -153,13 +189,17 @@ def _drive(cfg: Config, backend: Backend, todo: list[Dialogue], summary: Summary
         with JsonlAppender(out) as writer, Progress(len(todo), "regenerate", unit="conv") as bar:
             for o in backend.outcomes(todo):
                 if o.conversation is not None:
-                    writer.write(to_sharegpt(o.conversation, keep))
+                    writer.write(to_record(o.conversation, keep))
                     summary.regenerated += 1
                     summary.total_in_output += 1
                     summary.tokens += o.tokens
                     summary.truncated_turns += o.truncated_turns
                     summary.truncated_conversations += o.truncated_turns > 0
                     summary.cut_at_max_length += o.cut_at_max_length
+                    summary.cut_at_different_call += o.cut_at_different_call
+                    summary.tool_call_answers += o.tool_call_answers
+                    summary.replayed_results += o.replayed_results
+                    summary.malformed_tool_calls += o.malformed_tool_calls
                 else:
                     failures = failures or JsonlAppender(failed_file, fsync_every_s=0.0)
                     failures.write(_failure_record(o))

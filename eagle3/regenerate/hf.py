@@ -4,6 +4,11 @@ Prompts are rendered by eagle3.data.templates exactly as `prepare` renders conve
 the tokenizer's own template or a built-in one), so the answers are generated in the format trained on.
 A batch of conversations advances in lockstep: round r generates the r-th answer of every conversation that
 still has one to give, so multi-turn conversations stay batched and each answer sees the regenerated history.
+
+Tools: prompts are rendered with the conversation's `tools`, and a template that drops them is refused before
+anything is generated (templates.check_renders_tools). The answer is decoded with its special tokens, the calls
+are parsed out of that raw text in the template's format (eagle3.data.tool_calls: Kimi's marker tokens or Hermes'
+`<tool_call>` JSON), and only then are the other special tokens stripped from the text.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any
 
 from eagle3 import threads
 from eagle3.config import Config
-from eagle3.data.templates import render_prompt
+from eagle3.data.templates import check_renders_tools, render_prompt, resolve_template
+from eagle3.data.tool_calls import KIMI_MARKERS, parse_tool_calls
 from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, split_reasoning
 
 log = logging.getLogger("eagle3")
@@ -36,7 +42,10 @@ class HFBackend:
         self.device = next(model.parameters()).device
         self.eos_ids = self._eos_ids()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self._specials = [s for s in tokenizer.all_special_tokens if s not in ("<think>", "</think>")]
+        self.template = resolve_template(cfg.data.chat_template, tokenizer)
+        # Think tags and call markers are the answer's own format (split_reasoning, parse_tool_calls read them).
+        keep = ("<think>", "</think>", *KIMI_MARKERS)
+        self._specials = [s for s in tokenizer.all_special_tokens if s not in keep]
 
     def _eos_ids(self) -> set[int]:
         from eagle3.targets.hf import eos_ids
@@ -70,11 +79,14 @@ class HFBackend:
         for row in out[:, width:].tolist():
             stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
             new = row if stop is None else row[:stop]
-            # Keep special tokens while decoding so `<think>` survives where it is a special token (Kimi),
-            # then drop the rest of them from the text.
+            # Keep special tokens while decoding so `<think>` and Kimi's call markers survive where they are
+            # special tokens, read the calls, then drop the other special tokens from the text.
             text = self.tokenizer.decode(new, skip_special_tokens=False)
-            content, reasoning = split_reasoning(self._strip_specials(text))
-            answers.append(Answer(content, reasoning, "stop" if stop is not None else "length", len(new)))
+            parsed = parse_tool_calls(text, self.template.tool_style)
+            content, reasoning = split_reasoning(self._strip_specials(parsed.content))
+            finish = "length" if stop is None else "tool_calls" if parsed.tool_calls else "stop"
+            answers.append(Answer(content, reasoning, finish, len(new), tool_calls=parsed.tool_calls,
+                                  malformed_tool_calls=parsed.malformed))
         return answers
 
     def _strip_specials(self, text: str) -> str:
@@ -85,6 +97,9 @@ class HFBackend:
     def outcomes(self, dialogues: Iterable[Dialogue]) -> Iterator[Outcome]:
         """Up to `batch_size` conversations in flight; each round generates the next answer of every one of
         them, and a finished conversation's slot is refilled at once, so rounds stay full."""
+        dialogues = list(dialogues)
+        check_renders_tools(self.tokenizer, self.template, sum(d.source.has_tools for d in dialogues),
+                            len(dialogues), "conversations to regenerate")
         it = iter(dialogues)
         active: list[tuple[Dialogue, list[int]]] = []
         while True:
@@ -120,7 +135,7 @@ class HFBackend:
             history = d.next_prompt()
             if history is None:
                 return d.outcome()
-            ids = render_prompt(history, self.tokenizer, self.cfg.data.chat_template, self.rcfg.thinking)
+            ids = render_prompt(history, self.tokenizer, self.template, self.rcfg.thinking, tools=d.tools)
         except Exception as e:  # noqa: BLE001 - e.g. a template error on this conversation only
             return Outcome(d.source.id, error=f"rendering the prompt: {type(e).__name__}: {e}", attempts=1)
         if d.max_length is not None and len(ids) >= d.max_length and any(t.role == "assistant" for t in d.history):

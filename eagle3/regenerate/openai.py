@@ -8,6 +8,12 @@ workers run at once and each request goes to the least busy endpoint (ties round
 Retries with exponential backoff (plus jitter; `Retry-After` honoured) on timeouts, dropped or refused
 connections, 5xx and 429; any other 4xx is the request's fault and fails at once. A conversation that still
 fails is reported as failed, never dropped.
+
+Tools: a conversation's `tools` go in every request's body, its history in the OpenAI shape (assistant
+`tool_calls` with id, type and function; `tool` messages with `tool_call_id` and `name`), and the reply's
+`message.tool_calls` become the answer's calls, arguments kept as the JSON text the server returned. The server
+parses the calls out of the model's text: start it with the target's tool-call parser (Kimi-K2.5: SGLang
+`--tool-call-parser kimi_k2`, vLLM `--enable-auto-tool-choice --tool-call-parser kimi_k2`; eagle3.regenerate).
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from http.client import HTTPException
 from typing import Any
 
 from eagle3.config import RegenerateConfig
-from eagle3.data.types import Turn
-from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, split_reasoning
+from eagle3.data.types import ToolCall, Turn
+from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, openai_messages, split_reasoning
 
 log = logging.getLogger("eagle3")
 
@@ -177,11 +183,11 @@ class OpenAIBackend:
                 log.warning("regenerate: %s; retry %d/%d in %.1fs", e, attempt, self.cfg.max_retries, delay)
                 time.sleep(delay)
 
-    def body(self, history: list[Turn]) -> dict[str, Any]:
+    def body(self, history: list[Turn], tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         c = self.cfg
-        return {
+        body: dict[str, Any] = {
             "model": self.model,
-            "messages": [{"role": t.role, "content": t.content} for t in history],
+            "messages": openai_messages(history),  # answers only: earlier thinking is never sent back
             "temperature": c.temperature,
             "top_p": c.top_p,
             "max_tokens": c.max_tokens,
@@ -189,10 +195,13 @@ class OpenAIBackend:
             "chat_template_kwargs": {"thinking": c.thinking, "enable_thinking": c.thinking},
             "stream": False,
         }
+        if tools:
+            body["tools"] = tools
+        return body
 
-    def answer(self, history: list[Turn]) -> tuple[Answer, int]:
+    def answer(self, history: list[Turn], tools: list[dict[str, Any]] | None = None) -> tuple[Answer, int]:
         """One assistant answer (with retries); returns (answer, attempts)."""
-        body = self.body(history)
+        body = self.body(history, tools)
 
         def once() -> Answer:
             ep = self.pool.acquire()
@@ -213,7 +222,7 @@ class OpenAIBackend:
         attempts = 0
         try:
             while (history := dialogue.next_prompt()) is not None:
-                ans, n = self.answer(history)
+                ans, n = self.answer(history, dialogue.tools)
                 attempts += n
                 dialogue.add_answer(ans)
         except Exception as e:  # noqa: BLE001 - recorded as this conversation's failure, never lost in a thread
@@ -250,9 +259,39 @@ def _parse_reply(reply: dict[str, Any], url: str) -> Answer:
         message = choice["message"]
     except (KeyError, IndexError, TypeError):
         raise RequestError(f"{url}: reply has no choices[0].message: {str(reply)[:200]}", retryable=True) from None
+    if not isinstance(message, dict):
+        raise RequestError(f"{url}: reply's choices[0].message is not an object: {str(reply)[:200]}", True)
     content, reasoning = split_reasoning(message.get("content"), message.get("reasoning_content")
                                          or message.get("reasoning"))
+    calls = _tool_calls(message.get("tool_calls"))
     usage = reply.get("usage") or {}
     prompt = usage.get("prompt_tokens")
     return Answer(content, reasoning, choice.get("finish_reason"), int(usage.get("completion_tokens") or 0),
-                  int(prompt) if isinstance(prompt, int) else None)
+                  int(prompt) if isinstance(prompt, int) else None, calls or (),
+                  malformed_tool_calls=calls is None)
+
+
+def _tool_calls(raw: Any) -> tuple[ToolCall, ...] | None:
+    """`message.tool_calls` as calls; None when any of them is malformed (no function name, arguments that are not
+    a JSON object: `prepare` could not read such a record back), so the answer is kept as its text alone."""
+    if not raw:
+        return ()
+    if not isinstance(raw, list):
+        return None
+    calls = []
+    for c in raw:
+        fn = c.get("function") if isinstance(c, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            return None
+        args = fn.get("arguments")
+        if isinstance(args, dict):  # a server that sends the object instead of its text
+            args = json.dumps(args, ensure_ascii=False)
+        try:
+            if not isinstance(args, str) or not isinstance(json.loads(args or "{}"), dict):
+                return None
+        except ValueError:
+            return None
+        cid = c.get("id")
+        calls.append(ToolCall(name, args or "{}", cid if isinstance(cid, str) and cid else None))
+    return tuple(calls)
