@@ -41,9 +41,12 @@ stage_check() {
 stage_regenerate() {
     # Optional but recommended: answers written by K2.5 itself (lightseekorg's K2.5 drafter: MT-Bench 2.69 vs 2.39
     # for a K2 drafter on the original answers). Plain SGLang here: the radix cache helps, no capture needed.
+    # The parsers turn K2.5's call markers into tool_calls for conversations that carry tools (README "Agentic
+    # data") and the think text into reasoning_content (regenerate reads the answer the same either way).
     mkdir -p "$OUT/logs"
     log "regenerate: starting SGLang (TP=8) on :$PORT"
     setsid python -m sglang.launch_server --model-path "$MODEL" --tp-size 8 --trust-remote-code \
+        --tool-call-parser kimi_k2 --reasoning-parser kimi_k2 \
         --port "$PORT" --mem-fraction-static 0.85 >"$OUT/logs/sglang-regenerate.log" 2>&1 &
     local pid=$!
     trap "stop_server $pid" EXIT
