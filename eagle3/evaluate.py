@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.logs import Progress, setup_logging
 from eagle3.prompts import PromptSet, load_prompt_set
-from eagle3.specdec import AcceptanceStats, HFTargetDecoder, SpecSettings, SpeculativeDecoder
+from eagle3.specdec import AcceptanceStats, Generation, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 from eagle3.targets.hf import eos_ids, load_target
 from eagle3.targets.info import TargetInfo
 
@@ -100,19 +100,51 @@ class PromptRenderer:
         return self.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
 
 
+CONTEXT_BUCKETS = ((2048, "<2K"), (8192, "2-8K"), (32768, "8-32K"), (None, ">32K"))
+"""The card's context-length buckets: where a verify step drafts (its root's position)."""
+
+
+def context_bucket(position: int) -> str:
+    return next(name for edge, name in CONTEXT_BUCKETS if edge is None or position < edge)
+
+
+@dataclass
+class _Sums:
+    """The head's, plain decoding's and n-gram drafting's counters over some turns (a set, or one category)."""
+
+    spec: AcceptanceStats = field(default_factory=AcceptanceStats)
+    base: AcceptanceStats = field(default_factory=AcceptanceStats)
+    ngram: AcceptanceStats | None = None
+
+    def add(self, out: Generation, ref: Generation, ng: Generation | None) -> None:
+        self.spec.add(out.accept_lengths, len(out.tokens), out.target_forwards, out.seconds)
+        self.base.add([], len(ref.tokens), ref.target_forwards, ref.seconds)
+        if ng is not None:
+            self.ngram = self.ngram or AcceptanceStats()
+            self.ngram.add(ng.accept_lengths, len(ng.tokens), ng.target_forwards, ng.seconds)
+
+    def metrics(self, num_positions: int) -> dict[str, Any]:
+        out = metrics(self.spec, self.base, num_positions)
+        if self.ngram is not None:
+            out["ngram"] = metrics(self.ngram, self.base, num_positions)
+        return out
+
+
 def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer, eos: set[int], seed: int,
-                 progress: Progress) -> tuple[dict[str, Any], list[list[int]]]:
-    """Speculative and plain decoding of every turn of every prompt; returns the set's metrics and the rendered
-    prompts (what an engine check replays)."""
+                 progress: Progress, ngram: tuple[int, int] | None = None) -> tuple[dict[str, Any], list[list[int]]]:
+    """Speculative, plain and (with `ngram` = (min_n, max_n)) prompt-lookup decoding of every turn of every prompt;
+    returns the set's metrics and the rendered prompts (what an engine check replays)."""
     from eagle3.data.types import Turn
     from eagle3.divergence import explain
 
-    spec, base = AcceptanceStats(), AcceptanceStats()
-    per_cat: dict[str, tuple[AcceptanceStats, AcceptanceStats]] = {}  # the same sums per prompt category
+    sums = _Sums()
+    per_cat: dict[str, _Sums] = {}  # the same sums per prompt category
+    steps = dec.s.num_steps
+    buckets: dict[str, list[AcceptanceStats]] = {}
     greedy = dec.s.temperature <= 0
     num_layers = dec.target.model.config.get_text_config().num_hidden_layers
     divergences = []
-    inherited = 0
+    inherited = ngram_mismatches = 0
     rendered: list[list[int]] = []
     per_turn: list[dict[str, Any]] = []
     for i, prompt in enumerate(ps.prompts):
@@ -127,16 +159,18 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
                     hist_base.append(Turn("user", text))
                 ids_spec, ids_base = render(hist_spec, prompt.tools), render(hist_base, prompt.tools)
             threads.adjust()  # once per turn: its spec and plain decodes run on the same thread count
-            g = torch.Generator().manual_seed(seed + 1000 * i + t)
-            out = dec.generate(ids_spec, g)
-            g = torch.Generator().manual_seed(seed + 1000 * i + t)
-            ref = dec.generate_baseline(ids_base, g)
-            sums = [(spec, base)]
-            if prompt.category is not None:
-                sums.append(per_cat.setdefault(prompt.category, (AcceptanceStats(), AcceptanceStats())))
-            for s, b in sums:
-                s.add(out.accept_lengths, len(out.tokens), out.target_forwards, out.seconds)
-                b.add([], len(ref.tokens), ref.target_forwards, ref.seconds)
+            seed_t = seed + 1000 * i + t
+            out = dec.generate(ids_spec, torch.Generator().manual_seed(seed_t))
+            ref = dec.generate_baseline(ids_base, torch.Generator().manual_seed(seed_t))
+            ng = None
+            if ngram is not None:
+                ng = dec.generate_ngram(ids_base, torch.Generator().manual_seed(seed_t), *ngram)
+                ngram_mismatches += greedy and ng.tokens != ref.tokens
+            for acc in [sums] + ([per_cat.setdefault(prompt.category, _Sums())] if prompt.category is not None else []):
+                acc.add(out, ref, ng)
+            for who, gen in enumerate((out, ng)):
+                for length, pos in zip(gen.accept_lengths if gen else [], gen.positions if gen else [], strict=True):
+                    buckets.setdefault(context_bucket(pos), [AcceptanceStats(), AcceptanceStats()])[who].add([length])
             if greedy and out.tokens != ref.tokens and ids_spec != ids_base:
                 # an earlier turn of this dialogue parted: its answers are in these two prompts, so this turn
                 # follows from that divergence and is not judged again
@@ -153,19 +187,31 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
             if text is not None:
                 hist_spec.append(Turn("assistant", render.answer(out.tokens, eos)))
                 hist_base.append(Turn("assistant", render.answer(ref.tokens, eos)))
-            progress.update(1, tau=f"{spec.tau:.2f}")
-    result = metrics(spec, base, dec.s.num_steps)
+            progress.update(1, tau=f"{sums.spec.tau:.2f}")
+    result = sums.metrics(steps)
     result.update(prompts=len(ps.prompts), turns=len(per_turn), per_turn=per_turn)
+    result["context_buckets"] = {name: _bucket_row(buckets[name], steps) for _, name in CONTEXT_BUCKETS
+                                 if name in buckets}
     if per_cat:  # each category as a set of its own: the card's rows (report.card)
         turns = Counter(t["category"] for t in per_turn)
-        result["categories"] = {c: {"turns": turns[c], **metrics(s, b, dec.s.num_steps)}
-                                for c, (s, b) in sorted(per_cat.items())}
+        result["categories"] = {c: {"turns": turns[c], **acc.metrics(steps)} for c, acc in sorted(per_cat.items())}
     if greedy:
         near = sum(d["near_tie"] for d in divergences)
         result.update(greedy_mismatches=len(divergences) + inherited, near_ties=near,
                       clear_divergences=len(divergences) - near, divergences=divergences,
                       after_earlier_divergence=inherited)
+        if ngram is not None:
+            result["ngram"]["greedy_mismatches"] = ngram_mismatches
     return result, rendered
+
+
+def _bucket_row(stats: list[AcceptanceStats], num_positions: int) -> dict[str, Any]:
+    head, ng = stats
+    row: dict[str, Any] = {"verify_steps": head.steps, "tau": head.tau,
+                           "acceptance_rate": head.acceptance_rate(num_positions)}
+    if ng.steps:
+        row["ngram"] = {"verify_steps": ng.steps, "tau": ng.tau, "acceptance_rate": ng.acceptance_rate(num_positions)}
+    return row
 
 
 def metrics(spec: AcceptanceStats, base: AcceptanceStats, num_positions: int) -> dict[str, Any]:
@@ -177,6 +223,7 @@ def metrics(spec: AcceptanceStats, base: AcceptanceStats, num_positions: int) ->
         "accepted_tokens": spec.accepted_tokens,
         "generated_tokens": spec.generated,
         "baseline_generated_tokens": base.generated,
+        "target_forwards": spec.target_forwards,
         "tokens_per_forward": spec.tokens_per_forward,
         "tokens_per_s": {"spec": tps_spec, "baseline": tps_base},
         "speedup": tps_spec / tps_base if tps_base else float("nan"),
@@ -221,6 +268,12 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
             "tau": "mean over verify steps of (accepted draft tokens + 1 bonus token), as SGLang/vLLM report it",
             "acceptance_rate": "per draft position j: share of verify steps that accepted at least j tokens",
             "tokens_per_forward": "generated tokens per target forward (prefill included)",
+            "ngram": "prompt-lookup drafting (vLLM's rule) on the same turns: its tau counts only the verify steps "
+                     "that found a match, its tokens_per_forward every forward",
+            "engine tokens_per_forward": "from the engine's counters, generated / (generated - accepted), which "
+                                         "counts drafts a turn's last step accepted past max_new_tokens as "
+                                         "generated (at most one step per turn above the built-in's count)",
+            "context_buckets": "verify steps by the context length they draft at (the root's position)",
         },
         "sets": {},
     }
@@ -228,7 +281,8 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     total = sum(ps.num_turns for ps in sets)
     with Progress(total, "eval", unit="turn") as progress:
         for ps in sets:
-            result, rendered[ps.name] = evaluate_set(dec, ps, render, eos, cfg.eval.seed, progress)
+            ngram = (cfg.eval.ngram_min, cfg.eval.ngram_max) if cfg.eval.ngram else None
+            result, rendered[ps.name] = evaluate_set(dec, ps, render, eos, cfg.eval.seed, progress, ngram)
             report["sets"][ps.name] = result
             log.info("eval %s: τ=%.3f over %d turns", ps.name, result["tau"], result["turns"])
     target.close()
@@ -294,11 +348,19 @@ def run(cfg: Config) -> dict[str, Any]:
             from eagle3.engines.vllm_eval import pooled_groups, run_vllm
 
             # one group per set and category, in the rendered prompts' order, so vLLM's τ fills the same card
-            groups = [f"{name}/{t['category']}" if t.get("category") else name
-                      for name, r in report["sets"].items() for t in r["per_turn"]]
+            # (prompts without a category form the group `set/`, so a set's row is always its groups pooled)
+            groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
             result = run_vllm(cfg, folder, all_prompts, groups=groups)
             found = result.setdefault("groups", {})
-            found |= {name: pooled_groups(found, name) for name in report["sets"] if name not in found}
+            found |= {name: pooled_groups(found, name) for name in report["sets"]}
+            if cfg.eval.ngram:  # vLLM's own n-gram drafting on the same prompts: the card's vLLM n-gram column
+                ng = run_vllm(cfg, None, all_prompts, groups=groups, method="ngram", check_greedy=False)
+                ng_groups = ng.pop("groups", {})
+                result["ngram_groups"] = ng_groups | {name: pooled_groups(ng_groups, name) for name in report["sets"]}
+                outs = ng.pop("outputs", None)
+                if outs is not None and result.get("outputs") is not None:
+                    ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, result["outputs"], strict=True))
+                result["ngram"] = ng
         else:
             from eagle3.engines.sglang_eval import run_sglang
 

@@ -41,7 +41,9 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     names = list(sets)
     s = report.get("settings", {})
     with_categories = [n for n in names if shown_categories(sets[n])]
-    fig, axes = plt.subplots(1, 3 + bool(with_categories), figsize=(15 + 5 * bool(with_categories), 4.6))
+    with_buckets = [n for n in names if shown_buckets(sets[n])]
+    extra = bool(with_categories) + bool(with_buckets)
+    fig, axes = plt.subplots(1, 3 + extra, figsize=(15 + 5 * extra, 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
     ax = axes[0]
@@ -93,6 +95,8 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
 
     if with_categories:
         _categories_panel(axes[3], sets, with_categories, colors)
+    if with_buckets:
+        _buckets_panel(axes[3 + bool(with_categories)], sets, with_buckets, colors)
 
     shape = (f"steps {s.get('num_steps')} · topk {s.get('topk')} · draft tokens {s.get('num_draft_tokens')} · "
              f"T={s.get('temperature')} · max_new {s.get('max_new_tokens')}")
@@ -123,6 +127,18 @@ def _categories_panel(ax: Any, sets: dict[str, dict[str, Any]], names: list[str]
     ax.legend(fontsize=9)
 
 
+def _buckets_panel(ax: Any, sets: dict[str, dict[str, Any]], names: list[str], colors: list[str]) -> None:
+    """τ by the context length a verify step drafts at, one line per set (a head trained short falls off long)."""
+    for i, n in enumerate(names):
+        b = sets[n]["context_buckets"]
+        ax.plot(list(b), [_num(x.get("tau")) for x in b.values()], marker="o", color=colors[i % len(colors)], label=n)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xlabel("context length at the verify step")
+    ax.set_ylabel("τ")
+    ax.set_title("τ by context length")
+    ax.legend(fontsize=9)
+
+
 def by_category(per_turn: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """τ per prompt category (MT-Bench's eight: coding and extraction draft easily, writing and roleplay do not),
     pooled over the category's verify steps as the set's τ is; {} when the prompts name no category."""
@@ -147,43 +163,73 @@ def shown_categories(r: dict[str, Any]) -> dict[str, Any]:
     return cats if len(cats) > 1 else {}
 
 
+def shown_buckets(r: dict[str, Any]) -> dict[str, Any]:
+    """A set's context-length buckets as the card and PNG show them: none where all its steps fall in one."""
+    b = r.get("context_buckets") or {}
+    return b if len(b) > 1 else {}
+
+
+def _row(name: str, r: dict[str, Any], turns: Any) -> dict[str, Any]:
+    row = {"set": name, "turns": turns, "tau": r.get("tau"), "acceptance_rate": r.get("acceptance_rate") or [],
+           "tokens_per_forward": r.get("tokens_per_forward"), "speedup": r.get("speedup")}
+    if ng := r.get("ngram"):
+        row.update(ngram_tau=ng.get("tau"), ngram_tokens_per_forward=ng.get("tokens_per_forward"))
+    return row
+
+
 def card(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows a published head's card gives: one per prompt set, then one per category of a set that has them
-    (`set/category`), at the report's settings: turns, τ, acceptance per draft position, tokens per target
-    forward and speed-up (a category of the built-in has them all; one an engine reports has τ and turns)."""
-    rows = []
+    (`set/category`), then one per context-length bucket of a set whose steps span several (`set@<2K`), at the
+    report's settings: turns, τ, acceptance per draft position, tokens per target forward and speed-up (a
+    category of the built-in has them all; one an engine reports has τ and turns), and n-gram drafting's τ and
+    tokens per target forward on the same turns where it ran."""
+    rows = [_row(name, r, r.get("turns")) for name, r in report["sets"].items()]
     for name, r in report["sets"].items():
-        rows.append({"set": name, "turns": r.get("turns"), "tau": r.get("tau"),
-                     "acceptance_rate": r.get("acceptance_rate") or [],
-                     "tokens_per_forward": r.get("tokens_per_forward"), "speedup": r.get("speedup")})
+        rows += [_row(f"{name}/{cat}", c, c["turns"]) for cat, c in shown_categories(r).items()]
     for name, r in report["sets"].items():
-        for cat, c in shown_categories(r).items():
-            rows.append({"set": f"{name}/{cat}", "turns": c["turns"], "tau": c["tau"],
-                         "acceptance_rate": c.get("acceptance_rate") or [],
-                         "tokens_per_forward": c.get("tokens_per_forward"), "speedup": c.get("speedup")})
+        rows += [_row(f"{name}@{b}", c, None) for b, c in shown_buckets(r).items()]
     for engine, e in (report.get("engines") or {}).items():
         for row in rows:  # an engine that ran the same prompts group by group (vLLM): its τ on each row
             if row["set"] in (e.get("groups") or {}):
                 row[f"{engine}_tau"] = e["groups"][row["set"]]["tau"]
+            if row["set"] in (e.get("ngram_groups") or {}):
+                g = e["ngram_groups"][row["set"]]
+                row[f"{engine}_ngram_tau"] = g["tau"]
+                row[f"{engine}_ngram_tokens_per_forward"] = g.get("tokens_per_forward")
     return rows
+
+
+_EXTRA = {"ngram_tau": "ngram τ", "ngram_tokens_per_forward": "ng tok/fwd"}
+
+
+def _extra_columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(key, header) of the optional columns present: each engine's τ, then n-gram drafting's, built-in first."""
+    keys = {k for r in rows for k, v in r.items() if v is not None}
+    engines = sorted({k.removesuffix("_tau") for k in keys if k.endswith("_tau") and "ngram" not in k})
+    cols = [(f"{e}_tau", f"{e} τ") for e in engines]
+    cols += [(k, h) for k, h in _EXTRA.items() if k in keys]
+    for e in engines:
+        cols += [(f"{e}_{k}", f"{e} {h}") for k, h in _EXTRA.items() if f"{e}_{k}" in keys]
+    return cols
 
 
 def card_lines(rows: list[dict[str, Any]]) -> list[str]:
     """`card` as a fixed-width table."""
     positions = max((len(r.get("acceptance_rate") or []) for r in rows), default=0)
     width = max([len("prompt set"), *(len(r["set"]) for r in rows)])
-    engines = sorted({k for r in rows for k in r if k.endswith("_tau")})
+    extra = _extra_columns(rows)
     head = (f"{'prompt set':<{width}}  turns      τ  " + "".join(f"acc@{j + 1:<3}" for j in range(positions))
-            + "tok/fwd  speed-up" + "".join(f"  {k.removesuffix('_tau') + ' τ':>8}" for k in engines))
+            + "tok/fwd  speed-up" + "".join(f"  {h:>{max(8, len(h))}}" for _, h in extra))
     lines = [head]
     for r in rows:
         acc = r.get("acceptance_rate") or []
         cells = "".join(f"{100 * a:5.0f}% " if j < len(acc) else "     - " for j, a in
                         enumerate(acc + [0.0] * (positions - len(acc))))
         fwd, up = r.get("tokens_per_forward"), r.get("speedup")
-        lines.append(f"{r['set']:<{width}}  {r['turns']:>5}  {_num(r['tau']):5.3f}  {cells}"
+        turns = "-" if r.get("turns") is None else r["turns"]
+        lines.append(f"{r['set']:<{width}}  {turns:>5}  {_num(r['tau']):5.3f}  {cells}"
                      + (f"{fwd:7.2f}  {up:7.2f}x" if fwd is not None and up is not None else "      -         -")
-                     + "".join(f"  {_num(r.get(k)):8.3f}" for k in engines))
+                     + "".join(f"  {_num(r.get(k)):{max(8, len(h))}.3f}" for k, h in extra))
     return lines
 
 

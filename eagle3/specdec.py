@@ -102,6 +102,9 @@ class Generation:
     accept_lengths: list[int] = field(default_factory=list)
     """Per verify step: accepted draft tokens + 1 (the bonus), engines' definition."""
     target_forwards: int = 0
+    positions: list[int] = field(default_factory=list)
+    """Per verify step: the position of its root, i.e. the context length it drafts after (the card's context
+    buckets: a head trained on short samples drafts worse deep into a long context)."""
 
     @property
     def num_steps(self) -> int:
@@ -153,6 +156,23 @@ class AcceptanceStats:
     @property
     def tokens_per_second(self) -> float:
         return self.generated / self.seconds if self.seconds else float("nan")
+
+
+def ngram_proposal(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """vLLM's prompt-lookup rule (v1/spec_decode/ngram_proposer.py): the longest n-gram, min_n <= n <= max_n,
+    ending the context that also occurs earlier in it (the earliest such occurrence where several do), and up to
+    k tokens that followed it; [] where none matches."""
+    import numpy as np
+
+    seq = np.asarray(tokens, dtype=np.int64)
+    total = len(seq)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: total - 1], n)  # every n-gram ending before the last
+        hits = np.flatnonzero((windows == seq[total - n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[0]) + n
+            return [int(t) for t in seq[start:start + k]]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------------- target
@@ -313,6 +333,42 @@ class SpeculativeDecoder:
         return Generation(out, time.perf_counter() - t0, target_forwards=forwards)
 
     @torch.inference_mode()
+    def generate_ngram(self, prompt: list[int], generator: torch.Generator | None = None, min_n: int = 2,
+                       max_n: int = 4) -> Generation:
+        """Prompt-lookup (n-gram) drafting with the same target, verification and counting: the method that
+        needs no training, measured beside the head on the same turns. Each round drafts up to `num_steps`
+        tokens by `ngram_proposal`; a round that finds no match decodes its root alone, which costs a target
+        forward but is no verify step (vLLM counts only steps that drafted: its τ looks better than the tokens per
+        target forward, which count every forward)."""
+        t0 = time.perf_counter()
+        n = len(prompt)
+        cache = self.target.new_cache()
+        logits, _ = self.target.forward(torch.tensor(prompt, dtype=torch.long), torch.arange(n), cache, aux=False)
+        out = [self._pick(logits[-1], generator)]
+        gen = Generation(out, 0.0, target_forwards=1)
+        m = n
+        while out[-1] not in self.eos and len(out) < self.s.max_new_tokens:
+            draft = ngram_proposal(prompt + out, self.s.num_steps, min_n, max_n)
+            tree = DraftTree([out[-1], *draft], list(range(-1, len(draft))), list(range(len(draft) + 1)),
+                             [None] * (len(draft) + 1))
+            vlogits, _ = self.target.forward(torch.tensor(tree.tokens), m + torch.tensor(tree.depths), cache,
+                                             tree_mask=tree.ancestor_mask(), aux=False)
+            gen.target_forwards += 1
+            path, bonus = self._verify(tree, vlogits, generator)
+            if draft:
+                gen.accept_lengths.append(len(path) + 1)
+                gen.positions.append(m)
+            keep_cache_positions(cache, torch.cat([torch.arange(m), m + torch.tensor([0] + path)]))
+            new_tokens = [tree.tokens[i] for i in path] + [bonus]
+            m += len(new_tokens)
+            for tok in new_tokens:
+                out.append(tok)
+                if tok in self.eos or len(out) >= self.s.max_new_tokens:
+                    break
+        gen.seconds = time.perf_counter() - t0
+        return gen
+
+    @torch.inference_mode()
     def top2(self, prompt: list[int], tokens: list[int]) -> tuple[float, float]:
         """The target's two largest next-token logits after `prompt` + `tokens`, from one fresh forward: what the
         plain path chose between where a speculative output first parts from it (eagle3.evaluate.Divergence)."""
@@ -348,6 +404,7 @@ class SpeculativeDecoder:
             gen.target_forwards += 1
             path, bonus = self._verify(tree, vlogits, generator)
             gen.accept_lengths.append(len(path) + 1)  # accepted draft tokens + the bonus
+            gen.positions.append(m)
             # Commit: target KV keeps the prefix and the root + accepted nodes; the draft re-reads their features.
             keep = torch.cat([torch.arange(m), m + torch.tensor([0] + path)])
             keep_cache_positions(cache, keep)

@@ -60,7 +60,7 @@ def group_metrics(snapshots: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         totals, per_pos = _counters(snap["metrics"])
         delta = {k: v - before[0].get(k, 0.0) for k, v in totals.items()}
         pos = [v - (before[1][i] if i < len(before[1]) else 0.0) for i, v in enumerate(per_pos)]
-        out[snap["group"]] = _rates(delta, pos)
+        out[snap["group"]] = _rates(delta, pos, snap.get("generated"))
         before = (totals, per_pos)
     return out
 
@@ -72,12 +72,21 @@ def pooled_groups(groups: dict[str, dict[str, Any]], name: str) -> dict[str, Any
     width = max((len(g["acceptance_rate"]) for g in parts), default=0)
     per_pos = [sum(g["acceptance_rate"][i] * g["num_drafts"] for g in parts if i < len(g["acceptance_rate"]))
                for i in range(width)]
-    return _rates(totals, per_pos)
+    generated = sum(g["generated_tokens"] for g in parts) if all("generated_tokens" in g for g in parts) else None
+    return _rates(totals, per_pos, generated)
 
 
-def _rates(totals: dict[str, float], per_pos: list[float]) -> dict[str, Any]:
+def _rates(totals: dict[str, float], per_pos: list[float], generated: int | None = None) -> dict[str, Any]:
+    """τ and acceptance from the counters; with the tokens generated, also tokens per target forward: each forward
+    emits one token that was not an accepted draft (the prefill's, a bonus, or a step without a draft), so
+    forwards = generated - accepted (what compares drafting methods: REFERENCE.md §3)."""
     drafts = totals["num_drafts"]
-    return {
+    extra: dict[str, Any] = {}
+    if generated is not None:
+        forwards = generated - totals["num_accepted_tokens"]
+        extra = {"generated_tokens": int(generated),
+                 "tokens_per_forward": generated / forwards if forwards > 0 else float("nan")}
+    return extra | {
         "tau": 1.0 + totals["num_accepted_tokens"] / drafts if drafts else float("nan"),
         "acceptance_rate": [v / drafts for v in per_pos] if drafts else [],
         "num_drafts": int(drafts),
@@ -201,19 +210,30 @@ CPU_SAMPLING = (
 """Why vLLM's τ at temperature > 0 is flagged on a CPU (see _repair_cpu_expand)."""
 
 
-def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: str | None = None,
-             timeout_s: float = 3600, check_greedy: bool = True, groups: list[str] | None = None) -> dict[str, Any]:
+def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], python: str | None = None,
+             timeout_s: float = 3600, check_greedy: bool = True, groups: list[str] | None = None,
+             method: str = "eagle3") -> dict[str, Any]:
     """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters; with `groups`
     (one name per prompt, e.g. `mt-bench/coding`), vLLM runs each group in turn and `groups` in the result holds
-    each one's τ and acceptance (group_metrics).
+    each one's τ, acceptance and tokens per target forward (group_metrics). `method="ngram"`: vLLM's own
+    prompt-lookup drafting instead of the head (eval.ngram_min / ngram_max, eval.num_steps tokens).
 
     At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
     the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
     from eagle3.bundled import resolve_target_path
     from eagle3.export import export
 
-    out_dir = export(draft_folder, cfg.export_dir / "vllm", to="vllm", num_speculative_tokens=cfg.eval.num_steps,
-                     target_family=cfg.target.layer_id_family)
+    if method == "eagle3":
+        if draft_folder is None:
+            raise ValueError("vLLM's eagle3 method needs the head to export")
+        out_dir: Path | None = export(draft_folder, cfg.export_dir / "vllm", to="vllm",
+                                      num_speculative_tokens=cfg.eval.num_steps,
+                                      target_family=cfg.target.layer_id_family)
+        draft_args = ["--draft", str(out_dir)]
+    else:
+        out_dir = None
+        draft_args = ["--method", method, "--prompt-lookup-min", str(cfg.eval.ngram_min), "--prompt-lookup-max",
+                      str(cfg.eval.ngram_max)]
     python = python or os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
     stop = stop_token_ids(cfg)
     env = dict(os.environ)
@@ -228,7 +248,7 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
             (Path(tmp) / "groups.json").write_text(json.dumps(groups))
             groups_args = ["--groups", str(Path(tmp) / "groups.json")]
         cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(cfg.target.path),
-               "--draft", str(out_dir), "--prompts", str(prompts_file), "--out", str(result_file),
+               *draft_args, "--prompts", str(prompts_file), "--out", str(result_file),
                "--num-spec", str(cfg.eval.num_steps), "--temperature", str(cfg.eval.temperature),
                "--draft-sample-method", cfg.eval.draft_sampling,
                "--max-tokens", str(cfg.eval.max_new_tokens), "--dtype", cfg.target.dtype, "--seed",
@@ -238,7 +258,12 @@ def run_vllm(cfg: Config, draft_folder: Path, prompts: list[list[int]], python: 
             raise RuntimeError(f"vLLM check failed (exit {code}): {_root_cause(tail)}; command: {' '.join(cmd)}")
         raw = json.loads(result_file.read_text())
     result = parse_vllm_metrics(raw["metrics"])
-    result.update(draft_export=str(out_dir), prompts=len(prompts), generated_tokens=raw.get("generated_tokens"),
+    generated = raw.get("generated_tokens")
+    if generated is not None:
+        forwards = generated - result["num_accepted_tokens"]
+        result["tokens_per_forward"] = generated / forwards if forwards > 0 else float("nan")
+    result.update(method=method, draft_export=str(out_dir) if out_dir else None, prompts=len(prompts),
+                  generated_tokens=generated,
                   seconds=raw.get("seconds"), vllm_version=raw.get("vllm_version"), stop_token_ids=stop,
                   outputs=raw.get("outputs"))
     if raw.get("prompt_tokens") is not None:
@@ -273,7 +298,10 @@ def _child(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description="vLLM EAGLE-3 acceptance check (started by eagle3)")
     p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True)
+    p.add_argument("--draft", help="the exported head (method eagle3)")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompts", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--num-spec", type=int, default=3)
@@ -293,8 +321,7 @@ def _child(argv: list[str] | None = None) -> int:
     repair, sampling_ok = _repair_cpu_expand(not a.keep_vllm_sampler) if a.temperature > 0 else (None, True)
     llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
               max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
-              speculative_config={"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec,
-                                  "draft_sample_method": a.draft_sample_method})
+              speculative_config=_speculative_config(a))
     stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
                             stop_token_ids=stop or None)
@@ -316,7 +343,8 @@ def _child(argv: list[str] | None = None) -> int:
         idx = [i for i, x in enumerate(groups) if x == g]
         for i, o in zip(idx, llm.generate([requests[i] for i in idx], params), strict=True):
             outs[i] = o
-        snapshots.append({"group": g, "metrics": metrics()})
+        snapshots.append({"group": g, "metrics": metrics(),
+                          "generated": sum(len(outs[i].outputs[0].token_ids) for i in idx)})
     seconds = time.perf_counter() - t0
     records = snapshots[-1]["metrics"] if snapshots else metrics()
     Path(a.out).write_text(json.dumps({
@@ -331,6 +359,16 @@ def _child(argv: list[str] | None = None) -> int:
         "group_metrics": snapshots if a.groups else None,
     }))
     return 0
+
+
+def _speculative_config(a: argparse.Namespace) -> dict[str, Any]:
+    if a.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": a.num_spec, "prompt_lookup_min": a.prompt_lookup_min,
+                "prompt_lookup_max": a.prompt_lookup_max}
+    if not a.draft:
+        raise SystemExit("--draft is required with --method eagle3")
+    return {"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec,
+            "draft_sample_method": a.draft_sample_method}
 
 
 def _expand_ok() -> bool:
