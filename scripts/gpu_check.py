@@ -6,7 +6,9 @@ step, and the extraction-side work eagle3 adds; every figure to one JSON and a s
 
 Parts, in order; each records its figures or its error and the next one runs whatever happened:
   1. `tests`: tests/test_gpu.py on the device (HF extraction vs the reference, bf16 training with the fused loss
-     and its resume, speculative decoding exact against plain greedy in float32).
+     and its resume compared tensor by tensor, speculative decoding exact against plain greedy in float32 and an
+     exact head's acceptance). The device is there (else the check stops before), so a test that skips fails the
+     check like one that fails: green means every test ran on the device.
   2. `matmul`: the device's measured bf16 matmul rate, the denominator of every utilisation figure below.
   3. `train_step`: one optimizer step of the head on synthetic Kimi-sized features (hidden 7168, target vocab
      163840; draft vocab 32000 and the full vocab; 4K and 16K tokens; TTT 3 and 7; each draft layer eagle3 ships;
@@ -36,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = "tests/test_gpu.py"
+"""What the `tests` part runs (relative to the repository; tests/test_gpu_check.py points it elsewhere)."""
 
 
 @dataclass(frozen=True)
@@ -112,12 +116,11 @@ def environment(device: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------- the parts
 def run_tests(device: Any, out: Path, budget_s: float) -> dict[str, Any]:
-    """tests/test_gpu.py on the device, in its own process (a CUDA error there cannot take this run down)."""
+    """TESTS on the device, in its own process (a CUDA error there cannot take this run down)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keeps /tmp/site
     env = {**os.environ, "EAGLE3_TEST_DEVICE": str(device), "PYTHONPATH": path}
     xml = out / "tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py",
-           f"--junitxml={xml}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", TESTS, f"--junitxml={xml}"]
     try:
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=budget_s)
     except subprocess.TimeoutExpired:
@@ -132,8 +135,25 @@ def run_tests(device: Any, out: Path, budget_s: float) -> dict[str, Any]:
         counts.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
         counts["failed"] = [c.get("name") for c in suite.iter("testcase")
                             if c.find("failure") is not None or c.find("error") is not None]
-    counts["tail"] = (r.stdout + r.stderr)[-1500:] if r.returncode else ""
+    counts["problem"] = tests_problem(counts)
+    counts["tail"] = (r.stdout + r.stderr)[-1500:] if counts["problem"] else ""
     return counts
+
+
+def tests_problem(t: dict[str, Any]) -> str | None:
+    """Why the `tests` part did not pass, or None: pytest's failures, no JUnit report, no test at all, or a skip
+    (the device is present, so every test must run on it: a skipped test is a device path nobody checked)."""
+    if "error" in t:
+        return t["error"]
+    if "tests" not in t:
+        return f"no JUnit report (pytest exited {t.get('returncode')})"
+    if t["tests"] == 0:
+        return "no test ran"
+    if t["failures"] or t["errors"] or t.get("returncode"):
+        return f"{t['failures']} failed, {t['errors']} errors (pytest exited {t.get('returncode')})"
+    if t["skipped"]:
+        return f"{t['skipped']} of {t['tests']} skipped on a device that is present"
+    return None
 
 
 def matmul_rate(device: Any, n: int) -> dict[str, Any]:
@@ -339,9 +359,13 @@ def summary(results: dict[str, Any]) -> str:
     rate = mm.get("bf16_tflops")
     lines = [f"eagle3 gpu_check on {env.get('gpu') or env.get('cpu')} (torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, driver {env.get('driver')})"]
-    t = results.get("tests", {})
-    lines.append(f"tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} errors, "
-                 f"{t.get('skipped', '?')} skipped" + (f" ({t['error']})" if "error" in t else ""))
+    t = results.get("tests")
+    if t is None:
+        lines.append("tests: not run (--skip tests)")
+    else:
+        problem = tests_problem(t)
+        lines.append(f"tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} "
+                     f"errors, {t.get('skipped', '?')} skipped: " + (f"FAILED ({problem})" if problem else "passed"))
     lines.append(f"bf16 matmul: {rate:.0f} TFLOP/s" if rate else f"bf16 matmul: {mm.get('error')}")
     lines.append("train step (arch, draft vocab, tokens, TTT, loss): tokens/s, peak GB, MFU")
     for r in results.get("train_step", []) if isinstance(results.get("train_step"), list) else []:
@@ -406,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text, end="")
     failed = [n for n in parts if n not in a.skip and ("error" in results[n] if isinstance(results[n], dict) else
                                                       any("error" in r for r in results[n]))]
-    tests_failed = isinstance(results.get("tests"), dict) and results["tests"].get("returncode", 0) != 0
+    tests_failed = "tests" not in a.skip and tests_problem(results["tests"]) is not None
     return 1 if failed or tests_failed else 0
 
 
