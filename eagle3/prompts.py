@@ -10,10 +10,8 @@
 - `bfcl`: BFCL v4's single-turn function-calling questions (Berkeley Function Calling Leaderboard, Apache-2.0; the
   question files of the PyPI package `bfcl-eval`, fetched once, eagle3.bundled), one card category per file:
   simple_python, simple_java, simple_javascript, multiple, parallel, parallel_multiple, irrelevance (its live_* and
-  multi_turn_* files are left out). Each question is asked with its functions as `tools`, as BFCL prepares them
-  for OpenAI-style function-calling models: names with dots get underscores, BFCL's types become JSON-schema types
-  (`dict` -> object, `float` -> number, ...; unknown -> string) and each description gets BFCL's language note.
-  The answer (a call, or text for `irrelevance`) is generated.
+  multi_turn_* files are left out), each question asked with its functions as `tools` as BFCL prepares them for
+  function-calling models (eagle3.data.bfcl); the answer (a call, or text for `irrelevance`) is generated.
 - a path to a JSONL file: one object per line, `{"prompt": "..."}` or `{"turns": ["...", "..."]}`
   (optional `"id"`, `"category"`), or an agentic prompt `{"tools": [...], "messages": [...]}` in any shape
   eagle3.data.sources reads (tool calls and results included): the history up to its last assistant turn, which
@@ -168,58 +166,13 @@ def humaneval() -> PromptSet:
                                    for r in rows])
 
 
-_BFCL_TYPES = {"integer": "integer", "number": "number", "float": "number", "string": "string", "boolean": "boolean",
-               "bool": "boolean", "array": "array", "list": "array", "dict": "object", "object": "object",
-               "tuple": "array", "any": "string", "byte": "integer", "short": "integer", "long": "integer",
-               "double": "number", "char": "string", "ArrayList": "array", "Array": "array", "HashMap": "object",
-               "Hashtable": "object", "Queue": "array", "Stack": "array", "Any": "string", "String": "string",
-               "Bigint": "integer"}
-"""BFCL's parameter types -> JSON-schema types (bfcl_eval.constants.type_mappings.GORILLA_TO_OPENAPI)."""
-_BFCL_LANGUAGE = {"simple_java": "Java 8 SDK", "simple_javascript": "JavaScript"}
-
-
-def _json_schema(schema: Any) -> Any:
-    """BFCL's schema with the `type` of it, of each property and of array items mapped to JSON schema's (an
-    unknown one to string); other keys as they are (a property may itself be named `type`)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if isinstance(out.get("type"), str):
-        out["type"] = _BFCL_TYPES.get(out["type"], "string")
-    if isinstance(out.get("properties"), dict):
-        out["properties"] = {k: _json_schema(v) for k, v in out["properties"].items()}
-    if "items" in out:
-        out["items"] = _json_schema(out["items"])
-    return out
-
-
-def bfcl_tools(functions: list[dict[str, Any]], category: str) -> list[dict[str, Any]]:
-    """BFCL functions as OpenAI tools, the way BFCL hands them to function-calling models."""
-    note = f" Note that the provided function is in {_BFCL_LANGUAGE.get(category, 'Python 3')} syntax."
-    tools = []
-    for fn in functions:
-        params = _json_schema(fn.get("parameters") or {"type": "dict", "properties": {}})
-        params["type"] = "object"
-        tools.append({"type": "function", "function": {"name": fn["name"].replace(".", "_"),
-                                                       "description": fn.get("description", "") + note,
-                                                       "parameters": params}})
-    return tools
-
-
 def bfcl() -> PromptSet:
-    from eagle3.bundled import BFCL_CATEGORIES, bfcl_file
+    from eagle3.bundled import BFCL_CATEGORIES
+    from eagle3.data.bfcl import questions
 
-    prompts = []
-    for category in BFCL_CATEGORIES:
-        for line in bfcl_file(category).read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            (messages,) = rec["question"][:1]  # single-turn categories: one turn of messages
-            turns = [Turn("system" if m["role"] == "system" else "user", m["content"]) for m in messages]
-            prompts.append(Prompt(rec["id"], category=category, messages=turns,
-                                  tools=bfcl_tools(rec["function"], category)))
-    return PromptSet("bfcl", prompts)
+    return PromptSet("bfcl", [Prompt(q["id"], category=q["category"], tools=q["tools"],
+                                     messages=[Turn(m["role"], m["content"]) for m in q["messages"]])
+                              for c in BFCL_CATEGORIES for q in questions(c)])
 
 
 def eval_split(prepared_dir: str | Path) -> PromptSet:

@@ -37,6 +37,26 @@ def test_bfcl_is_bundled_with_one_category_per_file():
     assert Counter(p.category for p in capped.prompts) == {c: 2 for c in Counter(x.category for x in ps.prompts)}
 
 
+def test_bfcl_live_is_a_training_source_disjoint_from_the_prompt_set():
+    """BFCL's live questions as tool prompts to regenerate: each with its tools and a user turn, no answer
+    (so prepare alone skips them all), the categories interleaved so the first few cover each, and none of them a
+    question of the `bfcl` prompt set it is measured on."""
+    from eagle3.config import SourceConfig
+    from eagle3.data.sources import SourceStats, read_conversations
+
+    live = list(read_conversations(SourceConfig(path="bundled:bfcl-live"), for_generation=True))
+    assert len(live) == 2251 and all(c.turns[-1].role == "user" for c in live)
+    assert sum(not c.tools for c in live) == 4  # four live_irrelevance questions offer no function at all
+    kinds = Counter(c.id.split("-")[0].rsplit("_", 1)[0] for c in live[:60])
+    assert set(kinds) == {"live_simple", "live_multiple", "live_parallel", "live_parallel_multiple",
+                          "live_irrelevance", "live_relevance"}, kinds
+    eval_ids = {p.id for p in load_prompt_set("bfcl").prompts}
+    assert not eval_ids & {c.id for c in live}
+    stats = SourceStats("live")
+    assert list(read_conversations(SourceConfig(path="bundled:bfcl-live"), stats)) == []
+    assert stats.skipped == {"no_assistant_turn": 2251}
+
+
 def test_an_agentic_prompt_is_its_history_up_to_the_answer(tmp_path):
     f = tmp_path / "agent.jsonl"
     rec = {"id": "a1", "category": "weather", "tools": [WEATHER], "messages": [

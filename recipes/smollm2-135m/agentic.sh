@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# bash recipes/smollm2-135m/agentic.sh [key=value ...]     (configs/smollm2-135m-agentic.yaml; time: BENCHMARKS.md "Agentic data")
+#
+# A head for agentic traffic on a CPU: SmolLM2-135M-Instruct answers 300 tool prompts (BFCL's live questions,
+# `bundled:bfcl-live`, rendered with their tools through the `chatml-tools` template), then run.sh trains a head on
+# those answers mixed with 700 ShareGPT chats and measures it on MT-bench and on every BFCL category.
+#   TOOL_PROMPTS  how many tool prompts SmolLM2 answers (default 300)
+#   STAGES        passed to run.sh (default: prepare extract train export eval)
+#   key=value     overrides for every stage (yours win)
+# The head of the same budget and seed on ShareGPT alone (BENCHMARKS.md "Agentic data"):
+#   bash recipes/smollm2-135m/agentic.sh output_dir=runs/smollm2-135m-sharegpt-1000 \
+#       'data.sources=[{path: bundled:sharegpt, max_records: 1000}]'    # (its regenerate stage is skipped)
+# Regeneration resumes where a killed run stopped; every later stage reuses what is on disk.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+CONFIG=configs/smollm2-135m-agentic.yaml
+OUT=$(python -c 'import sys; from eagle3.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).output_dir)' \
+      "$CONFIG" "$@")
+mkdir -p "$OUT/logs"
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+
+# The mixture reads the regenerated answers where the config says; a run whose data.sources were overridden to
+# something else (the ShareGPT-only comparison) needs none.
+SOURCES=$(python -c 'import sys; from eagle3.config import load_config; print(" ".join(s.path for s in load_config(sys.argv[1], sys.argv[2:]).data.sources))' \
+          "$CONFIG" "$@")
+if [[ " $SOURCES " == *"/regenerated.jsonl "* ]]; then
+    log "regenerate: SmolLM2 answers ${TOOL_PROMPTS:-300} BFCL live tool prompts with chatml-tools -> $OUT/regenerated.jsonl"
+    eagle3 regenerate --config "$CONFIG" "data.sources=[{path: bundled:bfcl-live, max_records: ${TOOL_PROMPTS:-300}}]" \
+        "$@" 2>&1 | tee "$OUT/logs/regenerate.log"
+fi
+CONFIG="$CONFIG" STAGES="${STAGES:-prepare extract train export eval}" exec bash recipes/smollm2-135m/run.sh "$@"
