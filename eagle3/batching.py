@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3.logs import UserError
+
 
 @dataclass
 class EpochPlan:
@@ -52,6 +54,24 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> 
     if cur:
         batches.append(cur)
     return batches
+
+
+def check_fits(lengths: list[int] | np.ndarray, batch_tokens: int, sequence_parallel: int, split: str) -> None:
+    """Refuse, before training starts, a sample longer than one rank holds: plan_batches would give it a batch of
+    its own, and that batch would run out of memory in the middle of an epoch. With sequence parallelism a rank
+    holds a 1/N share of each sample's positions."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.size == 0 or -(-int(lens.max()) // sequence_parallel) <= batch_tokens:
+        return
+    i, longest = int(lens.argmax()), int(lens.max())
+    sp = sequence_parallel
+    share = f" (a 1/{sp} share of each sample with train.sequence_parallel={sp})" if sp > 1 else ""
+    raise UserError(
+        f"{split} sample {i} has {longest} tokens, more than one rank holds: train.batch_tokens={batch_tokens} per "
+        f"rank{share}, and a sample is never cut between micro-batches. Set train.batch_tokens={-(-longest // sp)} "
+        f"if a rank's memory holds that many (train.activation_checkpointing=true keeps most of it free), "
+        f"train.sequence_parallel={-(-longest // batch_tokens)} to split each sample over that many ranks, or "
+        f"data.max_length={batch_tokens * sp} (then re-run prepare and extract)")
 
 
 def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, epoch: int, rank: int = 0,

@@ -51,6 +51,8 @@ class TrainState:
     world_size: int | None = None
     """Processes that wrote the checkpoint: each rank's `batch_index` is a place in a plan made for this many
     ranks, so another world size cannot resume it (None: written before eagle3 recorded it)."""
+    sequence_parallel: int | None = None
+    """train.sequence_parallel of the run that wrote it: the plan is made for world / sequence_parallel groups."""
 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -164,7 +166,7 @@ def resume(accelerator: Any, model: Any, cfg: Config, d2t: torch.Tensor) -> Trai
         if not problems:
             check_same_vocab(path, d2t, cfg)
             check_same_draft(path, accelerator.unwrap_model(model).config)
-            check_same_world(path, accelerator.num_processes)
+            check_same_world(path, accelerator.num_processes, cfg.train.sequence_parallel)
             try:
                 accelerator.load_state(str(path))
                 state = TrainState(**json.loads((path / STATE_FILE).read_text()))
@@ -196,12 +198,21 @@ def checkpoint_problems(path: Path) -> list[str]:
     return damaged_files(path, records)
 
 
-def check_same_world(path: Path, world: int) -> None:
-    """Refuse a checkpoint written by another number of processes, before anything of it is loaded."""
+def check_same_world(path: Path, world: int, sequence_parallel: int = 1) -> None:
+    """Refuse a checkpoint written by another number of processes or sequence-parallel groups, before anything of
+    it is loaded."""
     try:
-        written = json.loads((path / STATE_FILE).read_text()).get("world_size")
+        saved = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError):
         return  # unreadable: the load below names it
+    written, written_sp = saved.get("world_size"), saved.get("sequence_parallel") or 1
+    if written_sp != sequence_parallel:
+        raise UserError(
+            f"checkpoint {path} was written with train.sequence_parallel={written_sp} and "
+            f"this run has {sequence_parallel}: the epoch's data plan is made for world / sequence_parallel groups, "
+            "so resuming would train on other data than the run it continues. Resume it with the same "
+            f"train.sequence_parallel, or start a new output_dir from its weights with "
+            f"draft.init_from={path / 'draft'}")
     if written is not None and written != world:
         raise UserError(
             f"checkpoint {path} was written by {written} processes and this run has {world}: each rank's place in "

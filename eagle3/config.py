@@ -219,7 +219,19 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (overrides `epochs`)."""
     batch_tokens: int = Field(4096, ge=1)
-    """Token budget of one micro-batch (sequences are packed/bucketed to fill it)."""
+    """Token budget of one micro-batch on one rank, padding included (sequences are packed/bucketed to fill it;
+    with `sequence_parallel` N, a micro-batch holds N x batch_tokens over its N ranks). A sample longer than one
+    rank holds is refused before training starts, never an out-of-memory mid-epoch: raise this (with
+    `activation_checkpointing`), `sequence_parallel`, or lower `data.max_length`."""
+    sequence_parallel: int = Field(1, ge=1)
+    """Ranks that share each micro-batch, each holding a 1/N share of its positions (Ulysses attention: an
+    all-to-all over heads; eagle3/sequence_parallel.py), for samples longer than one rank's memory holds. The
+    process count must divide by N; data parallelism runs over processes / N groups. 8 GPUs at 32K tokens:
+    docs/kimi-k2.5.md "Long context"."""
+    activation_checkpointing: bool = False
+    """Keep only each TTT step's inputs and outputs (hidden, keys, values) for the backward, which recomputes the
+    step's draft layer (torch.utils.checkpoint): most of the activation memory per token, for about one more
+    forward of the layer (BENCHMARKS.md "Long context")."""
     grad_accum: int = Field(1, ge=1)
     """Micro-batches per optimizer step."""
     grad_clip: float = Field(0.5, gt=0)

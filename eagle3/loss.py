@@ -180,7 +180,7 @@ def greedy_chain(rows: TTTPlan, hits: list[Tensor], input_ids: Tensor, target_ar
     the accepted draft token was. hit_j / alive_j is then the engine's acceptance rate of step j given the
     earlier ones, over the contexts where the text agrees with the target.
     """
-    b, t = rows.shape
+    b, t = rows.shape  # the plan's positions: the first t of the [B, rows.window] inputs
     steps = rows.steps
     alive_n = torch.zeros(steps, device=input_ids.device)
     hit_n = torch.zeros(steps, device=input_ids.device)
@@ -189,7 +189,8 @@ def greedy_chain(rows: TTTPlan, hits: list[Tensor], input_ids: Tensor, target_ar
         hit = torch.zeros(b * t, dtype=torch.bool, device=input_ids.device)
         hit[rows.keep[j][rows.score[j]]] = hits[j]
         fed = shift_tokens(input_ids, 1 + j) == shift_tokens(target_argmax, j)  # x_{t+1+j} == argmax at t+j
-        live = live & fed.flatten() & valid_positions(loss_mask, target_argmax, j, False).flatten()
+        valid = valid_positions(loss_mask, target_argmax, j, False)
+        live = live & fed[:, :t].flatten() & valid[:, :t].flatten()
         alive_n[j] = live.sum()
         live = live & hit
         hit_n[j] = live.sum()

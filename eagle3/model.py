@@ -30,10 +30,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 from torch.profiler import record_function
@@ -456,13 +458,16 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(out_hidden))
 
     def forward(self, aux: Tensor, input_ids: Tensor, rows: TTTPlan, attention: Attention = "fast",
-                head: Callable[[list[Tensor], Tensor], Any] | None = None) -> Any:
+                head: Callable[[list[Tensor], Tensor], Any] | None = None, over: LocalAttention | None = None,
+                checkpoint: bool = False) -> Any:
         """Training: the TTT unroll over `rows` (`ttt_unroll_rows` below) -> head(final-normed scored rows of
         each step, lm_head weight); without `head`, each step's logits. Lives in `forward`, the head included,
         so that DDP/FSDP wrappers see the whole computation (their gradient hooks need the call to go through
         them, and FSDP holds the unsharded lm_head weight only inside it). The trainer's head is the fused,
-        chunked lm_head + loss (eagle3.loss.SoftCE), which never holds a step's [rows, draft_vocab] logits."""
-        states = ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention)
+        chunked lm_head + loss (eagle3.loss.SoftCE), which never holds a step's [rows, draft_vocab] logits.
+        `over`: a sequence-parallel group's attention (eagle3.sequence_parallel) when `rows` plans this rank's share
+        of the positions; `checkpoint`: recompute each TTT step's layer in the backward (train.activation_checkpointing)."""
+        states = ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention, over or LOCAL, checkpoint)
         if head is None:
             return [self.lm_head(x) for x in states]
         return head(states, self.lm_head.weight)
@@ -510,47 +515,66 @@ class Eagle3Draft(nn.Module):
 
 
 # ---------------------------------------------------------------------------- training-time test
-def _prefix_mask(q_pos: Tensor, t: int, sinks: int) -> Tensor:
-    """Bool [B, 1, M, sinks + T]: query m (at position q_pos[b, m]) sees every sink and the keys 0..q_pos."""
-    causal = torch.arange(t, device=q_pos.device) <= q_pos[..., None]  # [B, M, T]
-    return F.pad(causal, (sinks, 0), value=True)[:, None]
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None = None) -> Tensor:
+    """Causal SDPA of q [B, nh, T, D] over k, v [B, nkv, T, D] (query t sees keys 0..t), plus `sinks` [n, D]:
+    n shared keys, each its own value, that every query sees. The sinks go first and n zero queries before the
+    real ones, so the mask is SDPA's square upper-left causal one: its flash kernels (CUDA, and the CPU's)
+    never build the T x T scores, where any explicit mask, or a lower-right one on the CPU, would."""
+    n_rep = q.shape[1] // k.shape[1]
+    # Repeated, not SDPA's enable_gqa: the CPU kernel's GQA ran 10-15% slower at 4K tokens (fp32 and bf16), and not
+    # every CUDA kernel takes it (one that does not falls back to the T x T math kernel).
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    b, h, _, d = q.shape
+    n = sinks.shape[0]
+    s = sinks.expand(b, h, n, d)
+    out = F.scaled_dot_product_attention(torch.cat([q.new_zeros(b, h, n, d), q], 2), torch.cat([s, k], 2),
+                                         torch.cat([s, v], 2), is_causal=True, scale=scale)
+    return out[:, :, n:]
+
+
+class LocalAttention:
+    """Attention with every position of the sequence in this process. eagle3.sequence_parallel's Ulysses has the
+    same two methods, there over a share of the positions and all-to-alls between ranks."""
+
+    def keys(self, k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+        """Step 0's keys and values [B, nkv, T, D] in the layout `attend` takes (here: as they are)."""
+        return k, v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None = None) -> Tensor:
+        """causal_attention of q [B, nh, T, D] over keys from `keys`."""
+        return causal_attention(q, k, v, scale, sinks)
+
+
+LOCAL = LocalAttention()
 
 
 def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
-                       q_pos: Tensor | None = None, scale: float | None = None) -> Tensor:
-    """Exact TTT attention without a [T, (j+1)T] mask: one SDPA over the step-0 keys plus j "sink" keys.
+                       scale: float | None = None, over: LocalAttention = LOCAL) -> Tensor:
+    """Exact TTT attention, memory linear in T: one causal SDPA over the step-0 keys plus j "sink" keys.
 
     The j same-position scores d_i(t) = q_t . k_i,t are computed elementwise and appended to each query as
     extra channels; j shared sink keys (one-hot in those channels) then score exactly d_i(t) for query t, and
     their one-hot values report the softmax weight p_i(t) each sink received, normalised jointly with the
     step-0 causal keys. The output is SDPA's step-0 part plus sum_i p_i(t) v_i,t.
-    q [B, nh, M, D]; k0, v0 [B, nkv, T, D]; each ks[i], vs[i] [B, nkv, M, D], aligned with q. q_pos [B, M]: the
-    position of each query; None when the queries are positions 0..T-1 in order, which SDPA takes as a
-    lower-right causal mask (sinks first, visible to every query) so flash kernels apply. `scale`: the softmax
-    scale (None: D**-0.5).
+    q [B, nh, T, D] and each ks[i], vs[i] [B, nkv, T, D]: positions 0..T-1 in order (a position without a query
+    holds zeros; its output is meaningless); k0, v0 as `over.keys` lays them out. `scale`: the softmax scale
+    (None: D**-0.5). `over`: where the positions live (this process, or a sequence-parallel group).
     """
-    b, nh, m, d = q.shape
+    b, nh, t, d = q.shape
     scale = d**-0.5 if scale is None else scale
-    t = k0.shape[2]
     n = len(ks)
-    n_rep = nh // k0.shape[1]
     if n == 0:
-        k, v = repeat_kv(k0, n_rep), repeat_kv(v0, n_rep)
-        if q_pos is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_prefix_mask(q_pos, t, 0), scale=scale)
+        return over.attend(q, k0, v0, scale)
+    n_rep = nh // ks[0].shape[1]
     dp = -(-(d + n) // 8) * 8  # padded head dim (kernels like multiples of 8)
-    diag = torch.stack([(q * repeat_kv(k, n_rep)).sum(-1) for k in ks], dim=-1)  # [B, nh, M, n]
-    q_aug = torch.cat([q, diag, q.new_zeros(b, nh, m, dp - d - n)], dim=-1)
+    diag = torch.stack([(q * repeat_kv(k, n_rep)).sum(-1) for k in ks], dim=-1)  # [B, nh, T, n]
+    q_aug = torch.cat([q, diag, q.new_zeros(b, nh, t, dp - d - n)], dim=-1)
     sinks = torch.zeros(n, dp, dtype=q.dtype, device=q.device)
     sinks[torch.arange(n), d + torch.arange(n)] = 1.0
-    sinks = sinks.expand(b, k0.shape[1], n, dp)
     pad = (0, dp - d)
-    k_aug = torch.cat([sinks, F.pad(k0, pad)], dim=2)
-    v_aug = torch.cat([sinks, F.pad(v0, pad)], dim=2)
-    mask = causal_lower_right(m, t + n) if q_pos is None else _prefix_mask(q_pos, t, n)
-    out = F.scaled_dot_product_attention(q_aug, repeat_kv(k_aug, n_rep), repeat_kv(v_aug, n_rep), attn_mask=mask,
-                                         scale=scale)
+    out = over.attend(q_aug, F.pad(k0, pad), F.pad(v0, pad), scale, sinks)
     result = out[..., :d]
     for i, v in enumerate(vs):
         result = result + out[..., d + i : d + i + 1] * repeat_kv(v, n_rep)
@@ -558,59 +582,77 @@ def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: 
 
 
 def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
-                        q_pos: Tensor | None = None, scale: float | None = None) -> Tensor:
-    """Reference: all keys concatenated with an explicit [M, T + jM] mask (causal block + diagonal blocks)."""
-    b, _, m, _ = q.shape
-    t = k0.shape[2]
+                        scale: float | None = None) -> Tensor:
+    """Reference: all keys concatenated with an explicit [T, T + jT] mask (causal block + diagonal blocks)."""
+    t = q.shape[2]
     n_rep = q.shape[1] // k0.shape[1]
-    if q_pos is None:
-        q_pos = torch.arange(m, device=q.device).expand(b, m)
     keys = torch.cat([k0, *ks], dim=2)
     values = torch.cat([v0, *vs], dim=2)
-    eye = torch.eye(m, dtype=torch.bool, device=q.device).expand(b, 1, m, m)
-    mask = torch.cat([_prefix_mask(q_pos, t, 0), *([eye] * len(ks))], dim=-1)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=q.device)
+    mask = torch.cat([causal, *([eye] * len(ks))], dim=-1)
     return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask,
                                           scale=scale)
 
 
-def _rows(x: Tensor) -> Tensor:
-    """[B, heads, T, D] -> [B*T, heads, D]."""
-    return x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])
-
-
 def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows: TTTPlan,
-                    attention: Attention = "fast") -> list[Tensor]:
+                    attention: Attention = "fast", over: LocalAttention = LOCAL,
+                    checkpoint: bool = False) -> list[Tensor]:
     """Final-normed output hidden [len(score[j]), H] of the scored rows of each unrolled step (the lm_head's
     input; see the module docstring).
 
-    Step 0 computes keys and values at every position (they are every later query's prefix); everything else
-    (queries, attention, the layer after it and the final norm) runs only on the rows in `rows`, each batch row's
-    kept queries packed to the left and masked by their own positions.
+    hidden0 [B, T, H]: fc of the features at the plan's T positions; input_ids [B, rows.window] (the tokens
+    past them included). Step 0 computes keys and values at every position (they are every later query's
+    prefix); everything else (queries, the layer after attention, the final norm) runs only on the rows in
+    `rows`, placed at their positions for attention. `checkpoint`: keep only each step's inputs and outputs
+    (its hidden, keys and values) for the backward, which recomputes the step's layer (torch.utils.checkpoint).
     """
-    attend = ttt_attention_fast if attention == "fast" else ttt_attention_dense
-    b, t = input_ids.shape
-    flat_pos = torch.arange(t, device=input_ids.device).repeat(b)
-    keep = rows.keep[0]
+    if attention == "dense" and over is not LOCAL:
+        raise ValueError("the dense reference attention runs in one process only")
+    b, t = rows.shape
+    flat_pos = (rows.start + torch.arange(t, device=input_ids.device)).repeat(b)
+    scale = draft.attn_scale
+
+    def attend(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
+        if attention == "dense":
+            return ttt_attention_dense(q, k0, v0, ks, vs, scale)
+        return ttt_attention_fast(q, k0, v0, ks, vs, scale, over)
+
+    def step_0(hidden0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1)[:, :t], hidden0, flat_pos.view(b, t))
+        k0, v0 = over.keys(k0, v0, q.shape[1])
+        out = attend(q, k0, v0, [], [])
+        return draft.block(hidden0.reshape(b * t, -1)[rows.keep[0]], rows.unpack(0, out)), k0, v0
+
+    def step_j(j: int, hidden: Tensor, k0: Tensor, v0: Tensor, *earlier: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """earlier: the keys of steps 1..j-1 at their rows, then their values."""
+        keep = rows.keep[j]
+        hidden = draft.handoff(hidden[rows.parent[j]])
+        ids = shift_tokens(input_ids, 1 + j)[:, :t].flatten()[keep]
+        q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
+        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [M_j, nkv, D]
+        ks, vs = [*earlier[: j - 1], k], [*earlier[j - 1 :], v]
+        at = [rows.within(i + 1, j) for i in range(j)]
+        out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0,
+                     [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
+                     [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)])
+        return draft.block(hidden, rows.unpack(j, out)), k, v
+
+    def run(fn: Callable[..., tuple[Tensor, Tensor, Tensor]], *args: Any) -> tuple[Tensor, Tensor, Tensor]:
+        if checkpoint and torch.is_grad_enabled():
+            # The layer draws no random numbers: no RNG state to save and restore around the recompute.
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+        return fn(*args)
+
     with record_function("ttt_step_0"):  # named in a torch.profiler trace (benchmarks/bench_profile.py); free else
-        q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1), hidden0, flat_pos.view(b, t))
-        scale = draft.attn_scale
-        out = attend(rows.pack(0, _rows(q)[keep]), k0, v0, [], [], rows.q_pos[0], scale)
-        hidden = draft.block(hidden0.reshape(b * t, -1)[keep], rows.unpack(0, out))  # [M0, H]
+        hidden, k0, v0 = run(step_0, hidden0)
         states = [draft.norm(hidden[rows.score[0]])]
     ks: list[Tensor] = []  # step i's keys and values at the rows of keep[i] (i = 1, 2, ...)
     vs: list[Tensor] = []
     for j in range(1, rows.steps):
         with record_function(f"ttt_step_{j}"):
-            keep = rows.keep[j]
-            hidden = draft.handoff(hidden[rows.parent[j]])
-            ids = shift_tokens(input_ids, 1 + j).flatten()[keep]
-            q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
-            ks.append(k[0].transpose(0, 1))
-            vs.append(v[0].transpose(0, 1))
-            at = [rows.within(i + 1, j) for i in range(len(ks))]
-            out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0,
-                         [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
-                         [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)], rows.q_pos[j], scale)
-            hidden = draft.block(hidden, rows.unpack(j, out))
+            hidden, k, v = run(partial(step_j, j), hidden, k0, v0, *ks, *vs)
+            ks.append(k)
+            vs.append(v)
             states.append(draft.norm(hidden[rows.score[j]]))
     return states

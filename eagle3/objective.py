@@ -8,7 +8,8 @@ with the target's full-vocab argmax: eagle3.cache, eagle3.online).
     loss, stats = objective.loss(model, planned, denominators)
 
 Planning needs only the loss mask and the target's argmax (eagle3.rows), so an accumulation group knows the loss's
-denominators (the scored positions of the whole group on all ranks) before its first backward.
+denominators (the scored positions of the whole group on all ranks) before its first backward. Under sequence
+parallelism (eagle3.sequence_parallel) each rank plans and computes its share of the batch's positions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 from eagle3.config import TrainConfig
 from eagle3.loss import SoftCE, StepStats, Teacher, ttt_loss
 from eagle3.rows import TTTPlan, plan_rows
+from eagle3.sequence_parallel import SequenceParallel
 from eagle3.storage import dense
 
 
@@ -29,6 +31,7 @@ class PlannedBatch:
     """A collated batch on the host and the positions its TTT steps compute and score."""
 
     batch: dict[str, Tensor]
+    """This rank's part of it (all of it without sequence parallelism)."""
     rows: TTTPlan
 
     def scored(self) -> Tensor:
@@ -39,14 +42,17 @@ class PlannedBatch:
 class Objective:
     """EAGLE-3's training-time test against the target's distribution over the draft vocab (eagle3.loss)."""
 
-    def __init__(self, teacher: Teacher, train: TrainConfig):
-        self.teacher, self.train = teacher, train
+    def __init__(self, teacher: Teacher, train: TrainConfig, sp: SequenceParallel | None = None):
+        self.teacher, self.train, self.sp = teacher, train, sp
         self.device = teacher.device
 
     def plan(self, batch: dict[str, Tensor]) -> PlannedBatch:
+        own, start = None, 0
+        if self.sp is not None:
+            batch, own, start = self.sp.shard(batch, self.train.ttt_steps)
         draft_argmax = self.teacher.to_draft_host[batch["target_argmax"]]
         return PlannedBatch(batch, plan_rows(batch["loss_mask"], draft_argmax, self.train.ttt_steps,
-                                             self.train.mask_out_of_vocab))
+                                             self.train.mask_out_of_vocab, own, start))
 
     def loss(self, model: torch.nn.Module, planned: PlannedBatch, denominators: Tensor | None = None,
              ) -> tuple[Tensor, StepStats]:
@@ -57,7 +63,8 @@ class Objective:
         argmax = batch["target_argmax"]
         probs = self.teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
         head = SoftCE(probs, rows, self.train.step_decay, denominators, self.train.loss_chunk_rows)
-        out = model(batch["aux"], batch["input_ids"], rows, head=head)
+        out = model(batch["aux"], batch["input_ids"], rows, head=head, over=self.sp,
+                    checkpoint=self.train.activation_checkpointing)
         draft_target = self.teacher.to_draft[argmax].flatten()[rows.teacher_pos]
         return ttt_loss(out, draft_target, rows, (batch["input_ids"], argmax, batch["loss_mask"]))
 

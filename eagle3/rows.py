@@ -29,6 +29,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def reach(steps: int) -> int:
+    """How many positions past t the `steps` TTT steps at t read: step j's input token x_{t+1+j}, its teacher at
+    t+1+j and its label x_{t+2+j}, so up to t+steps+1 (a sequence-parallel share needs that many of the next)."""
+    return steps + 1
+
+
 def shift_tokens(input_ids: Tensor, by: int) -> Tensor:
     """x_{t+by} at position t, zero-padded past the end (those positions are never valid)."""
     return F.pad(input_ids[:, by:], (0, by), value=0)
@@ -56,7 +62,12 @@ class TTTPlan:
     scored at step j, and its layer on the positions step j or a later step still needs (a later step reads
     this step's hidden at the same position). Step 0's keys and values stay complete: every later query reads
     the causal prefix of them. The sets are nested (keep[j+1] within keep[j]), so each step gathers its inputs
-    from the step before.
+    from the step before. Attention runs in the positions' own layout (`pack`/`unpack`: every position a query
+    slot, the unkept ones zero), so its kernel is the causal one, whose memory is linear in T.
+
+    Under sequence parallelism (eagle3.sequence_parallel) a plan covers one rank's share of the sequence: T
+    positions starting at global position `start`, whose labels and teachers reach `window` - T positions past
+    them (into the next rank's share), so `teacher_pos` indexes a [B, window] slice.
     """
 
     shape: tuple[int, int]
@@ -67,18 +78,17 @@ class TTTPlan:
     score: list[Tensor]
     """Step j: where each position scored at step j sits in keep[j]."""
     teacher_pos: Tensor
-    """Sorted flat positions whose teacher distribution some step needs (t+1+j of a scored (j, t))."""
+    """Sorted flat positions of the [B, window] batch whose teacher distribution some step needs (t+1+j of a
+    scored (j, t))."""
     teacher_row: list[Tensor]
     """Step j: the row of teacher_pos holding each scored position's teacher."""
     counted: Tensor
     """[steps] float: positions with a masked-in label at step j, out-of-vocab teachers included (acc's denominator)."""
-    slot: list[Tensor]
-    """Step j: where each keep[j] position sits in the [B, width[j]] query layout of that step's attention (each
-    batch row's kept positions packed to the left)."""
-    width: list[int]
-    q_pos: list[Tensor | None]
-    """Step j: [B, width[j]] the position of each query slot (0 in unused slots); None when the slots are the
-    positions 0..T-1 themselves (every row kept), so attention can use its causal kernel."""
+    window: int
+    """Length of each row of the batch the labels and teachers come from: T, or more for a sequence-parallel
+    rank's share (its window reaches into the next share)."""
+    start: int = 0
+    """Global position of the plan's position 0 (its RoPE position at step 0)."""
 
     @property
     def steps(self) -> int:
@@ -104,15 +114,15 @@ class TTTPlan:
         return idx
 
     def pack(self, j: int, rows: Tensor) -> Tensor:
-        """Rows [M_j, heads, D] of keep[j] -> [B, heads, width[j], D] in step j's query layout, zeros elsewhere."""
-        b = self.shape[0]
-        full = rows.new_zeros(b * self.width[j], *rows.shape[1:]).index_copy(0, self.slot[j], rows)
-        return full.view(b, self.width[j], *rows.shape[1:]).transpose(1, 2)
+        """Rows [M_j, heads, D] of keep[j] -> [B, heads, T, D] at their positions, zeros elsewhere."""
+        b, t = self.shape
+        full = rows.new_zeros(b * t, *rows.shape[1:]).index_copy(0, self.keep[j], rows)
+        return full.view(b, t, *rows.shape[1:]).transpose(1, 2)
 
     def unpack(self, j: int, out: Tensor) -> Tensor:
-        """[B, heads, width[j], D] -> rows [M_j, heads * D] of keep[j]."""
+        """[B, heads, T, D] -> rows [M_j, heads * D] of keep[j]."""
         heads, d = out.shape[1], out.shape[3]
-        return out.transpose(1, 2).reshape(self.shape[0] * self.width[j], heads * d)[self.slot[j]]
+        return out.transpose(1, 2).reshape(self.shape[0] * self.shape[1], heads * d)[self.keep[j]]
 
 
 def _rank_in(member: Tensor) -> Tensor:
@@ -120,11 +130,18 @@ def _rank_in(member: Tensor) -> Tensor:
     return member.long().cumsum(0) - 1
 
 
-def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_vocab: bool) -> TTTPlan:
-    """The rows of a batch (see TTTPlan), from its loss mask and the teacher's argmax as draft ids (-1 = OOV)."""
-    b, t = loss_mask.shape
-    valid = [valid_positions(loss_mask, draft_target, j, mask_out_of_vocab).flatten() for j in range(steps)]
-    counted = torch.stack([valid_positions(loss_mask, draft_target, j, False).sum() for j in range(steps)]).float()
+def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_vocab: bool,
+              own: int | None = None, start: int = 0) -> TTTPlan:
+    """The rows of a batch (see TTTPlan), from its loss mask and the teacher's argmax as draft ids (-1 = OOV).
+
+    own: plan only the first `own` positions of each row (a sequence-parallel rank's share; the rest of the
+    [B, W] inputs is the window its labels and teachers reach into), at global positions start, start + 1, ...
+    """
+    b, w = loss_mask.shape
+    t = w if own is None else own
+    valid = [valid_positions(loss_mask, draft_target, j, mask_out_of_vocab)[:, :t].flatten() for j in range(steps)]
+    counted = torch.stack([valid_positions(loss_mask, draft_target, j, False)[:, :t].sum()
+                           for j in range(steps)]).float()
     keep_masks: list[Tensor] = [valid[-1]]
     for j in range(steps - 2, -1, -1):
         keep_masks.insert(0, keep_masks[0] | valid[j])
@@ -132,25 +149,18 @@ def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_v
     parent = [keep[0]] + [_rank_in(keep_masks[j - 1])[keep[j]] for j in range(1, steps)]
     scored = [v.nonzero().squeeze(1) for v in valid]
     score = [_rank_in(keep_masks[j])[scored[j]] for j in range(steps)]
-    need = torch.zeros(b * t, dtype=torch.bool, device=loss_mask.device)
-    for j in range(steps):
-        need[scored[j] + 1 + j] = True  # t+1+j < T for every scored position, so it stays in the same row
+    # t+1+j < W for every scored position, so it stays in the same row of the window
+    teacher_at = [(s // t) * w + s % t + 1 + j for j, s in enumerate(scored)]
+    need = torch.zeros(b * w, dtype=torch.bool, device=loss_mask.device)
+    for at in teacher_at:
+        need[at] = True
     rank = _rank_in(need)
-    teacher_row = [rank[scored[j] + 1 + j] for j in range(steps)]
-    slot, width, q_pos = [], [], []
-    for k in keep:
-        row, pos = k // t, k % t
-        counts = torch.bincount(row, minlength=b)
-        w = int(counts.max()) if k.numel() else 0
-        s = row * w + torch.arange(k.numel(), device=k.device) - (counts.cumsum(0) - counts)[row]
-        slot.append(s)
-        width.append(w)
-        q_pos.append(torch.zeros(b * w, dtype=torch.int64, device=k.device).index_copy(0, s, pos).view(b, w))
-    return TTTPlan((b, t), keep, parent, score, need.nonzero().squeeze(1), teacher_row, counted, slot, width, q_pos)
+    teacher_row = [rank[at] for at in teacher_at]
+    return TTTPlan((b, t), keep, parent, score, need.nonzero().squeeze(1), teacher_row, counted, w, start)
 
 
 def every_row(b: int, t: int, steps: int, device: torch.device | str = "cpu") -> TTTPlan:
     """Every position computed and scored at every step (the reference unroll, and decode tests)."""
     all_ = torch.arange(b * t, device=device)
     return TTTPlan((b, t), [all_] * steps, [all_] * steps, [all_] * steps, all_, [all_] * steps,
-                torch.full((steps,), float(b * t), device=device), [all_] * steps, [t] * steps, [None] * steps)
+                   torch.full((steps,), float(b * t), device=device), t)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from eagle3 import threads
-from eagle3.batching import EpochPlan, plan_epoch, plan_eval
+from eagle3.batching import EpochPlan, check_fits, plan_epoch, plan_eval
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, read_prepared_meta
@@ -42,6 +42,7 @@ from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
 from eagle3.prepare import check_prepared
 from eagle3.process import this_process
+from eagle3.sequence_parallel import SequenceParallel, data_place, describe
 from eagle3.targets.info import TargetInfo, read_target_info
 from eagle3.targets.weights import load_target_head
 from eagle3.tracking import Tracker
@@ -109,9 +110,16 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     return train, evald
 
 
-def _rank_world() -> tuple[int, int]:
+def _rank_world(cfg: Config) -> tuple[int, int]:
+    """This process's place in the data plan: (data-parallel rank, world), the ranks of a sequence-parallel group
+    sharing one (eagle3.sequence_parallel)."""
     place = this_process()
-    return place.rank, place.world
+    return data_place(place.rank, place.world, cfg.train.sequence_parallel)
+
+
+def _budget(cfg: Config) -> int:
+    """Tokens of one micro-batch, padding included, over the ranks that share it."""
+    return cfg.train.batch_tokens * cfg.train.sequence_parallel
 
 
 def verify_before_training(cache_dir: Path) -> None:
@@ -208,7 +216,7 @@ def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config
     n = len(dataset)
     if cfg.train.eval_max_samples:
         n = min(n, cfg.train.eval_max_samples)
-    plan, counted = plan_eval(dataset.lengths[:n], cfg.train.batch_tokens, cfg.train.seed, *_rank_world())
+    plan, counted = plan_eval(dataset.lengths[:n], _budget(cfg), cfg.train.seed, *_rank_world(cfg))
     total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
     model.eval()
     with closing(dataset.iter_collated(plan, pin=_pin(accelerator))) as batches:
@@ -267,14 +275,18 @@ def set_up(cfg: Config) -> Session:
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg.target.path)
     train_ds, eval_ds = open_datasets(cfg)
+    for split, ds in (("train", train_ds), ("eval", eval_ds)):
+        if ds is not None:
+            check_fits(ds.lengths, tc.batch_tokens, tc.sequence_parallel, split)
+    sp = SequenceParallel.join(tc.sequence_parallel, this_process())
     draft = build_draft(cfg, hf_config, d2t, t2d, embed, lm_head)
     # The teacher multiplies in the dtype the target is served in, whatever dtype the checkpoint stores it in.
     teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
-    objective = Objective(teacher, tc)
+    objective = Objective(teacher, tc, sp)
     del embed, lm_head
 
-    rank, world = _rank_world()
-    first = plan_epoch(train_ds.lengths, tc.batch_tokens, tc.seed, 0, rank, world)
+    rank, world = _rank_world(cfg)
+    first = plan_epoch(train_ds.lengths, _budget(cfg), tc.seed, 0, rank, world)
     steps_per_epoch = len(first.batches) // tc.grad_accum
     if steps_per_epoch == 0:
         raise ValueError(f"the train split gives {len(first.batches)} micro-batches per rank, fewer than "
@@ -287,11 +299,11 @@ def set_up(cfg: Config) -> Session:
     accelerator.register_for_checkpointing(scheduler)
 
     state = resume(accelerator, model, cfg, d2t)
-    state.world_size = this_process().world
+    state.world_size, state.sequence_parallel = this_process().world, tc.sequence_parallel
     tracker = Tracker(accelerator, cfg)
-    tracker.info("train: %d samples, %d steps (%d per epoch), %d process(es), mixed precision %s, padding %.1f%%",
-                 len(train_ds), total_steps, steps_per_epoch, world, accelerator.mixed_precision,
-                 100 * first.padding_share)
+    tracker.info("train: %d samples, %d steps (%d per epoch), %d process(es)%s, mixed precision %s, padding %.1f%%",
+                 len(train_ds), total_steps, steps_per_epoch, this_process().world,
+                 describe(sp, this_process().world), accelerator.mixed_precision, 100 * first.padding_share)
     tracker.info("metrics: acc_j = draft argmax == target argmax at TTT step j (out-of-vocab = miss); "
                  "sim_accept_len = 1 + sum_k prod_{j<=k} chain_acc_j, chain_acc_j = step j's hit rate given "
                  "steps < j hit, on text the target agrees with (counts the bonus token, like SGLang/vLLM)")
@@ -302,12 +314,12 @@ def set_up(cfg: Config) -> Session:
 def train_loop(s: Session) -> dict[str, Any]:
     """Epochs of planned batches, one optimizer step per accumulation group, until `total_steps`."""
     tc, state = s.cfg.train, s.state
-    rank, world = _rank_world()
+    rank, world = _rank_world(s.cfg)
     progress = Progress(s.total_steps, "train", unit="step", initial=state.step, disable=not s.tracker.main)
     metrics: dict[str, Any] = {}
     s.model.train()
     while state.step < s.total_steps:
-        plan = plan_epoch(s.train_ds.lengths, tc.batch_tokens, tc.seed, state.epoch, rank, world)
+        plan = plan_epoch(s.train_ds.lengths, _budget(s.cfg), tc.seed, state.epoch, rank, world)
         usable = (len(plan.batches) // tc.grad_accum) * tc.grad_accum
         if state.batch_index + tc.grad_accum > usable:
             state.epoch, state.batch_index = state.epoch + 1, 0
@@ -338,8 +350,8 @@ def train_step(s: Session, batches: Any, plan: EpochPlan) -> dict[str, Any]:
         tw = time.perf_counter()
         batch = next(batches)
         wait += time.perf_counter() - tw
-        tokens += int(batch["lengths"].sum())
         group.append(s.objective.plan(batch))
+        tokens += int(group[-1].batch["lengths"].sum())  # this rank's share of them
     # Each step's loss is a mean over the scored positions of the whole group on every rank; DDP averages
     # gradients over ranks, hence the factor `world`.
     denominators = accelerator.reduce(sum(m.scored() for m in group).to(accelerator.device), "sum")

@@ -69,29 +69,27 @@ def test_fast_attention_matches_dense(n_prev):
 
 @pytest.mark.parametrize("n_prev", [0, 2])
 def test_attention_of_some_queries_matches_those_rows_of_all_queries(n_prev):
-    """Queries packed by position (q_pos) get exactly what the same queries get among all positions."""
+    """Queries only at some positions (zeros elsewhere, as TTTPlan.pack lays a pruned step out) get exactly what
+    the same queries get among all positions."""
     torch.manual_seed(10 + n_prev)
     b, nh, nkv, t, d = 2, 6, 2, 13, 12
     q = torch.randn(b, nh, t, d)
     k0, v0 = torch.randn(b, nkv, t, d), torch.randn(b, nkv, t, d)
     ks = [torch.randn(b, nkv, t, d) for _ in range(n_prev)]
     vs = [torch.randn(b, nkv, t, d) for _ in range(n_prev)]
-    picks = [torch.tensor([0, 3, 4, 12]), torch.tensor([5, 7])]  # row 1 has 2 queries, padded to 4 slots
-    q_pos = torch.zeros(b, 4, dtype=torch.long)
-    for r, pk in enumerate(picks):
-        q_pos[r, : len(pk)] = pk
+    picks = [torch.tensor([0, 3, 4, 12]), torch.tensor([5, 7])]
 
     def take(x):
-        out = torch.zeros(b, x.shape[1], 4, d)
+        out = torch.zeros_like(x)
         for r, pk in enumerate(picks):
-            out[r, :, : len(pk)] = x[r, :, pk]
+            out[r, :, pk] = x[r, :, pk]
         return out
 
     for attend in (ttt_attention_fast, ttt_attention_dense):
         every = attend(q, k0, v0, ks, vs)
-        some = attend(take(q), k0, v0, [take(k) for k in ks], [take(v) for v in vs], q_pos)
+        some = attend(take(q), k0, v0, [take(k) for k in ks], [take(v) for v in vs])
         for r, pk in enumerate(picks):
-            torch.testing.assert_close(some[r, :, : len(pk)], every[r, :, pk], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(some[r, :, pk], every[r, :, pk], atol=1e-5, rtol=1e-5)
 
 
 def test_ttt_unroll_fast_matches_dense_with_gradients():
