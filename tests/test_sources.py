@@ -186,3 +186,14 @@ def test_sharegpt_reasoning_written_by_regenerate_is_read(tmp_path: Path):
     path.write_text(json.dumps(rec) + "\n")
     convs, _ = _read(path)
     assert convs[0].turns == [Turn("user", "q"), Turn("assistant", "a", "because")]
+
+
+def test_bundled_sharegpt_code_keeps_the_conversations_with_code():
+    from eagle3.data.sources import has_code
+
+    code_stats, all_stats = SourceStats("code"), SourceStats("all")
+    code = list(read_conversations(SourceConfig(path="bundled:sharegpt-code"), code_stats))
+    every = list(read_conversations(SourceConfig(path="bundled:sharegpt"), all_stats))
+    assert [c.id for c in code] == [c.id for c in every if has_code(c)] and len(code) == 5966
+    assert code_stats.skipped["no_code_block"] == len(every) - len(code)
+    assert all(any("```" in t.content for t in c.turns if t.role == "assistant") for c in code[:50])

