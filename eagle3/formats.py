@@ -156,6 +156,8 @@ def read_config(raw: dict[str, Any], where: Path, *, engine: Engine | None = Non
             return Eagle3DraftConfig(**{k: v for k, v in block.items() if k != "format"})
         except TypeError as e:
             raise DraftFormatError(f"{where}: incomplete draft config: {e}") from None
+        except ValueError as e:  # its RoPE scaling (eagle3.model.normalise_rope)
+            raise DraftFormatError(f"{where}: {e}") from None
     return _engine_config_to_eagle3(raw, where, engine, family)
 
 
@@ -181,6 +183,10 @@ def _engine_config_to_eagle3(raw: dict[str, Any], where: Path, engine: Engine | 
         log.warning("%s: no draft_vocab_size; the head has the full target vocab (%d)", where, layer["vocab_size"])
         draft_vocab = layer["vocab_size"]
     mla = _is_mla(layer)
+    try:
+        rope_scaling = rope_scaling_of(layer)
+    except ValueError as e:
+        raise DraftFormatError(f"{where}: {e}") from None
     arch_fields: dict[str, Any] = {}
     if mla:
         arch_fields = {k: layer.get(k, v) for k, v in _MLA_DEFAULTS.items()}
@@ -197,7 +203,7 @@ def _engine_config_to_eagle3(raw: dict[str, Any], where: Path, engine: Engine | 
         target_hidden_size=raw.get("target_hidden_size") or layer.get("target_hidden_size") or hidden,
         rms_norm_eps=layer.get("rms_norm_eps") or 1e-5,
         rope_theta=rope_theta_of(layer),
-        rope_scaling=rope_scaling_of(layer),
+        rope_scaling=rope_scaling,
         max_position_embeddings=layer.get("max_position_embeddings") or 8192,
         aux_layer_ids=_engine_ids_to_eagle3(raw, where, engine, family),
         hidden_act=layer.get("hidden_act") or "silu",
@@ -369,6 +375,7 @@ def _llama_fields(c: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
            "head_dim": c.head_dim, "mlp_bias": False}
     if c.rope_scaling:
         out["rope_scaling"] = dict(c.rope_scaling)
+    out["rope_parameters"] = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
     return out
 
 
@@ -379,7 +386,8 @@ def _mla_fields(c: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
     return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2",
             **_common_fields(c, dtype_name), "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,
             "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim,
-            "v_head_dim": c.v_head_dim, "rope_scaling": scaling, "rope_interleave": True}
+            "v_head_dim": c.v_head_dim, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": c.rope_theta},
+            "rope_interleave": True}
 
 
 def engine_config(config: Eagle3DraftConfig, to: EngineName, dtype_name: str, num_speculative_tokens: int = 3,
