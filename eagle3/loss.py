@@ -50,19 +50,29 @@ def row_max(z: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
     return bmax.gather(1, best[:, None]).squeeze(1), start + z.gather(1, cols).argmax(-1)
 
 
+LOGITS_PER_BLOCK = 1 << 25
+"""Float32 logits one block of lm_head_max holds (128 MB): a long sample is taken in row blocks too, never as one
+[T, chunk] product (1 GB for a 32K-token sample at chunk 8192)."""
+
+
 @torch.no_grad()
 def lm_head_max(weight: Tensor, final: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
-    """([...] float32 max logit, [...] int64 its target id) of final @ weight.T, chunked (see lm_head_argmax)."""
+    """([...] float32 max logit, [...] int64 its target id) of final @ weight.T, chunked (see lm_head_argmax) over
+    the vocab and over rows (LOGITS_PER_BLOCK); every row's result is the same whatever the blocks."""
     lead = final.shape[:-1]
-    x = final.reshape(-1, final.shape[-1]).to(weight.dtype)
-    n = x.shape[0]
-    best = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
-    best_id = torch.zeros(n, dtype=torch.int64, device=x.device)
-    for c0 in range(0, weight.shape[0], chunk):
-        m, i = row_max((x @ weight[c0 : c0 + chunk].T).float())
-        better = m > best
-        best = torch.where(better, m, best)
-        best_id = torch.where(better, i + c0, best_id)
+    flat = final.reshape(-1, final.shape[-1])
+    n = flat.shape[0]
+    best = torch.full((n,), float("-inf"), dtype=torch.float32, device=flat.device)
+    best_id = torch.zeros(n, dtype=torch.int64, device=flat.device)
+    rows = max(1, LOGITS_PER_BLOCK // min(chunk, weight.shape[0]))
+    for r0 in range(0, n, rows):
+        x = flat[r0 : r0 + rows].to(weight.dtype)
+        top, top_id = best[r0 : r0 + rows], best_id[r0 : r0 + rows]
+        for c0 in range(0, weight.shape[0], chunk):
+            m, i = row_max((x @ weight[c0 : c0 + chunk].T).float())
+            better = m > top
+            top.copy_(torch.where(better, m, top))
+            top_id.copy_(torch.where(better, i + c0, top_id))
     return best.view(lead), best_id.view(lead)
 
 

@@ -38,17 +38,28 @@ def fp8_states(storage: str) -> tuple[bool, bool]:
     return storage != "exact", storage == "fp8"
 
 
+QUANTIZE_ELEMENTS = 1 << 24
+"""States quantised at once (64 MB of float32 temporaries): a 32K-token Kimi sample's aux states are 2.8 GB in
+float32, and each whole-tensor step would hold another copy of that."""
+
+
 def quantize(x: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, parts*H] states -> ([T, parts*H] float8_e4m3fn, [T, parts] float32 scales), one scale per token and
-    state. An all-zero state gets scale 0 (it dequantises to exact zeros). Non-finite states are refused: their
-    scale would be inf and every other element of the token would become 0 or NaN."""
-    t = x.shape[0]
-    v = x.detach().float().reshape(t, parts, -1)
-    if not bool(torch.isfinite(v).all()):
-        raise ValueError("fp8 storage: the states contain NaN/inf (such samples are skipped before writing)")
-    scale = v.abs().amax(-1) / FP8_MAX
-    q = (v / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.reshape(t, -1), scale
+    state, in blocks of tokens (QUANTIZE_ELEMENTS; each token's result is the same whatever the blocks). An all-zero
+    state gets scale 0 (it dequantises to exact zeros). Non-finite states are refused: their scale would be inf and
+    every other element of the token would become 0 or NaN."""
+    t, width = x.shape
+    q = torch.empty(t, width, dtype=FP8, device=x.device)
+    scale = torch.empty(t, parts, dtype=torch.float32, device=x.device)
+    rows = max(1, QUANTIZE_ELEMENTS // max(width, 1))
+    for r0 in range(0, t, rows):
+        v = x[r0 : r0 + rows].detach().float().reshape(-1, parts, width // parts)
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError("fp8 storage: the states contain NaN/inf (such samples are skipped before writing)")
+        s = v.abs().amax(-1) / FP8_MAX
+        q[r0 : r0 + rows] = (v / torch.where(s > 0, s, 1.0)[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8).flatten(1)
+        scale[r0 : r0 + rows] = s
+    return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

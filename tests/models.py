@@ -38,7 +38,7 @@ def tiny_llama(path: str | Path, vocab: int = 256, hidden: int = 64, layers: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                       tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     return _save(LlamaForCausalLM(cfg).eval(), Path(path))
@@ -53,7 +53,7 @@ def deepseek_v3_config(vocab: int = 256, hidden: int = 64, layers: int = 4):
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        max_position_embeddings=1024, num_mtp_layers=0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        max_position_embeddings=4096, num_mtp_layers=0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
 
 

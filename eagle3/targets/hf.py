@@ -86,36 +86,58 @@ def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mod
 class LayerTap:
     """Forward pre-hooks on the decoder layers of `layer_ids`, keeping each layer's *input* (eagle3's id k = the
     input of layer k = HF hidden_states[k]), and a forward hook on the final norm when given (the post-norm state
-    the lm_head reads). The hooks keep references, not copies: each layer returns a new residual tensor and
-    nothing writes in place. `active = False` lets forwards run without keeping anything."""
+    the lm_head reads). `active = False` lets forwards run without keeping anything.
 
-    def __init__(self, layers: torch.nn.ModuleList, layer_ids: list[int], norm: torch.nn.Module | None = None):
+    By default the hooks keep references, not copies (each layer returns a new residual tensor and nothing writes
+    in place): right for the evaluator's few-token forwards. With `copy_to` (extraction) each state is written,
+    as its hook fires, into its third of one [..., 3H] tensor on that device: the layer's input is then freed as
+    the forward moves on, no concatenation or second copy is ever made, and a GPU target hands its states to
+    the host while it computes the rest (a 32K-token sample holds one copy of its states, never four)."""
+
+    def __init__(self, layers: torch.nn.ModuleList, layer_ids: list[int], norm: torch.nn.Module | None = None,
+                 copy_to: str | torch.device | None = None):
         bad = [k for k in layer_ids if not 0 <= k < len(layers)]
         if bad:
             raise ValueError(f"aux layer ids {bad} outside the target's {len(layers)} decoder layers")
         self.layer_ids = list(layer_ids)
         self.states: dict[int | str, torch.Tensor] = {}
+        self.copy_to = None if copy_to is None else torch.device(copy_to)
         self.active = True
         self._handles = [layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True) for k in layer_ids]
         if norm is not None:
             self._handles.append(norm.register_forward_hook(self._norm_hook))
 
     def _pre_hook(self, k: int):
+        slot = self.layer_ids.index(k)
+
         def hook(_module, args, kwargs):
-            if self.active:
-                self.states[k] = args[0] if args else kwargs["hidden_states"]
+            if not self.active:
+                return
+            x = args[0] if args else kwargs["hidden_states"]
+            if self.copy_to is None:
+                self.states[k] = x
+                return
+            out = self.states.get("aux")
+            h = x.shape[-1]
+            if slot == 0 or out is None:  # the first tapped layer of a forward: this forward's own tensor
+                out = self.states["aux"] = torch.empty(*x.shape[:-1], len(self.layer_ids) * h, dtype=x.dtype,
+                                                       device=self.copy_to)
+            out[..., slot * h:(slot + 1) * h].copy_(x)
+            self.states[k] = out  # the hook fired; the state itself lives in `out`
 
         return hook
 
     def _norm_hook(self, _module, _args, output):
         if self.active:
-            self.states["final"] = output
+            self.states["final"] = output if self.copy_to is None else output.to(self.copy_to)
 
     def aux(self) -> torch.Tensor:
         """[..., 3H]: the kept layer inputs concatenated in `layer_ids` order."""
         missing = [k for k in self.layer_ids if k not in self.states]
         if missing:
             raise RuntimeError(f"hooks did not fire for layers {missing}: the model skipped those modules")
+        if self.copy_to is not None:
+            return self.states["aux"]
         return torch.cat([self.states[k] for k in self.layer_ids], dim=-1)
 
     def final(self) -> torch.Tensor:
@@ -152,7 +174,7 @@ class HFTarget:
         self.batch_tokens = cfg.extract.batch_tokens
         self.max_batch_size = cfg.extract.max_batch_size
         self.device = next(self.model.parameters()).device
-        self.tap = LayerTap(self.layers, self.layer_ids, self.norm)
+        self.tap = LayerTap(self.layers, self.layer_ids, self.norm, copy_to="cpu")
         # One forward at a time: the hooks keep one set of states, and online training captures from two prefetch
         # threads at once (train batches, and the eval batches at an eval step).
         self._lock = threading.Lock()
@@ -176,9 +198,10 @@ class HFTarget:
         self.tap.states.clear()
         try:
             self.base(input_ids=ids.to(self.device), attention_mask=attn, use_cache=False)
-            aux, final = self.tap.aux(), self.tap.final()
-            return [Captured(aux=aux[j, :n].to("cpu", copy=True), final=final[j, :n].to("cpu", copy=True))
-                    for j, n in enumerate(lengths)]
+            aux, final = self.tap.aux(), self.tap.final()  # on the host already, one copy each
+            # Each sequence's rows are a contiguous view of the batch's states (no third copy); they are written
+            # and dropped together.
+            return [Captured(aux=aux[j, :n], final=final[j, :n]) for j, n in enumerate(lengths)]
         finally:
             self.tap.states.clear()
 

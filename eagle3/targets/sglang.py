@@ -141,9 +141,46 @@ def target_flags(cfg: Config, model_path: str, role_flags: list[str]) -> list[st
     return flags + list(s.launch_args)
 
 
+CONTEXT_MARGIN = 7
+"""Tokens SGLang 0.5.23 keeps beyond the longest prompt it takes: a prompt must be shorter than
+`max_req_input_len` = min(context length, KV pool) - 6 (`tp_worker.py`), and `max_new_tokens` fits after it."""
+
+
+def capture_context(cfg: Config) -> int:
+    """The capture server's `--context-length`: room for a `data.max_length` prompt (CONTEXT_MARGIN), or the one
+    `target.sglang.launch_args` gives, which must leave that room."""
+    need = cfg.data.max_length + CONTEXT_MARGIN
+    args = cfg.target.sglang.launch_args
+    for i, a in enumerate(args):
+        flag, _, value = a.partition("=")
+        if flag == "--context-length":
+            given = int(value or (args[i + 1] if i + 1 < len(args) else 0))
+            if given < need:
+                raise ValueError(f"target.sglang.launch_args: --context-length {given} is too short for "
+                                 f"data.max_length {cfg.data.max_length} (SGLang needs {need}: each prompt plus "
+                                 f"{CONTEXT_MARGIN}); drop it, eagle3 sets it from data.max_length")
+            return given
+    return need
+
+
+def capture_env(cfg: Config, info: TargetInfo) -> dict[str, str]:
+    """SGLang refuses a context longer than the model's window unless told otherwise; a `data.max_length` prompt at
+    the very end of the window needs CONTEXT_MARGIN slots past it, never prefilled (`max_new_tokens: 1` stops after
+    the prefill), so the capture server is told when that is all it is."""
+    from eagle3.model import context_window
+
+    window = context_window(info.text)
+    if window is not None and cfg.data.max_length <= window < capture_context(cfg):
+        return {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
+    return {}
+
+
 def capture_flags(cfg: Config, model_path: str) -> list[str]:
     """The capture server's flags for this config (host and port apart)."""
+    context = capture_context(cfg)  # refuses a launch_args one that is too short
+    given = any(a.partition("=")[0] == "--context-length" for a in cfg.target.sglang.launch_args)
     return target_flags(cfg, model_path, [
+        *([] if given else ["--context-length", str(context)]),  # a data.max_length prompt fits
         "--disable-radix-cache",          # a prefix hit would prefill (and dump) only the tail of a prompt
         "--chunked-prefill-size", "-1",   # a chunk would be dumped as a separate, partial prompt
         "--disable-cuda-graph",           # graphs serve decode only; extraction is prefill, and startup is faster
@@ -233,7 +270,8 @@ class SGLangTarget:
         check_plugin(sglang_python())
         self.log_file = Path(self.cfg.output_dir) / "logs" / f"sglang-capture-{os.getpid()}.log"
         self.server = SGLangServer(capture_flags(self.cfg, str(self.info.folder)),
-                                   server_env(self.dump_dir, self.layer_ids, self.family), self.log_file,
+                                   {**server_env(self.dump_dir, self.layer_ids, self.family),
+                                    **capture_env(self.cfg, self.info)}, self.log_file,
                                    startup_timeout_s, what=f"the SGLang capture server (TP={self.cfg.target.sglang.tp_size})")
         self.url = self.server.url
 
@@ -341,6 +379,12 @@ class SGLangTarget:
             if info.get("flashinfer_allreduce_fusion_backend"):
                 problems.append("FlashInfer all-reduce fusion is on (a layer's input is a partial sum over the TP "
                                 "ranks; start with --enforce-disable-flashinfer-allreduce-fusion)")
+            longest = longest_prompt(info)
+            if longest is not None and longest < self.cfg.data.max_length:
+                problems.append(f"it takes prompts of at most {longest} tokens, data.max_length is "
+                                f"{self.cfg.data.max_length} (start it with --context-length "
+                                f"{capture_context(self.cfg)} and a KV pool that holds as many tokens, or lower "
+                                "data.max_length)")
             if problems:
                 raise RuntimeError(f"preflight: the SGLang server at {self.url} would drop or split tokens: "
                                    + "; ".join(problems))
@@ -356,6 +400,17 @@ class SGLangTarget:
         log.info("preflight ok: %s, %d tokens -> aux %s final %s, layers %s (%s family), %.1f s, %d bytes/token",
                  self.url, len(probe), tuple(got.aux.shape), tuple(got.final.shape), self.layer_ids, self.family,
                  time.monotonic() - t0, self.bytes_per_token())
+
+
+def longest_prompt(info: dict[str, Any]) -> int | None:
+    """The longest prompt a server with these /server_info answers takes: one less than its scheduler's
+    `max_req_input_len` (context length and KV pool both count), else its context length less CONTEXT_MARGIN;
+    None when it says neither."""
+    if info.get("max_req_input_len") is not None:
+        return int(info["max_req_input_len"]) - 1
+    if info.get("context_length") is not None:
+        return int(info["context_length"]) - CONTEXT_MARGIN
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -375,7 +430,7 @@ def serve(cfg: Config, port: int | None, host: str, dry_run: bool, local_rank: i
     python = sglang_python()
     cmd = [python, "-m", "sglang.launch_server", *capture_flags(cfg, str(info.folder)), "--host", host,
            "--port", str(port)]
-    env = server_env(dump_dir, layer_ids, info.family)
+    env = {**server_env(dump_dir, layer_ids, info.family), **capture_env(cfg, info)}
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
     if dry_run:
         return 0
