@@ -23,16 +23,19 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_recipe_configs_open_with_their_command_and_validate():
-    """Both recipe YAMLs validate, and they and the scripts open with the exact command that runs them."""
-    for name, script in (("smollm2-135m.yaml", "run.sh"), ("smollm2-135m-quickstart.yaml", "quickstart.sh")):
+    """The recipe YAMLs validate, and they and the scripts open with the exact command that runs them."""
+    for name, script, sets in (("smollm2-135m.yaml", "run.sh", ["mt-bench"]),
+                               ("smollm2-135m-quickstart.yaml", "quickstart.sh", ["mt-bench"]),
+                               ("smollm2-135m-agentic.yaml", "agentic.sh", ["mt-bench", "bfcl"])):
         path = REPO / "configs" / name
         first = path.read_text().splitlines()[0]
         assert first.startswith(f"# bash recipes/smollm2-135m/{script}"), first
         cfg = load_config(path)
         assert cfg.target.path == "bundled:smollm2-135m-instruct"
-        assert cfg.eval.prompt_sets == ["mt-bench"]
+        assert cfg.eval.prompt_sets == sets
     # Every script in the recipe opens (line 2, after the shebang) with the exact command that runs it.
-    openings = {script: f"# bash recipes/smollm2-135m/{script}" for script in ("quickstart.sh", "run.sh", "ablations.sh")}
+    openings = {script: f"# bash recipes/smollm2-135m/{script}" for script in ("quickstart.sh", "run.sh", "ablations.sh",
+                                                                                 "agentic.sh")}
     openings["self_distill.sh"] = "# VLLM_PYTHON=/work/vllm-venv/bin/python bash recipes/smollm2-135m/self_distill.sh"
     assert sorted(p.name for p in RECIPE.glob("*.sh")) == sorted(openings)
     for script, opening in openings.items():
