@@ -227,11 +227,11 @@ class TrainConfig(Section):
     """Ranks that share each micro-batch, each holding a 1/N share of its positions (Ulysses attention: an
     all-to-all over heads; eagle3/sequence_parallel.py), for samples longer than one rank's memory holds. The
     process count must divide by N; data parallelism runs over processes / N groups. 8 GPUs at 32K tokens:
-    docs/kimi-k2.5.md "Long context"."""
+    docs/kimi-k2.5.md "Training at 32K tokens on 8 GPUs"."""
     activation_checkpointing: bool = False
     """Keep only each TTT step's inputs and outputs (hidden, keys, values) for the backward, which recomputes the
     step's draft layer (torch.utils.checkpoint): most of the activation memory per token, for about one more
-    forward of the layer (BENCHMARKS.md "Long context")."""
+    forward of the layer (BENCHMARKS.md "A training step at 2K-32K tokens")."""
     grad_accum: int = Field(1, ge=1)
     """Micro-batches per optimizer step."""
     grad_clip: float = Field(0.5, gt=0)
