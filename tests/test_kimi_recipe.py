@@ -23,17 +23,24 @@ from eagle3.config import Config, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = [2, 3, 4]  # a 6-layer miniature of Kimi's [2, 30, 58] (low, mid, high)
+ORIGINAL, WINDOW = 512, 4096
+KIMI_YARN = {"rope_type": "yarn", "factor": WINDOW / ORIGINAL, "original_max_position_embeddings": ORIGINAL,
+             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+"""Kimi-K2.5's YaRN (factor 64 over 4,096 positions) in miniature: factor 8 over 512."""
+LONG_TOKENS = 2600
+"""The long sample: ~5x the tiny target's original window, as a 32K trace is 8x Kimi's."""
 
 
 def recipe_cfg(root: Path, target: Path, data: Path, head: list[str]) -> Config:
     return load_config(REPO / "configs" / "kimi-k2.5.yaml", [
         f"output_dir={root / 'run'}", f"target.path={target}", "target.backend=hf", "target.device=cpu",
         "target.dtype=float32", "target.num_layers=6", f"target.aux_layer_ids={IDS}",
-        f"data.sources=[{{path: {data}}}]", "data.eval_size=3", "data.max_length=1024", "data.num_proc=1",
+        f"data.sources=[{{path: {data}}}]", "data.eval_size=3", f"data.max_length={WINDOW}", "data.num_proc=1",
         "draft.vocab_size=96", "draft.hidden_size=null", "draft.num_attention_heads=null",
         "draft.num_key_value_heads=null", "draft.head_dim=null", "draft.intermediate_size=null",
         "extract.shard_samples=8",
-        "train.max_steps=4", "train.batch_tokens=1024", "train.grad_accum=1", "train.mixed_precision='no'",
+        "train.max_steps=4", f"train.batch_tokens={WINDOW}", "train.grad_accum=1", "train.mixed_precision='no'",
+        "train.loss_chunk_rows=1024",
         "train.eval_every=2", "train.save_every=2", "train.log_every=1", "train.lr=3e-3",
         "eval.prompt_sets=[eval-split]", "eval.max_prompts=2", "eval.max_new_tokens=12", "eval.engine=builtin", "eval.builtin=true",
         *head,
@@ -56,6 +63,12 @@ def kimi_run(tmp_path_factory, request) -> dict:
 
     root = tmp_path_factory.mktemp("kimi")
     target = kimi_wrapped(root / "kimi", vocab=163840, layers=6)
+    conf = target / "config.json"
+    wrapper = json.loads(conf.read_text())
+    theta = wrapper["text_config"].get("rope_parameters", {}).get("rope_theta", 10000.0)
+    wrapper["text_config"].update(max_position_embeddings=WINDOW, rope_scaling=KIMI_YARN,
+                                  rope_parameters={**KIMI_YARN, "rope_theta": theta})
+    conf.write_text(json.dumps(wrapper, indent=2))
     kimi_test_tokenizer(target)
     data = root / "chats.jsonl"
     chats = [{"messages": [
@@ -64,8 +77,13 @@ def kimi_run(tmp_path_factory, request) -> dict:
         {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
         {"role": "user", "content": "Thanks!"},
         {"role": "assistant", "content": "You are welcome."}]} for i in range(14)]
+    # One long trace (the tokenizer spells plain text byte by byte): a long document in, a long answer out.
+    long = {"id": "long-trace", "messages": [
+        {"role": "system", "content": "You are Kimi."},
+        {"role": "user", "content": "Summarise: " + " ".join(f"line {i} of the log" for i in range(LONG_TOKENS // 32))},
+        {"role": "assistant", "content": " ".join(f"step {i} done" for i in range(LONG_TOKENS // 24))}]}
     # agentic traffic: tools declared, parallel calls, their results, text before a call, a call-only answer
-    data.write_text("\n".join(json.dumps(r) for r in chats + good_records(4)))
+    data.write_text("\n".join(json.dumps(r) for r in [*chats, *good_records(4), long]))
     cfg = recipe_cfg(root, target, data, HEADS[request.param])
     return {"cfg": cfg, "head": request.param, "prepare": prepare.run(cfg), "extract": extract(cfg),
             "train": train(cfg)}
@@ -97,7 +115,12 @@ def test_recipe_prepare_extract_train(kimi_run):
     start = next(i for i in range(len(ids)) if ids[i:i + len(result)] == result)
     assert not any(mask[start - 3:start + len(result)])  # the result turn's header and text are prompt
 
+    # The long trace is prepared whole, past the target's original window, and its states are in the cache.
+    long = next(r for r in [*p.train, *p.eval] if r["id"] == "long-trace")
+    assert ORIGINAL * 4 < len(long["input_ids"]) <= WINDOW and sum(long["loss_mask"]) > ORIGINAL
     s = summary(cfg.cache_dir)
+    assert s["splits"]["train"]["tokens"] + s["splits"]["eval"]["tokens"] == sum(
+        len(r["input_ids"]) for r in [*p.train, *p.eval])
     assert s["fingerprint"]["layer_ids"] == IDS and s["fingerprint"]["hidden_size"] == 64
     assert s["fingerprint"]["num_layers"] == 6 and s["fingerprint"]["layer_id_convention"] == "input-of-layer"
     assert kimi_run["extract"]["samples"] == len(p.train) + len(p.eval)
@@ -107,6 +130,11 @@ def test_recipe_prepare_extract_train(kimi_run):
     assert [r["step"] for r in steps][-1] == 4
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
     best = json.loads((cfg.checkpoint_dir / "best" / "config.json").read_text())
+    if cfg.draft.arch == "mla":  # the MLA head rotates as the target does, at the long sample's positions too
+        assert best["rope_scaling"]["factor"] == WINDOW / ORIGINAL
+        assert best["rope_scaling"]["original_max_position_embeddings"] == ORIGINAL
+    else:  # a Llama layer on an MLA target rotates plainly (eagle3.model.Eagle3DraftConfig.from_target)
+        assert best["rope_scaling"] is None
     assert (best["arch"], best["fc_norm"], best["norm_output"]) == (
         cfg.draft.arch, cfg.draft.fc_norm, cfg.draft.norm_output)
     if cfg.draft.arch == "mla":  # the target's own MLA dimensions (tests/models.py)
