@@ -92,3 +92,48 @@ def test_quickstart_tiny_budget_end_to_end(tmp_path: Path):
     assert f"report: {report_json}" in proc.stdout
     assert f"exported draft for vllm: {out / 'export' / 'vllm'}" in proc.stdout
 
+
+
+@pytest.mark.slow
+def test_agentic_recipe_tiny_budget_end_to_end(tmp_path: Path):
+    """recipes/smollm2-135m/agentic.sh as a user runs it, at a tiny budget: SmolLM2 answers 4 BFCL live tool prompts
+    with the chatml-tools template, the head trains on them mixed with ShareGPT chats, and the card has a row per
+    BFCL category. `eagle3 data show` shows a regenerated tool sample with its trained span marked."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    overrides = [
+        f"output_dir={out}", "target.dtype=float32",
+        f"data.sources=[{{path: bundled:sharegpt, max_records: 12}}, {{path: {out}/regenerated.jsonl}}]",
+        "data.eval_size=2", "draft.vocab_size=2048", "extract.shard_samples=16", "train.max_steps=4",
+        "train.batch_tokens=1024", "train.eval_every=2", "train.save_every=2", "train.log_every=1",
+        "train.eval_max_samples=2", "eval.max_prompts=1", "eval.max_new_tokens=8", "regenerate.max_tokens=48",
+        "regenerate.batch_size=4",
+    ]
+    proc = run_recipe("agentic.sh", overrides, tmp_path, timeout=1200, TOOL_PROMPTS="4",
+                      STAGES="prepare extract train eval")
+
+    regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert len(regenerated) == 4 and all(r["tools"] for r in regenerated), regenerated
+    assert "regenerate: 4 regenerated" in proc.stdout + proc.stderr
+    # The tool prompts reached the prepared data beside the chats.
+    from eagle3.data.prepared import load_prepared
+
+    prepared = load_prepared(out / "prepared")
+    rows = [r for ds in (prepared.train, prepared.eval) for r in ds]
+    tool_rows = [r for r in rows if r["source"] == "regenerated"]
+    assert len(tool_rows) == 4 and all(sum(r["loss_mask"]) for r in tool_rows), [r["source"] for r in rows]
+    assert sum(r["source"] == "sharegpt" for r in rows) >= 10
+    report = json.loads((out / "eval" / "report.json").read_text())
+    categories = {r["set"] for r in report["card"]}
+    for category in ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
+                     "parallel_multiple", "irrelevance"):
+        assert f"bfcl/{category}" in categories, sorted(categories)
+    assert report["sets"]["bfcl"]["turns"] == 7 and report["sets"]["bfcl"]["greedy_mismatches"] == 0
+
+    show = subprocess.run([sys.executable, "-m", "eagle3.cli", "data", "show", "--config",
+                           "configs/smollm2-135m-agentic.yaml", *overrides, "--id", tool_rows[0]["id"]],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert show.returncode == 0, show.stderr[-3000:]
+    assert "<tools>" in show.stdout and "[[" in show.stdout and "]]" in show.stdout, show.stdout[-3000:]

@@ -6,7 +6,7 @@
 # those answers mixed with 700 ShareGPT chats and measures it on MT-bench and on every BFCL category.
 #   TOOL_PROMPTS  how many tool prompts SmolLM2 answers (default 300)
 #   STAGES        passed to run.sh (default: prepare extract train export eval)
-#   key=value     overrides for every stage (yours win)
+#   key=value     overrides for every stage (yours win, but for the regenerate stage's data.sources: the tool prompts)
 # The head of the same budget and seed on ShareGPT alone (BENCHMARKS.md "Agentic data"):
 #   bash recipes/smollm2-135m/agentic.sh output_dir=runs/smollm2-135m-sharegpt-1000 \
 #       'data.sources=[{path: bundled:sharegpt, max_records: 1000}]'    # (its regenerate stage is skipped)
@@ -20,13 +20,14 @@ OUT=$(python -c 'import sys; from eagle3.config import load_config; print(load_c
 mkdir -p "$OUT/logs"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
-# The mixture reads the regenerated answers where the config says; a run whose data.sources were overridden to
-# something else (the ShareGPT-only comparison) needs none.
-SOURCES=$(python -c 'import sys; from eagle3.config import load_config; print(" ".join(s.path for s in load_config(sys.argv[1], sys.argv[2:]).data.sources))' \
-          "$CONFIG" "$@")
-if [[ " $SOURCES " == *"/regenerated.jsonl "* ]]; then
-    log "regenerate: SmolLM2 answers ${TOOL_PROMPTS:-300} BFCL live tool prompts with chatml-tools -> $OUT/regenerated.jsonl"
-    eagle3 regenerate --config "$CONFIG" "data.sources=[{path: bundled:bfcl-live, max_records: ${TOOL_PROMPTS:-300}}]" \
-        "$@" 2>&1 | tee "$OUT/logs/regenerate.log"
+# The mixture reads the regenerated answers from the source whose file is named regenerated.jsonl: regenerate writes
+# exactly there (whatever output_dir is), answering the tool prompts whatever data.sources the overrides give the
+# later stages. A run whose data.sources has no such file (the ShareGPT-only comparison) regenerates nothing.
+REGEN=$(python -c 'import sys; from eagle3.config import load_config; print(next((s.path for s in load_config(sys.argv[1], sys.argv[2:]).data.sources if s.path.endswith("/regenerated.jsonl")), ""))' \
+        "$CONFIG" "$@")
+if [ -n "$REGEN" ]; then
+    log "regenerate: SmolLM2 answers ${TOOL_PROMPTS:-300} BFCL live tool prompts with chatml-tools -> $REGEN"
+    eagle3 regenerate --config "$CONFIG" "$@" "data.sources=[{path: bundled:bfcl-live, max_records: ${TOOL_PROMPTS:-300}}]" \
+        "regenerate.output=$REGEN" 2>&1 | tee "$OUT/logs/regenerate.log"
 fi
 CONFIG="$CONFIG" STAGES="${STAGES:-prepare extract train export eval}" exec bash recipes/smollm2-135m/run.sh "$@"
