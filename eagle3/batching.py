@@ -7,6 +7,10 @@ again. The plan of an epoch is a pure function of (lengths, batch_tokens, seed, 
 rebuilds the same plan and skips to the saved batch index. Under data parallelism rank r takes batches
 r, r+W, r+2W, ... and the tail that does not divide evenly is dropped, so every rank runs the same number of
 steps (a rank that ran out would hang the others in the gradient all-reduce).
+
+A weighted mixture (`data.sources[].weight`, `Mixture`) replaces the epoch's permutation of every sample by a draw
+from the same (seed, epoch) generator: each source gets its share of the split's tokens, repeating a small source
+and subsampling a big one; the rest of the plan is unchanged, so exact resume still holds.
 """
 
 from __future__ import annotations
@@ -31,10 +35,93 @@ class EpochPlan:
     real_tokens: int
     padded_tokens: int
     """Token slots including padding (count x longest, summed over batches)."""
+    source_tokens: dict[str, int] | None = None
+    """With a mixture: the epoch's drawn tokens per source, every rank's batches together (None without)."""
 
     @property
     def padding_share(self) -> float:
         return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+@dataclass
+class Mixture:
+    """A weighted mixture of sources over one split: which source each sample is from, and each source's weight.
+
+    `draw` picks an epoch's samples so that source g gets weights[g] / sum(weights) of the split's natural token
+    count (the tokens one pass over every sample holds), counted in TOKENS, not samples: sources differ in sample
+    length by several times (code answers are long, chat turns short). A source needing more tokens than it has takes
+    whole passes (each a fresh permutation, so every sample repeats k or k+1 times) and then a random part; one
+    needing fewer takes a random part; a part stops at the sample boundary nearest its token target. A source with no
+    sample in the split has no share: the others are drawn by their weights among themselves.
+
+    `order` ranks the samples canonically (their row in the prepared split): the draw walks each source's samples in
+    that order, so a cache that stores them in another order (extraction writes shards by rank and length) draws the
+    same samples as prepare's summary predicts."""
+
+    groups: np.ndarray
+    """int64 [n]: each sample's source, an index into `names`."""
+    weights: list[float]
+    names: list[str]
+    order: np.ndarray | None = None
+    """int64 [n]: each sample's canonical rank (None: its index)."""
+
+    @classmethod
+    def of(cls, sources: list[str | None], weights: dict[str, float], order: Any = None) -> Mixture:
+        """The mixture of samples from `sources` (each sample's source name) with {name: weight}; a sample from a
+        source without a weight is an error (prepared data older than the config's sources)."""
+        names = list(weights)
+        index = {n: i for i, n in enumerate(names)}
+        stray = sorted({str(s) for s in sources if s not in index})
+        if stray:
+            raise UserError(f"the prepared samples come from source(s) {stray} that data.sources does not weight "
+                            f"({names}): re-run `eagle3 prepare --config ...` with this config")
+        return cls(np.array([index[s] for s in sources], dtype=np.int64), [weights[n] for n in names], names,
+                   None if order is None else np.asarray(order, dtype=np.int64))
+
+    def natural_tokens(self, lengths: Any) -> np.ndarray:
+        """float [G]: each source's tokens in one pass over the split."""
+        return np.bincount(self.groups, weights=np.asarray(lengths, dtype=np.float64), minlength=len(self.names))
+
+    def target_tokens(self, lengths: Any) -> np.ndarray:
+        """float [G]: each source's tokens in a drawn epoch (its weight's share of the split's natural total)."""
+        natural = self.natural_tokens(lengths)
+        w = np.where(natural > 0, np.asarray(self.weights, dtype=np.float64), 0.0)
+        return w / w.sum() * natural.sum() if w.sum() > 0 else np.zeros_like(natural)
+
+    def repeat_factors(self, lengths: Any) -> np.ndarray:
+        """float [G]: expected times each of a source's tokens is seen per epoch (target / natural; 0 for none)."""
+        natural = self.natural_tokens(lengths)
+        return np.divide(self.target_tokens(lengths), natural, out=np.zeros_like(natural), where=natural > 0)
+
+    def draw(self, lengths: Any, rng: np.random.Generator) -> np.ndarray:
+        """One epoch's sample indices (with repeats), source by source in `names` order (`plan_epoch` shuffles)."""
+        lens = np.asarray(lengths, dtype=np.int64)
+        canon = np.argsort(self.order, kind="stable") if self.order is not None else np.arange(len(lens))
+        natural, target = self.natural_tokens(lens), self.target_tokens(lens)
+        out: list[np.ndarray] = []
+        for g in range(len(self.names)):
+            members = canon[self.groups[canon] == g]
+            if natural[g] == 0:
+                continue
+            left = target[g]
+            while left >= natural[g]:  # whole passes
+                out.append(rng.permutation(members))
+                left -= natural[g]
+            perm = rng.permutation(members)
+            cum = np.cumsum(lens[perm])
+            k = int(np.searchsorted(cum, left))  # k samples stay below `left`, k + 1 reach it
+            below = cum[k - 1] if k > 0 else 0
+            if k < len(cum) and cum[k] - left < left - below:
+                k += 1
+            out.append(perm[:k])
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def tokens(self, lengths: Any, indices: Any) -> dict[str, int]:
+        """{source: tokens} of the samples `indices` (a draw)."""
+        lens = np.asarray(lengths, dtype=np.int64)
+        idx = np.asarray(indices, dtype=np.int64)
+        per = np.bincount(self.groups[idx], weights=lens[idx], minlength=len(self.names))
+        return {n: int(t) for n, t in zip(self.names, per, strict=True)}
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -75,16 +162,26 @@ def check_fits(lengths: list[int] | np.ndarray, batch_tokens: int, sequence_para
 
 
 def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, epoch: int, rank: int = 0,
-               world_size: int = 1, bucket_batches: int = 64, shuffle: bool = True) -> EpochPlan:
+               world_size: int = 1, bucket_batches: int = 64, shuffle: bool = True,
+               mixture: Mixture | None = None) -> EpochPlan:
     """This rank's batches of one epoch, every rank the same number: training ranks step in lockstep, so the
-    last len % world_size batches wait for the next epoch's shuffle."""
+    last len % world_size batches wait for the next epoch's shuffle. With a `mixture` the epoch's samples are its
+    draw (repeats included), shuffled, instead of every sample once."""
     lens = np.asarray(lengths, dtype=np.int64)
     n = len(lens)
     if n == 0:
         return EpochPlan([], 0, 0)
     rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(n) if shuffle else np.arange(n)
-    bucket = max(1, int(bucket_batches * batch_tokens / max(1.0, float(lens.mean()))))
+    drawn = None
+    if mixture is not None:
+        drawn = mixture.draw(lens, rng)
+        order = drawn[rng.permutation(len(drawn))]
+        n = len(order)
+        mean = float(lens[order].mean()) if n else 1.0
+    else:
+        order = rng.permutation(n) if shuffle else np.arange(n)
+        mean = float(lens.mean())
+    bucket = max(1, int(bucket_batches * batch_tokens / max(1.0, mean)))
     batches: list[list[int]] = []
     for b0 in range(0, n, bucket):
         chunk = order[b0 : b0 + bucket]
@@ -95,7 +192,7 @@ def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, ep
     mine = batches[rank::world_size][:per_rank]
     real = sum(int(lens[b].sum()) for b in mine)
     padded = sum(int(lens[b].max()) * len(b) for b in mine)
-    return EpochPlan(mine, real, padded)
+    return EpochPlan(mine, real, padded, None if drawn is None else mixture.tokens(lens, drawn))
 
 
 def plan_eval(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1,

@@ -676,6 +676,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         """Token count of every item (for token-budget batching), in index order."""
         return self.num_tokens.tolist()
 
+    @property
+    def sample_ids(self) -> list[str]:
+        """Every item's prepared sample id, in index order (extraction stores shards by rank and length, and skips a
+        sample with NaN states: index i is not the prepared split's row i)."""
+        return [sid for b in self._batches for sid in b.sample_ids.to_pylist()]
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for a cache split of {len(self)} samples")

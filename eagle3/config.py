@@ -109,6 +109,22 @@ class SourceConfig(Section):
     """Split to read from a `DatasetDict` folder."""
     max_records: int | None = Field(None, ge=1)
     """Read at most this many records from this source (after repair/skip)."""
+    weight: float | None = Field(None, gt=0)
+    """This source's share of the TRAINING tokens, relative to the other sources' weights (code 3, chat 1: 75% of
+    every epoch's tokens are code): a head drafts best what it trained on, so a small source that matters (code,
+    tool calls) is oversampled and a big generic one undersampled. The trainer draws each epoch's samples with
+    (train.seed, epoch), keeping the train split's token count: a source short of its share takes whole passes
+    plus a random part, a bigger one a random part (eagle3.batching.Mixture). Set on every source or on none (none:
+    every sample once per epoch). The draft vocab counts each source's answers by its repeat factor. Changing a weight
+    re-prepares and re-extracts nothing (the draft vocab keeps the weights it was counted with). A record two sources
+    read (`bundled:sharegpt-code` is part of `bundled:sharegpt`) belongs to the first that lists it: list the
+    subset before the whole to weight it apart."""
+    thinking: bool | None = None
+    """Kimi-K2.5 template only: render this source's answers in thinking mode (None: `data.thinking`), e.g.
+    reasoning traces beside plain chat."""
+    regenerate: bool | None = None
+    """Opt-in for `eagle3 regenerate`: when any source says true, only those are re-answered by the target (e.g. the
+    code prompts, not a hand-written tool set); when none does, every source is."""
 
 
 class DataConfig(Section):
@@ -137,13 +153,30 @@ class DataConfig(Section):
     output_dir: str | None = None
     """Where the prepared dataset goes; default `<output_dir>/prepared`."""
 
+    @model_validator(mode="after")
+    def _weights_on_all_or_none(self) -> DataConfig:
+        # A source without a weight beside weighted ones has no share to draw: refused rather than guessed.
+        weighted = [i for i, s in enumerate(self.sources) if s.weight is not None]
+        if weighted and len(weighted) < len(self.sources):
+            bare = next(i for i, s in enumerate(self.sources) if s.weight is None)
+            raise ValueError(f"data.sources[{bare}].weight is not set but data.sources[{weighted[0]}].weight is: "
+                             "weights are shares of the training tokens, set on every source or on none")
+        return self
+
 
 # ----------------------------------------------------------------------------------------------------- draft
 class DraftConfig(Section):
     """The EAGLE-3 head. Dimensions default from the target (None = take the target's)."""
 
     vocab_size: int = Field(32000, ge=2)
-    """Draft vocabulary: the most frequent loss-masked tokens (the full target vocab if larger)."""
+    """Draft vocabulary: the most frequent tokens of the train split (`vocab_from`), each source's counted by its
+    repeat factor when `data.sources[].weight` is set; the full target vocab when this is at least the target's (the
+    published Kimi-K2.5 MLA head's choice: nothing is out of reach, at the cost of a bigger lm_head).
+    `eagle3 vocab coverage` prints the share of the target's greedy output that a prepared vocab cannot propose."""
+    vocab_from: Literal["answers", "answers+prompts"] = "answers"
+    """What the draft vocab counts: `answers` (loss-masked tokens, what the head is trained to predict) or
+    `answers+prompts` (the prompt tokens too: an answer that re-emits code or text from its prompt needs the prompt's
+    rare identifiers, which answers alone may never rank high enough)."""
     hidden_size: int | None = Field(None, ge=1)
     """Draft hidden size (default: the target's)."""
     num_attention_heads: int | None = Field(None, ge=1)

@@ -9,8 +9,12 @@ count the draft vocab on the train split (eagle3.data.vocab) -> write the folder
 eagle3.data.prepared (train/, eval/, vocab.safetensors, meta.json).
 
 Re-running with the same config reuses the folder: a sha256 fingerprint covers everything that decides the
-result (source identities, tokenizer vocab, template text, thinking, system_prompt, max_length, overlength,
-max_samples, eval_size, seed, draft.vocab_size, this module's PREPARE_VERSION). The folder is built under a
+result (source identities and a source's own `thinking`, tokenizer vocab, template text, thinking, system_prompt,
+max_length, overlength, max_samples, eval_size, seed, draft.vocab_size and draft.vocab_from, this module's
+PREPARE_VERSION). Source weights (`data.sources[].weight`) are not in it: the trainer draws the mixture each epoch
+from the same samples, so a new weight re-prepares and re-extracts nothing; the draft vocab keeps the weights it was
+counted with (a head's lm_head rows follow it). A record read by two sources (the same file, split and record
+index) is kept once, for the first source that lists it. The folder is built under a
 temporary name next to the target and renamed into place at the end, so a crash never leaves a folder that
 `is_prepared` accepts.
 """
@@ -31,7 +35,14 @@ import pyarrow as pa
 
 from eagle3.config import Config, SourceConfig
 from eagle3.data.prepared import PreparedError, is_prepared, read_prepared_meta, save_vocab
-from eagle3.data.sources import SourceStats, read_conversations, resolve_source_path, source_name
+from eagle3.data.sources import (
+    SourceStats,
+    read_conversations,
+    record_file,
+    resolve_source_path,
+    source_name,
+    source_weights,
+)
 from eagle3.data.templates import (
     ChatTemplate,
     TemplateError,
@@ -61,10 +72,19 @@ def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def source_identity(src: SourceConfig) -> dict[str, Any]:
-    """What identifies a source's content without reading big files: content hash when small, else stat."""
+def own_thinking(src: SourceConfig, data_thinking: bool) -> bool | None:
+    """A source's `thinking` where it differs from `data.thinking`, else None: the fingerprint names only a setting
+    that changes the rendering (and folders prepared before the key existed keep their fingerprint)."""
+    return src.thinking if src.thinking is not None and src.thinking != data_thinking else None
+
+
+def source_identity(src: SourceConfig, data_thinking: bool = False) -> dict[str, Any]:
+    """What identifies a source's content without reading big files: content hash when small, else stat; and its own
+    rendering setting (`thinking`). Not its weight: the samples do not depend on it."""
     p = resolve_source_path(src).resolve()
     ident: dict[str, Any] = {"path": src.path, "format": src.format, "split": src.split, "max_records": src.max_records}
+    if (thinking := own_thinking(src, data_thinking)) is not None:
+        ident["thinking"] = thinking
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file())
         listing = [(str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
@@ -102,7 +122,7 @@ def target_vocab_size(cfg: Config, tokenizer: Any) -> int:
 
 
 def fingerprint_inputs(cfg: Config, tokenizer: Any, tpl: ChatTemplate, vocab_size: int) -> dict[str, Any]:
-    return {**_settings(cfg), "sources": [source_identity(s) for s in cfg.data.sources],
+    return {**_settings(cfg), "sources": [source_identity(s, cfg.data.thinking) for s in cfg.data.sources],
             **_target_part(tokenizer, tpl, vocab_size)}
 
 
@@ -111,7 +131,13 @@ def _settings(cfg: Config) -> dict[str, Any]:
     d = cfg.data
     return {"version": PREPARE_VERSION, "thinking": d.thinking, "system_prompt": d.system_prompt,
             "max_length": d.max_length, "overlength": d.overlength, "max_samples": d.max_samples,
-            "eval_size": d.eval_size, "seed": d.seed, "draft_vocab_size": cfg.draft.vocab_size}
+            "eval_size": d.eval_size, "seed": d.seed, "draft_vocab_size": cfg.draft.vocab_size,
+            # only when not the default: folders prepared before the key existed keep their fingerprint
+            **({"vocab_from": cfg.draft.vocab_from} if cfg.draft.vocab_from != "answers" else {})}
+
+
+VOCAB_KEYS = ("draft_vocab_size", "vocab_from")
+"""Fingerprint inputs that decide only the draft vocab: hidden-state caches do not depend on them."""
 
 
 def _target_part(tokenizer: Any, tpl: ChatTemplate, vocab_size: int) -> dict[str, Any]:
@@ -125,23 +151,34 @@ def fingerprint(inputs: dict[str, Any]) -> str:
 
 
 # -------------------------------------------------------------------------------------------------- stages
-def read_all(cfg: Config) -> tuple[list[Conversation], list[SourceStats]]:
+def read_all(cfg: Config) -> tuple[list[Conversation], list[SourceStats], dict[str, int]]:
+    """Every source's conversations in order, with their reading stats, and {conversation id: index of its source in
+    data.sources} (ids made unique here). A record an earlier source of the same file already yielded is skipped
+    (`duplicate_of_an_earlier_source`): listed by two sources it would be trained on twice, or land in both splits."""
     convs: list[Conversation] = []
+    origin: list[int] = []
     all_stats = []
-    for src in cfg.data.sources:
+    taken: dict[tuple[str, str | None], set[int]] = {}
+    for i, src in enumerate(cfg.data.sources):
         stats = SourceStats(source_name(src))
         t0 = time.monotonic()
-        convs.extend(read_conversations(src, stats))
+        seen = taken.setdefault(record_file(src), set())
+        mine = list(read_conversations(src, stats, taken=frozenset(seen)))
+        seen.update(c.record for c in mine if c.record is not None)
+        convs.extend(mine)
+        origin += [i] * len(mine)
         all_stats.append(stats)
         dt = time.monotonic() - t0
         log.info(f"read {src.path}: {stats.yielded} conversations from {stats.records_read} records in {dt:.1f}s"
-                 + (f"; truncated tail of {stats.truncated_bytes} bytes dropped" if stats.truncated_bytes else ""))
-    seen: Counter[str] = Counter()
+                 + (f"; truncated tail of {stats.truncated_bytes} bytes dropped" if stats.truncated_bytes else "")
+                 + (f"; {stats.skipped['duplicate_of_an_earlier_source']} records already read by an earlier source"
+                    if stats.skipped["duplicate_of_an_earlier_source"] else ""))
+    seen_ids: Counter[str] = Counter()
     for c in convs:  # later stages key samples by id: make them unique
-        seen[c.id] += 1
-        if seen[c.id] > 1:
-            c.id = f"{c.id}#{seen[c.id] - 1}"
-    return convs, all_stats
+        seen_ids[c.id] += 1
+        if seen_ids[c.id] > 1:
+            c.id = f"{c.id}#{seen_ids[c.id] - 1}"
+    return convs, all_stats, {c.id: i for c, i in zip(convs, origin, strict=True)}
 
 
 Rendered = tuple[Conversation, list[int], list[int], str]
@@ -161,14 +198,14 @@ def _conv_from_row(r: dict[str, Any]) -> Conversation:
                         r["source"], r["record"])
 
 
-def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, thinking: bool,
-                 system_prompt: str | None) -> dict[str, list]:
+def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, system_prompt: str | None,
+                 ) -> dict[str, list]:
     """datasets.map worker (num_proc > 1): render a batch, keeping a template error as text instead of raising."""
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "error": []}
     for row in ({k: batch[k][i] for k in batch} for i in range(len(batch["id"]))):
         conv = _conv_from_row(row)
         try:
-            ids, mask = render(conv, tokenizer, tpl, thinking, system_prompt)
+            ids, mask = render(conv, tokenizer, tpl, row["thinking"], system_prompt)
             err = ""
         except TemplateError as e:
             ids, mask, err = [], [], str(e)
@@ -178,24 +215,25 @@ def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, thin
     return out
 
 
-def render_all(convs: list[Conversation], cfg: Config, tokenizer: Any, tpl: ChatTemplate) -> list[Rendered]:
+def render_all(convs: list[Conversation], cfg: Config, tokenizer: Any, tpl: ChatTemplate,
+               thinking: list[bool] | None = None) -> list[Rendered]:
     """(conversation, input_ids, loss_mask, error) per conversation, in order; a plain loop or
-    datasets.map(num_proc)."""
+    datasets.map(num_proc). `thinking`: each conversation's setting (its source's), default `data.thinking`."""
     d = cfg.data
+    thinking = [d.thinking] * len(convs) if thinking is None else thinking
     if d.num_proc > 1:
         from datasets import Dataset
 
-        ds = Dataset.from_list([_conv_to_row(c) for c in convs])
+        ds = Dataset.from_list([_conv_to_row(c) | {"thinking": t} for c, t in zip(convs, thinking, strict=True)])
         ds = ds.map(_render_rows, batched=True, batch_size=64, num_proc=d.num_proc, remove_columns=ds.column_names,
-                    fn_kwargs={"tokenizer": tokenizer, "tpl": tpl, "thinking": d.thinking,
-                               "system_prompt": d.system_prompt}, desc="render")
+                    fn_kwargs={"tokenizer": tokenizer, "tpl": tpl, "system_prompt": d.system_prompt}, desc="render")
         return list(zip(convs, ds["input_ids"], ds["loss_mask"], ds["error"], strict=True))
     results = []
     tokens = 0
     with Progress(len(convs), "render", unit="conv") as bar:
-        for c in convs:
+        for c, think in zip(convs, thinking, strict=True):
             try:
-                ids, mask = render(c, tokenizer, tpl, d.thinking, d.system_prompt)
+                ids, mask = render(c, tokenizer, tpl, think, d.system_prompt)
                 err = ""
             except TemplateError as e:
                 ids, mask, err = [], [], str(e)
@@ -297,8 +335,18 @@ def _print_summary(out: Path, s: dict[str, Any]) -> None:
     lines.append(f"  render: template {s['chat_template']!r} thinking={s['thinking']}; {r}")
     lines.append(f"  samples: train {s['train_samples']}, eval {s['eval_samples']}; tokens train {s['train_tokens']}, "
                  f"eval {s['eval_tokens']}; loss-masked share {s['loss_share']:.3f}")
-    lines.append(f"  draft vocab: {s['draft_vocab_size']} of {s['target_vocab_size']}, coverage train "
-                 f"{s['vocab_coverage']:.4f}, eval {s['eval_vocab_coverage']:.4f}")
+    weighted = s["vocab_weights"] is not None
+    lines.append("  train split by source: samples, tokens, loss tokens" + (
+        "; the mixture's epoch 0 (train.seed): tokens, share, repeat factor" if weighted else ""))
+    for r in s["train_sources"]:
+        line = f"    {r['name']}: {r['samples']} samples, {r['tokens']} tokens, {r['loss_tokens']} loss tokens"
+        if "weight" in r:
+            line += (f"; weight {r['weight']:g}: {r['epoch0_tokens']} tokens, {100 * r['epoch0_share']:.1f}%, "
+                     f"x{r['epoch0_repeat']:.2f}")
+        lines.append(line)
+    lines.append(f"  draft vocab: {s['draft_vocab_size']} of {s['target_vocab_size']} from the {s['vocab_from']}"
+                 + (" counted by the mixture's repeat factors" if weighted else "")
+                 + f", coverage train {s['vocab_coverage']:.4f}, eval {s['eval_vocab_coverage']:.4f}")
     lines.append(f"  time: {s['seconds']:.1f}s ({s['conversations_per_s']:.0f} conversations/s rendered)")
     print("\n".join(lines), flush=True)
 
@@ -313,25 +361,38 @@ def run(cfg: Config) -> dict[str, Any]:
     vsize = target_vocab_size(cfg, tokenizer)
     fp_in = fingerprint_inputs(cfg, tokenizer, tpl, vsize)
     fp = fingerprint(fp_in)
+    weights = source_weights(cfg.data.sources)  # two weighted sources with one name: refused before any work
     reused = _reusable(out, fp, fp_in)
     if reused is not None:
+        if reused.get("vocab_weights") != weights:
+            log.warning(f"the draft vocab in {out} was counted with source weights {reused.get('vocab_weights')}, this "
+                        f"config has {weights}: the trainer draws the new mixture from the same samples, the vocab "
+                        "stays (prepare into a new data.output_dir to count it with these weights)")
         return reused
     _check_replaceable(out)
 
-    convs, src_stats = read_all(cfg)
+    convs, src_stats, origin = read_all(cfg)
     if not convs:
         raise ValueError(f"data.sources: no usable conversation in {[s.path for s in cfg.data.sources]}")
     random.Random(cfg.data.seed).shuffle(convs)
     used = convs[: cfg.data.max_samples] if cfg.data.max_samples else convs
     rstats: Counter[str] = Counter()
-    eval_s, train_s, render_s = _render_and_split(used, cfg, tokenizer, tpl, rstats)
+    thinking = [cfg.data.sources[origin[c.id]].thinking for c in used]
+    thinking = [cfg.data.thinking if t is None else t for t in thinking]
+    eval_s, train_s, render_s = _render_and_split(used, cfg, tokenizer, tpl, rstats, thinking)
 
     train_ids, train_mask = _flat(train_s)
     eval_ids, eval_mask = _flat(eval_s)
     top = max(int(train_ids.max(initial=0)), int(eval_ids.max(initial=0)))
     if top >= vsize:
         raise ValueError(f"token id {top} is outside the target vocab ({vsize}) of target.path={cfg.target.path!r}")
-    vocab: DraftVocab = build_draft_vocab(train_ids, train_mask, vsize, cfg.draft.vocab_size)
+    by_source = train_sources(cfg, train_s)
+    token_weights = None
+    if weights is not None:  # each sample's tokens counted by its source's repeat factor: the epochs the head sees
+        factor = {row["name"]: row["repeat_expected"] for row in by_source}
+        token_weights = np.repeat([factor[x[3]] for x in train_s], [len(x[1]) for x in train_s])
+    vocab: DraftVocab = build_draft_vocab(train_ids, train_mask, vsize, cfg.draft.vocab_size, token_weights,
+                                          with_prompts=cfg.draft.vocab_from == "answers+prompts")
     if cfg.draft.vocab_size >= vsize:
         log.info(f"draft.vocab_size={cfg.draft.vocab_size} >= target vocab {vsize}: the draft uses the full vocab")
 
@@ -350,6 +411,9 @@ def run(cfg: Config) -> dict[str, Any]:
         "eval_samples": len(eval_s),
         "train_tokens": len(train_ids),
         "eval_tokens": len(eval_ids),
+        "train_sources": by_source,
+        "vocab_weights": weights,
+        "vocab_from": cfg.draft.vocab_from,
         "loss_tokens": n_loss,
         "loss_share": n_loss / n_tok if n_tok else 0.0,
         "target_vocab_size": vsize,
@@ -362,6 +426,33 @@ def run(cfg: Config) -> dict[str, Any]:
     _write(out, _meta(cfg, fp, fp_in, tokenizer, tpl, vsize, vocab, summary), train_s, eval_s, vocab)
     _print_summary(out, summary)
     return summary
+
+
+def train_sources(cfg: Config, train_s: list[Sample]) -> list[dict[str, Any]]:
+    """Per source name (config order): the train split's samples, tokens and loss tokens; with weights, the epoch-0
+    mixture as the trainer draws it (eagle3.batching.Mixture with (train.seed, 0), over the prepared rows: the same
+    draw as a whole cache's) in tokens, share and repeat factor, and the expected repeat factor (the draft vocab's
+    weight for the source's tokens)."""
+    from eagle3.batching import Mixture
+
+    rows = {n: {"name": n, "samples": 0, "tokens": 0, "loss_tokens": 0}
+            for n in dict.fromkeys(source_name(s) for s in cfg.data.sources)}
+    for _, ids, mask, src, _ in train_s:
+        r = rows.setdefault(str(src), {"name": str(src), "samples": 0, "tokens": 0, "loss_tokens": 0})
+        r["samples"] += 1
+        r["tokens"] += len(ids)
+        r["loss_tokens"] += int(mask.sum())
+    weights = source_weights(cfg.data.sources)
+    if weights is not None and train_s:
+        lens = np.array([len(x[1]) for x in train_s], dtype=np.int64)
+        mix = Mixture.of([x[3] for x in train_s], weights)
+        got = mix.tokens(lens, mix.draw(lens, np.random.default_rng([cfg.train.seed, 0])))
+        total = sum(got.values()) or 1
+        for name, expected in zip(mix.names, mix.repeat_factors(lens), strict=True):
+            r = rows[name]
+            r.update(weight=weights[name], epoch0_tokens=got[name], epoch0_share=got[name] / total,
+                     epoch0_repeat=got[name] / r["tokens"] if r["tokens"] else 0.0, repeat_expected=float(expected))
+    return list(rows.values())
 
 
 def _reusable(out: Path, fp: str, fp_in: dict[str, Any]) -> dict[str, Any] | None:
@@ -387,12 +478,18 @@ _CONFIG_KEYS = {
     "max_length": "data.max_length", "overlength": "data.overlength", "max_samples": "data.max_samples",
     "eval_size": "data.eval_size", "seed": "data.seed", "thinking": "data.thinking",
     "system_prompt": "data.system_prompt", "template": "data.chat_template", "sources": "data.sources",
-    "draft_vocab_size": "draft.vocab_size", "tokenizer": "the target's tokenizer (target.path)",
+    "draft_vocab_size": "draft.vocab_size", "vocab_from": "draft.vocab_from",
+    "tokenizer": "the target's tokenizer (target.path)",
     "target_vocab_size": "the target's vocab size (target.path)", "version": "the prepare rules (eagle3's version)",
 }
 
 
-_SOURCE_NAMING = ("path", "format", "split", "max_records")
+_SOURCE_NAMING = ("path", "format", "split", "max_records", "thinking")
+
+
+def _naming(src: SourceConfig, data_thinking: bool) -> dict[str, Any]:
+    """A source as the config names it (its own `thinking` as source_identity records it)."""
+    return {k: own_thinking(src, data_thinking) if k == "thinking" else getattr(src, k) for k in _SOURCE_NAMING}
 
 
 def _config_part(fp_in: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +507,7 @@ def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
     if then is None:
         return
     # The sources as the config names them, never read: the raw data need not be on a training machine.
-    now = {**_settings(cfg), "sources": [{k: getattr(src, k) for k in _SOURCE_NAMING} for src in cfg.data.sources]}
+    now = {**_settings(cfg), "sources": [_naming(src, cfg.data.thinking) for src in cfg.data.sources]}
     try:
         tokenizer = load_tokenizer(cfg.target)
         now |= _target_part(tokenizer, resolve_template(cfg.data.chat_template, tokenizer),
@@ -418,7 +515,7 @@ def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
     except (OSError, ValueError, RuntimeError, TemplateError):
         pass  # no tokenizer with the target (a test's bare weights): its keys are not compared
     then = _config_part(then)
-    skip = {"draft_vocab_size"} if stage == "extract" else set()  # hidden states do not depend on the draft vocab
+    skip = set(VOCAB_KEYS) if stage == "extract" else set()  # hidden states do not depend on the draft vocab
     changed = sorted(k for k in now if k not in skip and now.get(k) != then.get(k))
     if not changed:
         return
@@ -434,14 +531,14 @@ def _short(v: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any,
-                      rstats: Counter[str]) -> tuple[list[Any], list[Any], float]:
-    """Render the conversations with the template, fit them to data.max_length; (eval samples, train samples,
-    seconds spent rendering)."""
+def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any, rstats: Counter[str],
+                      thinking: list[bool] | None = None) -> tuple[list[Any], list[Any], float]:
+    """Render the conversations with the template (`thinking`: each one's setting), fit them to data.max_length;
+    (eval samples, train samples, seconds spent rendering)."""
     d = cfg.data
     check_renders_tools(tokenizer, tpl, sum(c.has_tools for c in used), len(used), "conversations")
     t_render = time.monotonic()
-    rendered = render_all(used, cfg, tokenizer, tpl)
+    rendered = render_all(used, cfg, tokenizer, tpl, thinking)
     render_s = time.monotonic() - t_render
     errors = [e for *_, e in rendered if e]
     samples = fit_length(rendered, d.max_length, d.overlength, rstats)
@@ -466,7 +563,7 @@ def _meta(cfg: Config, fp: str, fp_in: dict[str, Any], tokenizer: Any, tpl: Any,
         "fingerprint": fp,
         # The samples alone (draft vocab excluded): what hidden-state caches depend on, so one cache serves
         # heads with different draft vocabularies.
-        "samples_fingerprint": fingerprint({k: v for k, v in fp_in.items() if k != "draft_vocab_size"}),
+        "samples_fingerprint": fingerprint({k: v for k, v in fp_in.items() if k not in VOCAB_KEYS}),
         "fingerprint_inputs": fp_in,
         "target_path": cfg.target.path,
         "tokenizer": fp_in["tokenizer"] | {"name_or_path": str(getattr(tokenizer, "name_or_path", ""))},

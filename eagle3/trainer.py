@@ -9,7 +9,8 @@ from the target's draft-vocab rows; or `draft.init_from`) -> resume from the new
 token-budget batches, TTT forward, soft-CE vs the chunked teacher, AdamW + warmup/cosine + clipping ->
 metrics, eval (acc_j, simulated acceptance length), checkpoints (atomic), best draft, SGLang export.
 
-Exact resume: the data plan is a pure function of (seed, epoch) and the checkpoint stores (epoch, batch index)
+Exact resume: the data plan (with `data.sources[].weight`, the epoch's weighted draw of samples too: eagle3.batching
+.Mixture) is a pure function of (seed, epoch) and the checkpoint stores (epoch, batch index)
 next to accelerate's model/optimizer/scheduler/RNG state, so a killed run re-launched with the same command
 continues with the same losses an uninterrupted run would have had.
 """
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from eagle3 import threads
-from eagle3.batching import EpochPlan, check_fits, plan_epoch, plan_eval
+from eagle3.batching import EpochPlan, Mixture, check_fits, plan_epoch, plan_eval
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, read_prepared_meta
@@ -108,6 +109,44 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     if len(train) == 0:
         raise ValueError(f"cache {cfg.cache_dir}: the train split is empty")
     return train, evald
+
+
+def train_mixture(cfg: Config, train_ds: Any) -> Mixture | None:
+    """The weighted mixture of `data.sources` over the train split (None without weights): each item's source comes
+    from the prepared train split's `source` column, found by sample id (a cache's item i is not prepared row i:
+    extraction stores shards by rank and length, skips NaN samples, and `extract.max_samples` keeps a prefix), and
+    the draw walks the items in prepared-row order, so a whole cache draws what prepare's summary printed."""
+    from eagle3.data.sources import source_weights
+
+    weights = source_weights(cfg.data.sources)
+    if weights is None:
+        return None
+    from datasets import load_from_disk
+
+    prepared = train_ds.split if isinstance(train_ds, OnlineSource) else load_from_disk(str(cfg.prepared_dir / "train"))
+    if "source" not in prepared.column_names:
+        raise UserError(f"the prepared data in {cfg.prepared_dir} records no source per sample (made by an older "
+                        "eagle3): data.sources[].weight needs it; re-run `eagle3 prepare --config ...`")
+    sources = prepared["source"]
+    if isinstance(train_ds, OnlineSource):  # the prepared rows themselves
+        rows = list(range(len(sources)))
+    else:
+        row_of = {sid: i for i, sid in enumerate(prepared["id"])}
+        stray = [sid for sid in train_ds.sample_ids if sid not in row_of]
+        if stray:
+            raise UserError(f"cache {cfg.cache_dir} holds sample(s) {stray[:3]} that the prepared train split in "
+                            f"{cfg.prepared_dir} does not: extract again from this prepared data")
+        rows = [row_of[sid] for sid in train_ds.sample_ids]
+    return Mixture.of([sources[r] for r in rows], weights, order=rows)
+
+
+def describe_mixture(mixture: Mixture, lengths: list[int]) -> str:
+    """The mixture's sources with their natural tokens, expected repeat factor and weight (a line for the log)."""
+    natural, factor = mixture.natural_tokens(lengths), mixture.repeat_factors(lengths)
+    parts = [f"{n} {int(t)} tokens x{f:.2f} (weight {w:g})" if t else f"{n}: NO train sample (weight {w:g}; the "
+             "others share its tokens by their weights)"
+             for n, t, f, w in zip(mixture.names, natural, factor, mixture.weights, strict=True)]
+    return f"mixture over {int(natural.sum())} train tokens per epoch: " + ", ".join(parts)
 
 
 def _rank_world(cfg: Config) -> tuple[int, int]:
@@ -259,6 +298,8 @@ class Session:
     d2t: torch.Tensor
     t2d: torch.Tensor
     total_steps: int
+    mixture: Mixture | None = None
+    """The weighted mixture each epoch's samples are drawn from (`data.sources[].weight`); None: every sample once."""
 
 
 def set_up(cfg: Config) -> Session:
@@ -286,7 +327,8 @@ def set_up(cfg: Config) -> Session:
     del embed, lm_head
 
     rank, world = _rank_world(cfg)
-    first = plan_epoch(train_ds.lengths, _budget(cfg), tc.seed, 0, rank, world)
+    mixture = train_mixture(cfg, train_ds)
+    first = plan_epoch(train_ds.lengths, _budget(cfg), tc.seed, 0, rank, world, mixture=mixture)
     steps_per_epoch = len(first.batches) // tc.grad_accum
     if steps_per_epoch == 0:
         raise ValueError(f"the train split gives {len(first.batches)} micro-batches per rank, fewer than "
@@ -304,11 +346,13 @@ def set_up(cfg: Config) -> Session:
     tracker.info("train: %d samples, %d steps (%d per epoch), %d process(es)%s, mixed precision %s, padding %.1f%%",
                  len(train_ds), total_steps, steps_per_epoch, this_process().world,
                  describe(sp, this_process().world), accelerator.mixed_precision, 100 * first.padding_share)
+    if mixture is not None:
+        tracker.info("%s", describe_mixture(mixture, train_ds.lengths))
     tracker.info("metrics: acc_j = draft argmax == target argmax at TTT step j (out-of-vocab = miss); "
                  "sim_accept_len = 1 + sum_k prod_{j<=k} chain_acc_j, chain_acc_j = step j's hit rate given "
                  "steps < j hit, on text the target agrees with (counts the bonus token, like SGLang/vLLM)")
     return Session(cfg, accelerator, model, optimizer, scheduler, objective, train_ds, eval_ds, state, tracker,
-                   d2t, t2d, total_steps)
+                   d2t, t2d, total_steps, mixture)
 
 
 def train_loop(s: Session) -> dict[str, Any]:
@@ -319,11 +363,13 @@ def train_loop(s: Session) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     s.model.train()
     while state.step < s.total_steps:
-        plan = plan_epoch(s.train_ds.lengths, _budget(s.cfg), tc.seed, state.epoch, rank, world)
+        plan = plan_epoch(s.train_ds.lengths, _budget(s.cfg), tc.seed, state.epoch, rank, world, mixture=s.mixture)
         usable = (len(plan.batches) // tc.grad_accum) * tc.grad_accum
         if state.batch_index + tc.grad_accum > usable:
             state.epoch, state.batch_index = state.epoch + 1, 0
             continue
+        if plan.source_tokens is not None:  # once per epoch (a resumed one again): the mixture as drawn
+            log_mixture(s.tracker, state.epoch, plan.source_tokens)
         # closing() stops and joins the prefetch thread however the loop ends (max_steps may end an epoch early)
         with closing(s.train_ds.iter_collated(plan.batches[state.batch_index:usable], _pin(s.accelerator))) as batches:
             while state.step < s.total_steps and state.batch_index + tc.grad_accum <= usable:
@@ -334,6 +380,13 @@ def train_loop(s: Session) -> dict[str, Any]:
                 after_step(s, metrics)
     progress.close()
     return metrics
+
+
+def log_mixture(tracker: Tracker, epoch: int, tokens: dict[str, int]) -> None:
+    """One epoch's drawn tokens per source, every rank's together (a rank's tail batches wait for the next epoch)."""
+    total = sum(tokens.values()) or 1
+    tracker.info("epoch %d mixture: %s", epoch, ", ".join(f"{n} {t} tokens ({100 * t / total:.1f}%)"
+                                                         for n, t in tokens.items()))
 
 
 def train_step(s: Session, batches: Any, plan: EpochPlan) -> dict[str, Any]:

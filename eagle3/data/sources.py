@@ -18,6 +18,9 @@ Formats (`SourceConfig.format`, `auto` sniffs):
   the incomplete tail is reported (bytes dropped), never an exception.
 - `bundled:sharegpt-code`: the conversations of that file with a fenced code block in an answer (5,966 of 17,390:
   the code-heavy share, to weight up for a head that drafts code; the others are counted as `no_code_block`).
+  A record two sources read (same file or folder, same split, same record index) belongs to the first source that
+  lists it; `eagle3.prepare` counts it for later ones as `duplicate_of_an_earlier_source`: list
+  `bundled:sharegpt-code` before `bundled:sharegpt` to weight the code apart from the rest.
 - `bundled:bfcl-live`: 2,251 tool prompts (BFCL v4's live questions: tools + a user turn, no answer; eagle3.data.bfcl)
   for the target to answer with `eagle3 regenerate` (prepare alone finds no answer in them to train on).
 `auto`: a folder is an HF dataset; a file whose first non-space character is `[` is a JSON array; `.jsonl` or
@@ -67,13 +70,14 @@ import codecs
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eagle3.config import SourceConfig
 from eagle3.data.types import Conversation, ToolCall, Turn
+from eagle3.logs import UserError
 
 ROLE_MAP: dict[str, str] = {
     "human": "user",
@@ -153,6 +157,32 @@ def source_name(src: SourceConfig) -> str:
     return p.name.split(".")[0] or p.name
 
 
+def record_file(src: SourceConfig) -> tuple[str, str | None]:
+    """What a record index counts within: the resolved file or folder and the split. Two sources with the same one
+    read the same records (`bundled:sharegpt-code` is a part of `bundled:sharegpt`'s file)."""
+    return str(resolve_source_path(src).resolve()), src.split
+
+
+def source_weights(sources: list[SourceConfig]) -> dict[str, float] | None:
+    """{source name: weight} of a weighted mixture (`data.sources[].weight`), in config order; None without weights.
+    Samples record their source by name (`Conversation.source`), so two weighted sources with one name could not be
+    told apart: refused, naming both."""
+    if not sources or sources[0].weight is None:
+        return None
+    out: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for i, src in enumerate(sources):
+        name = source_name(src)
+        if name in first:
+            j = first[name]
+            raise UserError(f"data.sources[{j}].path={sources[j].path!r} and data.sources[{i}].path={src.path!r} are "
+                            f"both named {name!r} (the file or folder name without its extensions), and a weighted "
+                            "mixture tells sources apart by name: rename one")
+        first[name] = i
+        out[name] = float(src.weight)  # type: ignore[arg-type]  (set on every source: eagle3.config.DataConfig)
+    return out
+
+
 def resolve_source_path(src: SourceConfig) -> Path:
     if src.path in ("bundled:sharegpt", "bundled:sharegpt-code"):
         from eagle3.bundled import sharegpt_path
@@ -185,16 +215,19 @@ def sniff_format(path: Path) -> str:
                      f"file starts with {head[:40]!r}; set format explicitly")
 
 
-def read_conversations(src: SourceConfig, stats: SourceStats | None = None,
-                       for_generation: bool = False) -> Iterator[Conversation]:
+def read_conversations(src: SourceConfig, stats: SourceStats | None = None, for_generation: bool = False,
+                       taken: Container[int] = ()) -> Iterator[Conversation]:
     """Yield repaired conversations from one source; fill `stats` (pass one in to read it afterwards).
 
     `for_generation`: the conversations are prompts to answer (`regenerate`, prompt sets), so a trailing user or
-    tool turn stays and no assistant turn is needed."""
+    tool turn stays and no assistant turn is needed. `taken`: record indices an earlier source of the same file
+    already yielded, skipped as `duplicate_of_an_earlier_source` (they do not count towards `max_records`)."""
     stats = stats if stats is not None else SourceStats(source_name(src))
     for index, record in _records(src, stats):
         stats.records_read += 1
         try:
+            if index in taken:
+                raise _Skip("duplicate_of_an_earlier_source")
             conv = _to_conversation(record, index, source_name(src), _shape(src), stats, for_generation)
             if src.path == "bundled:sharegpt-code" and not has_code(conv):
                 raise _Skip("no_code_block")

@@ -2,8 +2,8 @@
 
     eagle3 regenerate --config configs/smollm2-135m.yaml regenerate.max_tokens=64 data.max_samples=20
 
-Reads every source in `data.sources` as prompts (at most `data.max_samples` conversations, taken in source
-order; a trailing user turn or tool result is kept, and a record without any answer is a prompt too), keeps the
+Reads every source in `data.sources` as prompts (only those marked `regenerate: true` when any is; at most
+`data.max_samples` conversations, taken in source order; a trailing user turn or tool result is kept, and a record without any answer is a prompt too), keeps the
 system and user turns, and replaces each assistant turn with the target's answer, turn by turn (later turns see the
 regenerated earlier answers). A conversation that reaches `data.max_length` tokens ends with the answer that got it
 there: `prepare` would cut the later turns anyway. Writes JSONL to `regenerate.output` (default
@@ -45,7 +45,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
-from eagle3.config import Config
+from eagle3.config import Config, SourceConfig
 from eagle3.data.types import Conversation
 from eagle3.locks import writes
 from eagle3.logs import Progress
@@ -120,13 +120,19 @@ class Summary:
                 f"replayed, {self.malformed_tool_calls} answers with malformed calls kept as text)")
 
 
+def regenerated_sources(cfg: Config) -> list[SourceConfig]:
+    """The sources to answer: those marked `regenerate: true` when any is (the opt-in), else every source."""
+    chosen = [s for s in cfg.data.sources if s.regenerate]
+    return chosen or list(cfg.data.sources)
+
+
 def load_conversations(cfg: Config) -> Iterator[Conversation]:
-    """Every conversation of every `data.sources` entry, in order, capped at `data.max_samples`, read as prompts
-    (`for_generation`: a trailing user turn or tool result stays, no answer is needed)."""
+    """Every conversation of every source to answer (`regenerated_sources`), in order, capped at `data.max_samples`,
+    read as prompts (`for_generation`: a trailing user turn or tool result stays, no answer is needed)."""
     from eagle3.data.sources import read_conversations
 
     def all_sources() -> Iterator[Conversation]:
-        for src in cfg.data.sources:
+        for src in regenerated_sources(cfg):
             yield from read_conversations(src, for_generation=True)
 
     return islice(all_sources(), cfg.data.max_samples)
