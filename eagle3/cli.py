@@ -3,6 +3,7 @@
     eagle3 config show --config configs/smollm2-135m.yaml train.lr=3e-4
     eagle3 prepare --config configs/smollm2-135m.yaml
     eagle3 data show --config configs/smollm2-135m.yaml --index 3   # one prepared sample, trained spans marked
+    eagle3 vocab coverage --config configs/smollm2-135m.yaml       # greedy output the draft vocab cannot propose
     eagle3 extract --config configs/smollm2-135m.yaml
     eagle3 train --config configs/smollm2-135m.yaml        # or: accelerate launch train.py --config ...
     eagle3 eval --config configs/smollm2-135m.yaml
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from eagle3 import threads
 from eagle3.config import Config, ConfigError, dump_config, load_config
@@ -53,6 +55,13 @@ def cmd_data_show(args: argparse.Namespace) -> int:
 
     color = {"auto": None, "always": True, "never": False}[args.color]
     print(show(_cfg(args), index=args.index, sample_id=args.id, split=args.split, color=color))
+    return 0
+
+
+def cmd_vocab_coverage(args: argparse.Namespace) -> int:
+    from eagle3.coverage import run
+
+    run(_cfg(args))
     return 0
 
 
@@ -140,6 +149,16 @@ def cmd_sglang(args: argparse.Namespace) -> int:
     return serve(_cfg(args), args.port, args.host, dry_run=args.action == "command", local_rank=args.local_rank)
 
 
+def _add_vocab(sub: Any) -> None:
+    vocab_p = sub.add_parser("vocab", help="inspect the prepared draft vocabulary")
+    vocab_sub = vocab_p.add_subparsers(dest="action", required=True)
+    what = ("per prompt set of eval.prompt_sets: the share of the target's plain greedy output the draft vocab cannot "
+            "propose, and of it the share also in the prompt (copyable)")
+    vc = vocab_sub.add_parser("coverage", help=what, description=what)
+    _with_config(vc)
+    vc.set_defaults(fn=cmd_vocab_coverage)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft heads for SGLang and vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                     help="mark trained spans in colour (auto: on a terminal) or between [[ and ]]")
     ds.set_defaults(fn=cmd_data_show)
+    _add_vocab(sub)
     add("regenerate", cmd_regenerate, "self-distillation: re-answer every conversation with the target")
     add("extract", cmd_extract, "target hidden states -> the on-disk cache (offline mode)")
     add("train", cmd_train, "train the EAGLE-3 head (single process; use accelerate launch train.py for more)")

@@ -25,11 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from eagle3 import threads
 from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
+from eagle3.data.vocab import OutOfVocab
 from eagle3.logs import Progress, setup_logging
 from eagle3.prompts import PromptSet, load_prompt_set
 from eagle3.specdec import AcceptanceStats, Generation, HFTargetDecoder, SpecSettings, SpeculativeDecoder
@@ -110,23 +112,32 @@ def context_bucket(position: int) -> str:
 
 @dataclass
 class _Sums:
-    """The head's, plain decoding's and n-gram drafting's counters over some turns (a set, or one category)."""
+    """The head's, plain decoding's and n-gram drafting's counters over some turns (a set, or one category), and
+    the plain output's tokens outside the head's draft vocab."""
 
     spec: AcceptanceStats = field(default_factory=AcceptanceStats)
     base: AcceptanceStats = field(default_factory=AcceptanceStats)
     ngram: AcceptanceStats | None = None
+    oov: OutOfVocab | None = None
 
-    def add(self, out: Generation, ref: Generation, ng: Generation | None) -> None:
+    def add(self, out: Generation, ref: Generation, ng: Generation | None, prompt: list[int],
+            t2d: np.ndarray | None) -> None:
         self.spec.add(out.accept_lengths, len(out.tokens), out.target_forwards, out.seconds)
         self.base.add([], len(ref.tokens), ref.target_forwards, ref.seconds)
         if ng is not None:
             self.ngram = self.ngram or AcceptanceStats()
             self.ngram.add(ng.accept_lengths, len(ng.tokens), ng.target_forwards, ng.seconds)
+        if t2d is not None:  # from the reference decode the evaluator runs anyway: no extra decoding
+            self.oov = self.oov or OutOfVocab()
+            self.oov.add(ref.tokens, prompt, t2d)
 
     def metrics(self, num_positions: int) -> dict[str, Any]:
         out = metrics(self.spec, self.base, num_positions)
         if self.ngram is not None:
             out["ngram"] = metrics(self.ngram, self.base, num_positions)
+        if self.oov is not None:
+            oov = self.oov.to_json()
+            out.update(out_of_vocab=oov["out_of_vocab"], out_of_vocab_in_prompt=oov["out_of_vocab_in_prompt"])
         return out
 
 
@@ -139,6 +150,8 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
 
     sums = _Sums()
     per_cat: dict[str, _Sums] = {}  # the same sums per prompt category
+    t2d = getattr(dec.draft, "t2d", None)  # the head's draft vocab, for the share of the output it cannot propose
+    t2d = t2d.detach().bool().cpu().numpy() if isinstance(t2d, torch.Tensor) else None
     steps = dec.s.num_steps
     buckets: dict[str, list[AcceptanceStats]] = {}
     greedy = dec.s.temperature <= 0
@@ -167,7 +180,7 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
                 ng = dec.generate_ngram(ids_base, torch.Generator().manual_seed(seed_t), *ngram)
                 ngram_mismatches += greedy and ng.tokens != ref.tokens
             for acc in [sums] + ([per_cat.setdefault(prompt.category, _Sums())] if prompt.category is not None else []):
-                acc.add(out, ref, ng)
+                acc.add(out, ref, ng, ids_base, t2d)
             for who, gen in enumerate((out, ng)):
                 for length, pos in zip(gen.accept_lengths if gen else [], gen.positions if gen else [], strict=True):
                     buckets.setdefault(context_bucket(pos), [AcceptanceStats(), AcceptanceStats()])[who].add([length])
@@ -274,6 +287,9 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
                                          "counts drafts a turn's last step accepted past max_new_tokens as "
                                          "generated (at most one step per turn above the built-in's count)",
             "context_buckets": "verify steps by the context length they draft at (the root's position)",
+            "out_of_vocab": "share of plain decoding's generated tokens (end token included) that the head's draft "
+                            "vocab (t2d) cannot propose; out_of_vocab_in_prompt: those that also occur in the turn's "
+                            "prompt (copyable)",
         },
         "sets": {},
     }

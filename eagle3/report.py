@@ -174,6 +174,8 @@ def _row(name: str, r: dict[str, Any], turns: Any) -> dict[str, Any]:
            "tokens_per_forward": r.get("tokens_per_forward"), "speedup": r.get("speedup")}
     if ng := r.get("ngram"):
         row.update(ngram_tau=ng.get("tau"), ngram_tokens_per_forward=ng.get("tokens_per_forward"))
+    if r.get("out_of_vocab") is not None:
+        row.update(out_of_vocab=r["out_of_vocab"], out_of_vocab_in_prompt=r.get("out_of_vocab_in_prompt"))
     return row
 
 
@@ -182,7 +184,8 @@ def card(report: dict[str, Any]) -> list[dict[str, Any]]:
     (`set/category`), then one per context-length bucket of a set whose steps span several (`set@<2K`), at the
     report's settings: turns, τ, acceptance per draft position, tokens per target forward and speed-up (a
     category of the built-in has them all; one an engine reports has τ and turns), and n-gram drafting's τ and
-    tokens per target forward on the same turns where it ran."""
+    tokens per target forward on the same turns where it ran; the share of plain decoding's tokens outside the
+    head's draft vocab (and of those, in the prompt) where the built-in evaluator ran."""
     rows = [_row(name, r, r.get("turns")) for name, r in report["sets"].items()]
     for name, r in report["sets"].items():
         rows += [_row(f"{name}/{cat}", c, c["turns"]) for cat, c in shown_categories(r).items()]
@@ -210,7 +213,18 @@ def _extra_columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     cols += [(k, h) for k, h in _EXTRA.items() if k in keys]
     for e in engines:
         cols += [(f"{e}_{k}", f"{e} {h}") for k, h in _EXTRA.items() if f"{e}_{k}" in keys]
+    cols += [(k, h) for k, h in _SHARES.items() if k in keys]
     return cols
+
+
+_SHARES = {"out_of_vocab": "out of vocab", "out_of_vocab_in_prompt": "oov in prompt"}
+"""Card columns printed as percentages."""
+
+
+def _cell(key: str, value: Any, width: int) -> str:
+    if key in _SHARES:
+        return f"{100 * _num(value):{width - 1}.2f}%"
+    return f"{_num(value):{width}.3f}"
 
 
 def card_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -229,7 +243,7 @@ def card_lines(rows: list[dict[str, Any]]) -> list[str]:
         turns = "-" if r.get("turns") is None else r["turns"]
         lines.append(f"{r['set']:<{width}}  {turns:>5}  {_num(r['tau']):5.3f}  {cells}"
                      + (f"{fwd:7.2f}  {up:7.2f}x" if fwd is not None and up is not None else "      -         -")
-                     + "".join(f"  {_num(r.get(k)):{max(8, len(h))}.3f}" for k, h in extra))
+                     + "".join(f"  {_cell(k, r.get(k), max(8, len(h)))}" for k, h in extra))
     return lines
 
 
@@ -243,6 +257,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                 f"tokens/forward={r.get('tokens_per_forward', float('nan')):.2f} "
                 f"tokens/s spec={tps.get('spec', float('nan')):.1f} baseline={tps.get('baseline', float('nan')):.1f} "
                 f"speedup={r.get('speedup', float('nan')):.2f}x over {r.get('turns')} turns")
+        if r.get("out_of_vocab") is not None:
+            line += (f"; {100 * r['out_of_vocab']:.2f}% of plain decoding's tokens are outside the draft vocab "
+                     f"({100 * r['out_of_vocab_in_prompt']:.2f}% also in the prompt)")
         if r.get("near_ties"):
             line += (f"; {r['near_ties']} turn(s) part from plain greedy at a near-tie (top-2 logit gap within the "
                      "dtype's rounding: not a bug)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,3 +100,27 @@ def build_draft_vocab(ids: Sequence[np.ndarray] | np.ndarray, masks: Sequence[np
     everything = masked_counts(ids, np.ones_like(_flat(masks)), target_vocab_size, token_weights)
     return select_draft_vocab(everything, draft_vocab_size, answers)
 
+
+
+@dataclass
+class OutOfVocab:
+    """Generated tokens a draft vocabulary cannot propose (`eagle3 vocab coverage`, the eval card): a head drafts only
+    tokens of its vocab (t2d), so every such token is a rejection wherever the target emits it. `in_prompt` counts
+    those that also occur in the turn's prompt: copyable, where prompt-lookup drafting could propose them."""
+
+    generated: int = 0
+    outside: int = 0
+    in_prompt: int = 0
+
+    def add(self, tokens: Sequence[int], prompt: Sequence[int], t2d: np.ndarray) -> None:
+        """One turn: its generated `tokens` (every one, the end token included), its `prompt` ids, the vocab's t2d."""
+        out = [t for t in tokens if not t2d[t]]
+        seen = set(prompt)
+        self.generated += len(tokens)
+        self.outside += len(out)
+        self.in_prompt += sum(t in seen for t in out)
+
+    def to_json(self) -> dict[str, Any]:
+        n = self.generated
+        return {"generated_tokens": n, "out_of_vocab": self.outside / n if n else float("nan"),
+                "out_of_vocab_in_prompt": self.in_prompt / n if n else float("nan")}
