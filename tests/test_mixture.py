@@ -315,6 +315,7 @@ def test_the_trainer_draws_the_mixture_prepare_printed_and_resumes_it_exactly(tm
     from eagle3 import trainer
     from eagle3.cache import HiddenStateDataset
     from eagle3.extract import run as extract
+    from eagle3.online import OnlineSource
 
     target = tiny_llama(tmp_path / "target", vocab=320, hidden=64, layers=8)
     llama_test_tokenizer(target, vocab_size=320)
@@ -341,6 +342,10 @@ def test_the_trainer_draws_the_mixture_prepare_printed_and_resumes_it_exactly(tm
     first = plan_epoch(ds.lengths, 160, 5, 0, mixture=mix)
     printed = {r["name"]: r["epoch0_tokens"] for r in summary["train_sources"]}
     assert first.source_tokens == printed and printed["small"] > 2 * printed["big"]
+    online = trainer.train_mixture(cfg("straight"), OnlineSource(None, p.train, 0, None))  # extract.mode: online
+    assert [online.names[g] for g in online.groups] == list(p.train["source"])
+    assert plan_epoch([len(x) for x in p.train["input_ids"]], 160, 5, 0,
+                      mixture=online).source_tokens == printed
 
     straight = cfg("straight")
     trainer.run(straight)
