@@ -234,6 +234,12 @@ def test_a_second_extract_is_refused_and_the_first_cache_is_byte_identical(world
     line, took = _refused([*CLI, "extract", "--config", str(config)])
     _names_the_holder(line, f"rank 0's part of {cache}", a.proc.pid, "extract.py --config")
     assert all(p.is_file() for p in live), "the second run deleted the first one's live shard"
+    # A reader never blocks: `cache info` on the folder being written reports it as it is, at once.
+    t0 = time.monotonic()
+    info = run_cmd([*CLI, "cache", "info", str(cache)], timeout=120)
+    assert info.returncode == 0 and "INCOMPLETE" in info.stdout, info.stdout + info.stderr[-3000:]
+    assert "being written" not in info.stdout + info.stderr
+    assert time.monotonic() - t0 < REFUSED_WITHIN_S
     assert a.go() == 0, a.text()[-3000:]
     assert tree_bytes(cache) == ref_cache
     _no_locks_left(cache)
