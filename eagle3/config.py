@@ -140,6 +140,10 @@ class DataConfig(Section):
     """Inserted as the system turn where a conversation has none (None: the template's own default)."""
     max_length: int = Field(2048, ge=8)
     """Longest tokenised sample kept."""
+    min_length: int = Field(0, ge=0)
+    """Shortest tokenised sample kept: shorter ones are dropped and counted (`dropped_shorter_than_min_length`).
+    With a long `max_length`: a head trained on long traces only (BENCHMARKS.md "A head trained on long
+    conversations")."""
     overlength: Literal["truncate", "drop"] = "truncate"
     """What happens to a longer sample: `truncate` to max_length, or `drop` it."""
     max_samples: int | None = Field(None, ge=1)
@@ -161,6 +165,9 @@ class DataConfig(Section):
             bare = next(i for i, s in enumerate(self.sources) if s.weight is None)
             raise ValueError(f"data.sources[{bare}].weight is not set but data.sources[{weighted[0]}].weight is: "
                              "weights are shares of the training tokens, set on every source or on none")
+        if self.min_length > self.max_length:
+            raise ValueError(f"data.min_length={self.min_length} is above data.max_length={self.max_length}: no "
+                             "sample could be kept")
         return self
 
 

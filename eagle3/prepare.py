@@ -133,6 +133,7 @@ def _settings(cfg: Config) -> dict[str, Any]:
             "max_length": d.max_length, "overlength": d.overlength, "max_samples": d.max_samples,
             "eval_size": d.eval_size, "seed": d.seed, "draft_vocab_size": cfg.draft.vocab_size,
             # only when not the default: folders prepared before the key existed keep their fingerprint
+            **({"min_length": d.min_length} if d.min_length else {}),
             **({"vocab_from": cfg.draft.vocab_from} if cfg.draft.vocab_from != "answers" else {})}
 
 
@@ -243,12 +244,17 @@ def render_all(convs: list[Conversation], cfg: Config, tokenizer: Any, tpl: Chat
     return results
 
 
-def fit_length(rendered: list[Rendered], max_length: int, overlength: str, stats: Counter[str]) -> list[Sample]:
-    """Apply max_length (truncate or drop) and drop samples with no loss-masked token; count what was lost."""
+def fit_length(rendered: list[Rendered], max_length: int, overlength: str, stats: Counter[str],
+               min_length: int = 0) -> list[Sample]:
+    """Drop samples shorter than min_length, apply max_length (truncate or drop) and drop samples with no
+    loss-masked token; count what was lost."""
     kept = []
     for conv, ids, mask, err in rendered:
         if err:
             stats["template_error"] += 1
+            continue
+        if len(ids) < min_length:
+            stats["dropped_shorter_than_min_length"] += 1
             continue
         if len(ids) > max_length:
             if overlength == "drop":
@@ -475,7 +481,8 @@ def _reusable(out: Path, fp: str, fp_in: dict[str, Any]) -> dict[str, Any] | Non
 
 
 _CONFIG_KEYS = {
-    "max_length": "data.max_length", "overlength": "data.overlength", "max_samples": "data.max_samples",
+    "max_length": "data.max_length", "min_length": "data.min_length", "overlength": "data.overlength",
+    "max_samples": "data.max_samples",
     "eval_size": "data.eval_size", "seed": "data.seed", "thinking": "data.thinking",
     "system_prompt": "data.system_prompt", "template": "data.chat_template", "sources": "data.sources",
     "draft_vocab_size": "draft.vocab_size", "vocab_from": "draft.vocab_from",
@@ -541,7 +548,7 @@ def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any, rs
     rendered = render_all(used, cfg, tokenizer, tpl, thinking)
     render_s = time.monotonic() - t_render
     errors = [e for *_, e in rendered if e]
-    samples = fit_length(rendered, d.max_length, d.overlength, rstats)
+    samples = fit_length(rendered, d.max_length, d.overlength, rstats, d.min_length)
     if errors:
         log.warning(f"{len(errors)} conversations could not be rendered; first: {errors[0]}")
         if len(errors) > MAX_TEMPLATE_ERROR_SHARE * len(used):

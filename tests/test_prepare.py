@@ -126,6 +126,22 @@ def test_overlength_drop_and_truncate(tmp_path: Path, tok_dir: Path):
     assert max(len(x) for x in load_prepared(tmp_path / "t").train["input_ids"]) == 100
 
 
+def test_min_length_keeps_only_the_long_samples(tmp_path: Path, tok_dir: Path):
+    """data.min_length drops the samples shorter than it, counted; at 0 (the default) the fingerprint is the one
+    folders prepared before the key existed have."""
+    every = prepare.run(_cfg(tmp_path, tok_dir, "data.output_dir=" + str(tmp_path / "all")))
+    lengths = sorted(len(x) for p in ("train", "eval") for x in getattr(load_prepared(tmp_path / "all"), p)["input_ids"])
+    cut = lengths[len(lengths) // 2]
+    long = prepare.run(_cfg(tmp_path, tok_dir, f"data.min_length={cut}", "data.output_dir=" + str(tmp_path / "long")))
+    kept = load_prepared(tmp_path / "long")
+    assert min(len(x) for p in ("train", "eval") for x in getattr(kept, p)["input_ids"]) >= cut
+    assert long["render"]["dropped_shorter_than_min_length"] == sum(n < cut for n in lengths) > 0
+    assert long["train_samples"] + long["eval_samples"] == sum(n >= cut for n in lengths)
+    assert "min_length" not in load_prepared(tmp_path / "all").meta["fingerprint_inputs"]
+    assert kept.fingerprint != load_prepared(tmp_path / "all").fingerprint
+    assert every["train_samples"] + every["eval_samples"] == len(lengths)
+
+
 def test_crash_leaves_no_prepared_folder(tmp_path: Path, tok_dir: Path, monkeypatch):
     cfg = _cfg(tmp_path, tok_dir)
 
