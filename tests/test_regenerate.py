@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -412,37 +411,27 @@ def test_hf_backend_regenerates_batched_multi_turn(tmp_path, tiny_hf_target):
 
 # ------------------------------------------------------------------------------------------------ real vLLM
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_real_vllm_server(tmp_path, tiny_hf_target):
-    """The OpenAI backend against a real vLLM server (on loopback) serving the tiny Llama: every conversation
-    comes back with the same structure the in-process HF backend gives. Needs vllm (`pytest -m vllm`)."""
-    import socket
-    import urllib.request
+def test_real_vllm_server(tmp_path):
+    """The OpenAI backend against a real vLLM server (on loopback, the vLLM venv of scripts/setup_vllm_cpu.sh or
+    $EAGLE3_VLLM_PYTHON) serving a tiny Llama: every conversation comes back with the same structure the in-process
+    HF backend gives."""
+    from models import tiny_llama
+    from test_regenerate_tools import vllm_server
+    from test_vllm_engine import _find_vllm_python
+    from tokenizer_builders import llama_test_tokenizer
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = open(tmp_path / "vllm.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_hf_target),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "512", "--enforce-eager"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"{url}/models", timeout=2).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vLLM did not come up in 10 minutes"
-                time.sleep(2)
+    py = _find_vllm_python()
+    if py is None:
+        pytest.skip("no vLLM: run scripts/setup_vllm_cpu.sh or set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python")
+    target = tiny_llama(tmp_path / "target", vocab=320, hidden=128, heads=4, kv_heads=2, intermediate=256,
+                        layers=2)  # head_dim 32: vLLM's CPU attention has no kernel for 16
+    llama_test_tokenizer(target, vocab_size=320)
+    with vllm_server(py, target, tmp_path / "vllm.log") as root:
         src = write_sharegpt(tmp_path / "convs.jsonl", TWO_TURN)
-        cfg = openai_cfg(tmp_path / "vllm", src, [url], model=None, max_tokens=6, timeout_s=120)
+        cfg = openai_cfg(tmp_path / "vllm", src, [f"{root}/v1"], model=None, max_tokens=6, timeout_s=120)
         s = run_openai(cfg)
         assert (s.regenerated, s.failed) == (3, 0) and s.tokens > 0
-        hf = hf_cfg(tmp_path / "hf", tiny_hf_target, src)
+        hf = hf_cfg(tmp_path / "hf", target, src)
         run(hf)
         served = {r["id"]: r for r in read_jsonl(cfg.regenerated_path)}
         local = {r["id"]: r for r in read_jsonl(hf.regenerated_path)}
@@ -452,7 +441,3 @@ def test_real_vllm_server(tmp_path, tiny_hf_target):
 
         # Greedy text may differ at near-ties of a random model's logits; the structure may not.
         assert {k: shape(v) for k, v in served.items()} == {k: shape(v) for k, v in local.items()}
-    finally:
-        server.terminate()
-        server.wait(60)
-        log.close()
