@@ -30,6 +30,7 @@ from eagle3.formats import (
 from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import ArchFamily
 from eagle3.locks import writes
+from eagle3.model_card import CARD_NAME, model_card
 from eagle3.precision import DTYPES
 
 log = logging.getLogger("eagle3")
@@ -46,7 +47,7 @@ def _is_replaceable(out: Path) -> bool:
     names = {p.name for p in out.iterdir()}
     if not names:
         return True
-    if not names <= {CONFIG_NAME, WEIGHTS_NAME}:
+    if not names <= {CONFIG_NAME, WEIGHTS_NAME, CARD_NAME}:
         return False
     try:
         return "eagle3" in json.loads((out / CONFIG_NAME).read_text())
@@ -57,7 +58,8 @@ def _is_replaceable(out: Path) -> bool:
 @writes(lambda out, **_: out, "export")
 def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", dtype: str | None = "bfloat16",
            num_speculative_tokens: int = 3, target_family: ArchFamily | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` for `to` into `out` (atomically); return `out`.
+    """Write `config.json` + `model.safetensors` for `to` into `out` (atomically), with its model card
+    (`README.md`, eagle3.model_card); return `out`.
 
     `checkpoint`: an eagle3 draft folder, a training step folder (its `draft/`), or an eagle3 export.
     `dtype`: weights dtype of the export (`bfloat16` default; None keeps the checkpoint's).
@@ -89,6 +91,8 @@ def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", d
     with atomic_dir(out) as tmp:
         save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg_json, indent=2) + "\n")
+        (tmp / CARD_NAME).write_text(model_card(folder, config, cfg_json, to, out, num_speculative_tokens,
+                                                target_family))
     log.info("exported a %s head for %s to %s (layer ids %s in %s's spelling for a %s-family target)", config.arch,
              to, out, cfg_json["eagle3_export"]["engine_layer_ids"], to, cfg_json["eagle3_export"]["target_family"])
     return out

@@ -304,3 +304,53 @@ def test_training_names_the_missing_family_and_skips_only_the_sglang_export(tmp_
     assert "target.layer_id_family" in sglang_spelling_problem(cfg)
     cfg.target.layer_id_family = "deepseek"
     assert sglang_spelling_problem(cfg) is None
+
+
+def test_every_export_ships_a_model_card_of_its_run(tmp_path):
+    """The export's README.md says the target and its weights id, the layer ids in the engine's spelling, the head,
+    the data (sources, samples, tokens, mixture), the training budget, the run's last card and the serve command;
+    an export of a head with no run around it says what is not recorded instead of guessing."""
+    run = tmp_path / "run"
+    save_draft(make_draft("deepseek"), run / "checkpoints" / "best")
+    (run / "prepared").mkdir(parents=True)
+    (run / "prepared" / "meta.json").write_text(json.dumps({"chat_template": "kimi-k2.5", "max_length": 32768,
+        "summary": {"train_samples": 40, "train_tokens": 9000, "eval_samples": 2, "train_sources": [
+            {"name": "sharegpt", "samples": 30, "tokens": 6000, "weight": 1.0, "epoch0_share": 0.25,
+             "epoch0_repeat": 0.375},
+            {"name": "agentic", "samples": 10, "tokens": 3000, "weight": 3.0, "epoch0_share": 0.75,
+             "epoch0_repeat": 2.25}]}}))
+    (run / "cache").mkdir()
+    (run / "cache" / "meta.json").write_text(json.dumps({"fingerprint": {"weights_id": "abc123", "revision": None,
+                                                                          "storage": "fp8", "dtype": "bfloat16"}}))
+    (run / "train_log.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 1, "loss": 9.0, "lr": 1e-4, "tokens_per_s": 100.0, "step_s": 2.0, "epoch": 0},
+        {"step": 2, "loss": 8.0, "lr": 2e-4, "tokens_per_s": 100.0, "step_s": 2.0, "epoch": 1},
+        {"step": 2, "eval": {"sim_accept_len": 2.345}}]))
+    (run / "eval").mkdir()
+    (run / "eval" / "report.json").write_text(json.dumps({
+        "draft": str(run / "checkpoints" / "best"), "sets": {"bfcl": {}},
+        "settings": {"num_steps": 3, "topk": 1, "num_draft_tokens": 4, "temperature": 0.0, "max_new_tokens": 64},
+        "target": {"dtype": "bfloat16"},
+        "card": [{"set": "bfcl", "turns": 70, "tau": 2.5, "tokens_per_forward": 2.4},
+                 {"set": "bfcl/simple_python", "turns": 10, "tau": 2.75, "tokens_per_forward": 2.6}],
+        "engines": {"sglang": {"tau": 2.49, "builtin_tau": 2.5}}}))
+    out = export(run / "checkpoints" / "best", tmp_path / "sg", to="sglang")
+    card = (out / "README.md").read_text()
+    for part in ("/models/tiny-kimi", "weights id `abc123`", "eagle3 ids [2, 6, 9]", "spelling in this folder: [1, 5, 8]",
+                 "template `kimi-k2.5`, max length 32768, 40 train samples (9000 tokens)",
+                 "source `agentic`: 10 samples, 3000 tokens; weight 3: 75.0% of an epoch's tokens (x2.25)",
+                 "2 steps over 2 epoch(s) of the train split, peak lr 0.0002", "best held-out simulated acceptance length 2.345 (step 2)",
+                 "| bfcl/simple_python | 10 | 2.750 |", "sglang: τ 2.490",
+                 f"--speculative-draft-model-path {out.resolve()} --speculative-num-steps 3"):
+        assert part in card, (part, card)
+    # a report older than the head (the folder trained again since) is not presented as this head's
+    import os
+
+    os.utime(run / "eval" / "report.json", (1, 1))
+    stale = (export(run / "checkpoints" / "best", tmp_path / "sg-stale", to="sglang") / "README.md").read_text()
+    assert "predates this head" in stale and "| bfcl |" not in stale
+    # the card travels with re-exports, and a re-export replaces a previous one
+    again = export(out, tmp_path / "vl", to="vllm")
+    assert "vllm serve /models/tiny-kimi --speculative-config" in (again / "README.md").read_text()
+    assert "no training log next to the checkpoint" in (again / "README.md").read_text()
+    export(run / "checkpoints" / "best", tmp_path / "sg", to="sglang")
