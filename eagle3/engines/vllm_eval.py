@@ -216,7 +216,8 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
     """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters; with `groups`
     (one name per prompt, e.g. `mt-bench/coding`), vLLM runs each group in turn and `groups` in the result holds
     each one's τ, acceptance and tokens per target forward (group_metrics). `method="ngram"`: vLLM's own
-    prompt-lookup drafting instead of the head (eval.ngram_min / ngram_max, eval.num_steps tokens).
+    prompt-lookup drafting instead of the head (eval.ngram_min / ngram_max, eval.num_steps tokens); `"suffix"`: its
+    suffix decoding (arctic-inference's suffix trees over the prompt and earlier outputs).
 
     At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
     the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
@@ -233,7 +234,7 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
     else:
         out_dir = None
         draft_args = ["--method", method, "--prompt-lookup-min", str(cfg.eval.ngram_min), "--prompt-lookup-max",
-                      str(cfg.eval.ngram_max)]
+                      str(cfg.eval.ngram_max)] if method == "ngram" else ["--method", method]
     python = python or os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
     stop = stop_token_ids(cfg)
     env = dict(os.environ)
@@ -299,7 +300,7 @@ def _child(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="vLLM EAGLE-3 acceptance check (started by eagle3)")
     p.add_argument("--target", required=True)
     p.add_argument("--draft", help="the exported head (method eagle3)")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "suffix"])
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompts", required=True)
@@ -365,6 +366,8 @@ def _speculative_config(a: argparse.Namespace) -> dict[str, Any]:
     if a.method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": a.num_spec, "prompt_lookup_min": a.prompt_lookup_min,
                 "prompt_lookup_max": a.prompt_lookup_max}
+    if a.method == "suffix":  # suffix decoding (needs arctic-inference's suffix tree): its defaults otherwise
+        return {"method": "suffix", "num_speculative_tokens": a.num_spec}
     if not a.draft:
         raise SystemExit("--draft is required with --method eagle3")
     return {"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec,

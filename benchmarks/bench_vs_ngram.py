@@ -1,0 +1,109 @@
+"""A trained head against drafting methods that need no training, inside vLLM, on the same prompts in one run.
+
+    EAGLE3_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/bench_vs_ngram.py \
+        --config configs/smollm2-135m.yaml --checkpoint runs/smollm2-135m/checkpoints/best \
+        --sets mt-bench humaneval code-edit --max-prompts 80
+    # bfcl needs a template that renders tools: --config configs/smollm2-135m-agentic.yaml (chatml-tools)
+
+For each prompt set (and its categories), vLLM 0.32 (CPU) decodes the same rendered prompts three ways: with the
+EAGLE-3 head, with its n-gram prompt lookup (k = eval.num_steps, lookup eval.ngram_min..ngram_max: 2-4), and with
+suffix decoding where arctic-inference's suffix tree imports in vLLM's interpreter (it has no wheel:
+`PYTHON=.venv-vllm/bin/python bash scripts/setup_suffix_decoding.sh` builds it into .vllm-suffix; the line says so
+when it cannot). The table gives tokens per target forward (the figure that compares methods: n-gram's τ counts only the
+steps that found a match) and τ for each, and head / n-gram. The built-in evaluator runs first (it renders the
+prompts and checks the head is lossless against plain greedy decoding, and gives its own n-gram figures on the
+same turns; its report is written under the run's eval folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from eagle3.config import load_config  # noqa: E402
+from eagle3.logs import setup_logging  # noqa: E402
+
+
+def cpu_line() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        bf16 = "avx512_bf16" in info or "amx_bf16" in info
+    except (OSError, StopIteration):
+        model, bf16 = platform.processor() or "?", False
+    return f"{model}, native bf16: {'yes' if bf16 else 'no'}"
+
+
+def suffix_available(python: str, folder: Path) -> bool:
+    """Whether vLLM's interpreter imports arctic-inference's suffix tree, from `folder` (scripts/
+    setup_suffix_decoding.sh) put first on the PYTHONPATH every vLLM process of this run inherits."""
+    if folder.is_dir():
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)
+    r = subprocess.run([python, "-c", "import arctic_inference.suffix_decoding"], capture_output=True, timeout=300)
+    return r.returncode == 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/smollm2-135m.yaml")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--sets", nargs="+", default=["mt-bench", "humaneval", "code-edit"])
+    p.add_argument("--max-prompts", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--suffix", default=str(REPO / ".vllm-suffix"),
+                   help="arctic-inference's suffix tree built by scripts/setup_suffix_decoding.sh")
+    p.add_argument("--out", default=None, help="where the run's report goes (default: <checkpoint>/../../bench-vs-ngram)")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    setup_logging()
+    from eagle3.engines.vllm_eval import pooled_groups, run_vllm
+    from eagle3.evaluate import run
+
+    out = Path(a.out or Path(a.checkpoint).resolve().parent.parent / "bench-vs-ngram")
+    cfg = load_config(a.config, [*a.overrides, f"output_dir={out}", f"eval.checkpoint={a.checkpoint}",
+                                 f"eval.prompt_sets={json.dumps(a.sets)}", f"eval.max_prompts={a.max_prompts}",
+                                 f"eval.max_new_tokens={a.max_new_tokens}", "eval.engine=vllm", "eval.ngram=true",
+                                 "eval.temperature=0"])
+    report = run(cfg)
+    vllm = report["engines"]["vllm"]
+    methods = {"head": vllm["groups"], "ngram": vllm["ngram_groups"]}
+    python = os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
+    suffix_note = ("suffix decoding: arctic-inference does not import in vLLM's interpreter (no wheel on PyPI: "
+                   "bash scripts/setup_suffix_decoding.sh builds its suffix tree)")
+    if suffix_available(python, Path(a.suffix)):
+        rendered = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())
+        prompts = [x for name in report["sets"] for x in rendered[name]]
+        groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
+        sfx = run_vllm(cfg, None, prompts, groups=groups, method="suffix", check_greedy=False)
+        g = sfx.pop("groups", {})
+        methods["suffix"] = g | {name: pooled_groups(g, name) for name in report["sets"]}
+        suffix_note = "suffix decoding: vLLM's method=suffix (arctic-inference)"
+
+    rows = [r["set"] for r in report["card"] if r["set"] in methods["head"]]  # sets and categories
+    names = list(methods)
+    print(f"\nCPU: {cpu_line()}; vLLM {vllm.get('vllm_version')}, {cfg.target.dtype}, k={cfg.eval.num_steps}, greedy, "
+          f"{a.max_new_tokens} new tokens; {suffix_note}")
+    width = max(len(r) for r in rows)
+    head = f"{'prompt set':<{width}}  " + "  ".join(f"{m + ' tok/fwd':>14}" for m in names) + "  head/ngram  " + \
+        "  ".join(f"{m + ' τ':>9}" for m in names)
+    print(head)
+    for row in rows:
+        tpf = [methods[m].get(row, {}).get("tokens_per_forward", float("nan")) for m in names]
+        tau = [methods[m].get(row, {}).get("tau", float("nan")) for m in names]
+        ratio = tpf[0] / tpf[1] if tpf[1] else float("nan")
+        print(f"{row:<{width}}  " + "  ".join(f"{x:14.3f}" for x in tpf) + f"  {ratio:9.2f}x  "
+              + "  ".join(f"{x:9.3f}" for x in tau))
+    print(f"report: {cfg.eval_dir / 'report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
