@@ -324,8 +324,8 @@ class EvalConfig(Section):
     `code-edit` (those 164 functions, each to return whole with one edit: answers that copy the prompt), `bfcl`
     (BFCL v4's single-turn function calling, 7 categories, from `bfcl-eval`), `sharegpt-long` (200 long ShareGPT
     histories, 8K-32K characters, the last answer generated; ShareGPT V3's records are split at ~2K LLaMA tokens,
-    so they run 1.5-2.1K SmolLM2 tokens: BENCHMARKS.md "A head trained on long conversations"), `eval-split` (held-out prepared data),
-    a path to a JSONL of prompts (text turns, or agentic `{"tools", "messages"}` histories), or a local HF
+    so they run 1.5-2.1K SmolLM2 tokens: BENCHMARKS.md "A head trained on long conversations"), `eval-split`
+    (held-out prepared data), a path to a JSONL of prompts (text turns, or agentic `{"tools", "messages"}` histories), or a local HF
     `datasets` folder as `FOLDER:FIELD` (FIELD: the text column)."""
     max_prompts: int | None = Field(None, ge=1)
     """At most this many prompts per prompt set."""

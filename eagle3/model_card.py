@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.layer_ids import ArchFamily
+from eagle3.tracking import LOSS_LOG
 
 CARD_NAME = "README.md"
 
@@ -106,7 +107,7 @@ def model_card(draft_folder: Path, draft_config: Any, export_config: dict[str, A
     else:
         lines.append("- no prepared data next to the checkpoint: not recorded here")
     lines += ["", "## Training", ""]
-    trained = _training(run / "train_log.jsonl") if run else None
+    trained = _training(run / LOSS_LOG) if run else None
     if trained:
         lines.append(f"- {trained['steps']} steps over {trained['epochs']} epoch(s) of the train split, peak lr "
                      f"{trained['lr']:g}" + (

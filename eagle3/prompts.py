@@ -9,8 +9,8 @@
   replayed and its last assistant turn generated: histories of 8K-32K characters, at least one earlier exchange.
   ShareGPT V3's records are conversations split at ~2K LLaMA tokens, so few reach 8K characters of history and the
   first ones run 1.5-2.1K SmolLM2 tokens (BENCHMARKS.md "A head trained on long conversations"); longer histories
-  need a conversation's parts (`<id>_<k>`) joined back. A conversation the prepared train split holds (when there is one) is
-  left out, so the set stays held out from the recipe that trained the head. The card's context buckets
+  need a conversation's parts (`<id>_<k>`) joined back. A conversation the prepared train split holds (when there
+  is one) is left out, so the set stays held out from the recipe that trained the head. The card's context buckets
   (eagle3.evaluate) show how the head drafts deep into a context.
 - `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
   (assistant) token, i.e. the first user turn already rendered with the generation prompt.
