@@ -30,16 +30,19 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.logs import setup_logging  # noqa: E402
+from eagle3.precision import cpu_native_bf16  # noqa: E402
 
 
 def cpu_line() -> str:
+    """The CPU's model name and whether it has native bf16 (eagle3.precision owns the flags that say so)."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
-        model = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        bf16 = "avx512_bf16" in info or "amx_bf16" in info
-    except (OSError, StopIteration):
-        model, bf16 = platform.processor() or "?", False
-    return f"{model}, native bf16: {'yes' if bf16 else 'no'}"
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                 platform.processor() or "?")
+    bf16, why = cpu_native_bf16()
+    return f"{model}, native bf16: {'yes' if bf16 else 'no'} ({why})"
 
 
 def suffix_available(python: str, folder: Path) -> bool:
