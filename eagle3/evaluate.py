@@ -33,6 +33,7 @@ from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.data.vocab import OutOfVocab
 from eagle3.logs import Progress, setup_logging
+from eagle3.model import context_window
 from eagle3.prompts import PromptSet, load_prompt_set
 from eagle3.specdec import AcceptanceStats, Generation, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 from eagle3.targets.hf import eos_ids, load_target
@@ -160,6 +161,8 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     inherited = ngram_mismatches = 0
     rendered: list[list[int]] = []
     per_turn: list[dict[str, Any]] = []
+    window = context_window(dec.target.model.config.get_text_config().to_dict())
+    past_window = 0
     for i, prompt in enumerate(ps.prompts):
         hist_spec: list[Turn] = list(prompt.messages or [])
         hist_base: list[Turn] = list(prompt.messages or [])
@@ -171,6 +174,13 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
                     hist_spec.append(Turn("user", text))
                     hist_base.append(Turn("user", text))
                 ids_spec, ids_base = render(hist_spec, prompt.tools), render(hist_base, prompt.tools)
+            if window is not None and max(len(ids_spec), len(ids_base)) + dec.s.max_new_tokens > window:
+                # past the window the target itself decodes from positions it never saw: not a turn to judge by
+                past_window += 1
+                log.warning("%s %s turn %d: %d prompt tokens + %d new ones are past the target's context window (%d): "
+                            "left out", ps.name, prompt.id, t + 1, len(ids_spec), dec.s.max_new_tokens, window)
+                progress.update(len(prompt.to_generate()) - t)  # this turn and the ones that would follow it
+                break
             threads.adjust()  # once per turn: its spec and plain decodes run on the same thread count
             seed_t = seed + 1000 * i + t
             out = dec.generate(ids_spec, torch.Generator().manual_seed(seed_t))
@@ -203,6 +213,8 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
             progress.update(1, tau=f"{sums.spec.tau:.2f}")
     result = sums.metrics(steps)
     result.update(prompts=len(ps.prompts), turns=len(per_turn), per_turn=per_turn)
+    if past_window:
+        result["turns_past_context_window"] = past_window
     result["context_buckets"] = {name: _bucket_row(buckets[name], steps) for _, name in CONTEXT_BUCKETS
                                  if name in buckets}
     if per_cat:  # each category as a set of its own: the card's rows (report.card)

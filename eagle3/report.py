@@ -265,6 +265,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      "dtype's rounding: not a bug)")
         if r.get("clear_divergences"):
             line += f"; ERROR: {r['clear_divergences']} turn(s) part from plain greedy at a clear margin (a bug)"
+        if r.get("turns_past_context_window"):
+            line += f"; {r['turns_past_context_window']} turn(s) left out: past the target's context window"
         lines.append(line)
         if cats := shown_categories(r):
             lines.append(f"  {name} per category: " + ", ".join(

@@ -67,7 +67,7 @@ def test_sharegpt_long_replays_long_histories_held_out_from_the_train_split(tmp_
     assert len(ps.prompts) == ps.num_turns == LONG_PROMPTS
     for p in ps.prompts:
         chars = sum(len(t.content) for t in p.messages)
-        assert 8000 <= chars <= 32000 and len(p.messages) >= 3 and p.messages[-1].role == "user", p.id
+        assert 8000 <= chars <= 28000 and len(p.messages) >= 3 and p.messages[-1].role == "user", p.id
         assert p.to_generate() == [None]  # the history is the prompt; its next answer is generated
     # a prepared train split that holds two of them (one under prepare's #n suffix of a repeated id): they are
     # left out, the set refilled from later conversations
@@ -77,13 +77,16 @@ def test_sharegpt_long_replays_long_histories_held_out_from_the_train_split(tmp_
 
     prepared = make_prepared(tmp_path / "prep", n=6, n_eval=1)
     train = load_from_disk(str(prepared / "train")).to_dict()
-    train["id"][:2] = [ps.prompts[0].id, ps.prompts[3].id + "#1"]
+    # ... and a third by a later part of its conversation: ShareGPT V3's `<id>_<k>`, which the set joins back
+    long = [p for p in ps.prompts if sum(len(t.content) for t in p.messages) > 16000]
+    assert len(long) == 75  # the whole bundled file, unjoined, has 53 records that long
+    train["id"][:3] = [ps.prompts[0].id, ps.prompts[3].id + "#1", ps.prompts[5].id.rsplit("_", 1)[0] + "_40"]
     shutil.rmtree(prepared / "train")
     Dataset.from_dict(train).save_to_disk(str(prepared / "train"))
     held = sharegpt_long(prepared)
     ids = [p.id for p in held.prompts]
-    assert len(ids) == LONG_PROMPTS and ps.prompts[0].id not in ids and ps.prompts[3].id not in ids
-    assert ids[:2] == [ps.prompts[1].id, ps.prompts[2].id]
+    assert len(ids) == LONG_PROMPTS and not {ps.prompts[k].id for k in (0, 3, 5)} & set(ids)
+    assert ids[:3] == [ps.prompts[1].id, ps.prompts[2].id, ps.prompts[4].id]
 
 
 def test_an_agentic_prompt_is_its_history_up_to_the_answer(tmp_path):

@@ -609,3 +609,25 @@ def test_a_set_of_one_category_gets_no_category_row():
     assert not any("per category" in line for line in summary_lines(one))
     assert [r["set"] for r in card(two)] == ["mt", "mt/writing", "mt/coding"]
     assert any("mt per category: writing" in line for line in summary_lines(two))
+
+
+def test_a_turn_past_the_targets_context_window_is_left_out_and_counted(tmp_path, capsys):
+    """Past its window the target decodes from positions it was never trained at (SmolLM2: 8,192; a long history
+    may render longer than its characters promise): such a turn is not a turn to judge a head by. It is left out of
+    the figures, with the turns after it in that dialogue, counted in report.json and said in the summary."""
+    from eagle3.evaluate import run
+
+    cfg = _setup(tmp_path)
+    conf = Path(cfg.target.path) / "config.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), "max_position_embeddings": 96}))
+    long = " ".join(f"word{i}" for i in range(60))
+    prompts = tmp_path / "window.jsonl"
+    prompts.write_text(json.dumps({"id": "short", "prompt": "Count to ten"}) + "\n"
+                       + json.dumps({"id": "long", "prompt": long}) + "\n"
+                       + json.dumps({"id": "grows", "turns": ["Say hi", long]}) + "\n")
+    cfg.eval.prompt_sets = [str(prompts)]
+    r = run(cfg)["sets"]["window"]
+    assert [(t["id"], t["turn"]) for t in r["per_turn"]] == [("short", 1), ("grows", 1)]
+    assert r["turns"] == 2 and r["turns_past_context_window"] == 2
+    assert all(t["prompt_tokens"] + cfg.eval.max_new_tokens <= 96 for t in r["per_turn"])
+    assert "2 turn(s) left out: past the target's context window" in capsys.readouterr().out

@@ -16,6 +16,7 @@ from eagle3 import prepare
 from eagle3.batching import Mixture, plan_batches, plan_epoch
 from eagle3.config import ConfigError, load_config
 from eagle3.data.prepared import load_prepared
+from eagle3.logs import UserError
 
 sys.path.append(str(Path(__file__).parent))  # tests/models.py (appended: never shadow installed packages)
 from models import tiny_llama  # noqa: E402
@@ -363,3 +364,13 @@ def test_the_trainer_draws_the_mixture_prepare_printed_and_resumes_it_exactly(tm
 
     assert losses("crashed") == losses("straight") and len(losses("straight")) == 6
     assert checkpoint_differences(straight.checkpoint_dir / "step_6", crashed.checkpoint_dir / "step_6") == []
+
+
+def test_two_sources_of_one_file_must_join_parts_alike(tmp_path: Path, tok_dir: Path):
+    """A joined conversation is known by its first record: a second, unjoined source of the same file would read its
+    later parts again, unseen by the duplicate rule. Refused before anything is written, naming both sources."""
+    data = _jsonl(tmp_path / "all.jsonl", [f"answer {i}" for i in range(6)])
+    sources = f"[{{path: {data}, join_parts: true, max_records: 2}}, {{path: {data}}}]"
+    with pytest.raises(UserError, match=r"data.sources\[0\] and data.sources\[1\] read the same records .*join_parts"):
+        prepare.run(_cfg(tmp_path, tok_dir, sources))
+    assert not (tmp_path / "run" / "prepared").exists()

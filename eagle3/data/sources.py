@@ -23,6 +23,8 @@ Formats (`SourceConfig.format`, `auto` sniffs):
   `bundled:sharegpt-code` before `bundled:sharegpt` to weight the code apart from the rest.
 - `bundled:bfcl-live`: 2,251 tool prompts (BFCL v4's live questions: tools + a user turn, no answer; eagle3.data.bfcl)
   for the target to answer with `eagle3 regenerate` (prepare alone finds no answer in them to train on).
+`join_parts`: ShareGPT V3 stores a long conversation as consecutive records `<id>_<k>` (split at ~2K LLaMA tokens);
+they are joined back where they meet (`join_parts()`; `SourceConfig.join_parts`).
 `auto`: a folder is an HF dataset; a file whose first non-space character is `[` is a JSON array; `.jsonl` or
 `{` is JSONL. The shape (`conversations` vs `messages`) is detected per record.
 
@@ -129,6 +131,8 @@ class SourceStats:
     utf8_replacements: int = 0
     stopped_early: bool = False
     """True when `max_records` was reached (reading stopped there)."""
+    parts_joined: int = 0
+    """Split records merged into the conversation before them (`SourceConfig.join_parts`)."""
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -141,6 +145,7 @@ class SourceStats:
             "truncated_bytes": self.truncated_bytes,
             "utf8_replacements": self.utf8_replacements,
             "stopped_early": self.stopped_early,
+            "parts_joined": self.parts_joined,
         }
 
 
@@ -276,10 +281,52 @@ def _records(src: SourceConfig, stats: SourceStats) -> Iterable[tuple[int, Any]]
     if src.format in ("sharegpt", "messages") and fmt == "hf":
         fmt = "hf"
     if fmt == "hf":
-        return _iter_hf(path, src.split)
-    if fmt == "json":
-        return _iter_json_array(path, stats)
-    return _iter_jsonl(path, stats)
+        records = _iter_hf(path, src.split)
+    elif fmt == "json":
+        records = _iter_json_array(path, stats)
+    else:
+        records = _iter_jsonl(path, stats)
+    return join_parts(records, stats) if src.join_parts else records
+
+
+_PART_ID = re.compile(r"(.+)_(\d+)")
+
+
+def join_parts(records: Iterable[tuple[int, Any]], stats: SourceStats) -> Iterator[tuple[int, Any]]:
+    """Consecutive records `<id>_<k>` of one conversation joined back into one (`SourceConfig.join_parts`), with the
+    first part's id and record index; each part merged into an earlier one is counted in `stats.parts_joined`."""
+    held: tuple[int, dict[str, Any], str, int, str] | None = None  # (index, record, base id, end offset, list key)
+    for index, record in records:
+        part = _split_part(record)
+        if held is not None and part is not None:
+            h_index, h_record, base, end, key = held
+            p_base, start, p_key = part
+            messages = record[p_key]
+            overlap = end - start
+            if (p_base == base and p_key == key and 0 <= overlap <= min(len(messages), len(h_record[key]))
+                    and h_record[key][len(h_record[key]) - overlap:] == messages[:overlap]):
+                h_record[key] = h_record[key] + messages[overlap:]
+                held = (h_index, h_record, base, start + len(messages), key)
+                stats.parts_joined += 1
+                continue
+        if held is not None:
+            yield held[0], held[1]
+            held = None
+        if part is None:
+            yield index, record
+        else:
+            held = (index, dict(record), part[0], part[1] + len(record[part[2]]), part[2])
+    if held is not None:
+        yield held[0], held[1]
+
+
+def _split_part(record: Any) -> tuple[str, int, str] | None:
+    """(base id, offset of the first message, the messages' key) of a record whose id reads `<id>_<k>`."""
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        return None
+    m = _PART_ID.fullmatch(record["id"])
+    key = next((k for k in ("conversations", "messages") if isinstance(record.get(k), list)), None)
+    return (m.group(1), int(m.group(2)), key) if m and key else None
 
 
 # ---------------------------------------------------------------------------------------------- file readers
