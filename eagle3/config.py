@@ -387,12 +387,15 @@ class EvalConfig(Section):
 
 
 class TrackingConfig(Section):
-    backend: Literal["none", "wandb"] = "none"
-    """`wandb` (through accelerate's trackers; WANDB_MODE=offline works) or `none`."""
+    backend: Literal["none", "wandb", "tensorboard", "mlflow"] = "none"
+    """Where training's metrics go besides `train_log.jsonl`, through accelerate's trackers: `wandb`
+    (WANDB_MODE=offline works; an unreachable server falls back to offline), `tensorboard` (event files under
+    `<output_dir>/tracking/<project>`; `pip install tensorboard`), `mlflow` (`pip install mlflow`; MLFLOW_TRACKING_URI,
+    default `<output_dir>/tracking`), or `none`."""
     project: str = "eagle3"
-    """wandb project."""
+    """wandb project, tensorboard folder, mlflow experiment."""
     run_name: str | None = None
-    """wandb run name (default: wandb's)."""
+    """wandb and mlflow run name (default: theirs)."""
     entity: str | None = None
     """wandb entity."""
 

@@ -1,14 +1,16 @@
 """What training reports, and only from the main process: `<output_dir>/train_log.jsonl` (one line per step and
-per eval), wandb through accelerate (with an offline fallback: tracking never stops training), and the log lines.
+per eval), a tracker through accelerate's own API (`tracking.backend`: wandb with an offline fallback, tensorboard,
+mlflow; tracking never stops training), and the log lines.
 
     tracker = Tracker(accelerator, cfg)      # every rank builds one; off the main process each call does nothing
     tracker.info("train: %d steps", n)
     tracker.record({"step": 1, "loss": 2.5})  # train_log.jsonl
-    tracker.log({"train/loss": 2.5}, step=1)  # wandb
+    tracker.log({"train/loss": 2.5}, step=1)  # the tracker
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import Config
+from eagle3.logs import UserError
 
 log = logging.getLogger("eagle3")
 
@@ -46,9 +49,40 @@ class Tracker:
         self.accelerator.log(values, step=step)  # accelerate logs on the main process only
 
 
+PACKAGES = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",)}
+"""The packages each backend can write through (accelerate's tensorboard tracker takes either)."""
+TRACKING_DIR = "tracking"
+"""Under output_dir: tensorboard's event files (`<project>/`), mlflow's local store."""
+
+
+def accelerator_tracking(cfg: Config) -> dict[str, Any]:
+    """Accelerator(...) keywords for tracking.backend: `log_with` and the project folders. A backend whose package
+    is missing is refused here, before the run loads anything."""
+    from accelerate.utils import ProjectConfiguration
+
+    backend = cfg.tracking.backend
+    project = ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / TRACKING_DIR))
+    if backend == "none":
+        return {"log_with": None, "project_config": project}
+    if not any(importlib.util.find_spec(p) for p in PACKAGES[backend]):
+        raise UserError(f"tracking.backend={backend}: this environment has no {' or '.join(PACKAGES[backend])} "
+                        f"package; pip install {PACKAGES[backend][0]}, or set tracking.backend to none")
+    return {"log_with": backend, "project_config": project}
+
+
 def init_tracking(accelerator, cfg: Config) -> None:
-    """wandb through accelerate on the main process; offline fallback; never stops training."""
+    """The tracker through accelerate on the main process; wandb falls back to offline; never stops training."""
+    if cfg.tracking.backend == "none":
+        return
     if cfg.tracking.backend != "wandb":
+        try:
+            # tensorboard's hparams and mlflow's params take scalars only: the config flattened to dotted keys
+            kwargs = {"mlflow": {"run_name": cfg.tracking.run_name}} if cfg.tracking.run_name else {}
+            accelerator.init_trackers(cfg.tracking.project, config=flat_config(cfg), init_kwargs=kwargs)
+        except Exception as e:  # noqa: BLE001 - tracking must never stop training
+            log.warning("%s init failed: %s; training continues without tracking", cfg.tracking.backend, e)
+            accelerator.log_with = []
+            accelerator.trackers = []
         return
     kwargs = {"wandb": {k: v for k, v in {"name": cfg.tracking.run_name, "entity": cfg.tracking.entity,
                                           "dir": cfg.output_dir}.items() if v}}
@@ -94,3 +128,18 @@ def _wandb_reachable(timeout_s: float = 5.0) -> bool:
         return True
     except OSError:
         return False
+
+
+def flat_config(cfg: Config) -> dict[str, str | int | float | bool]:
+    """The whole config as `{"train.lr": 0.001, ...}`: scalars as they are, lists and None as their text."""
+    out: dict[str, str | int | float | bool] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = value if isinstance(value, str | int | float | bool) else json.dumps(value)
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

@@ -46,7 +46,7 @@ from eagle3.process import this_process
 from eagle3.sequence_parallel import SequenceParallel, data_place, describe
 from eagle3.targets.info import TargetInfo, read_target_info
 from eagle3.targets.weights import load_target_head
-from eagle3.tracking import Tracker
+from eagle3.tracking import Tracker, accelerator_tracking
 
 log = logging.getLogger("eagle3")
 
@@ -66,10 +66,9 @@ def make_accelerator(cfg: Config):
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
     return Accelerator(
         mixed_precision=resolve_mixed_precision(cfg),
-        log_with="wandb" if cfg.tracking.backend == "wandb" else None,
-        project_dir=cfg.output_dir,
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[ddp],
+        **accelerator_tracking(cfg),
     )
 
 

@@ -272,6 +272,38 @@ def test_wandb_offline_tracking(tiny_cache, tmp_path, monkeypatch):
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
 
 
+def test_tensorboard_tracking_holds_the_training_loss(tiny_cache, tmp_path):
+    """tracking.backend=tensorboard through accelerate's tracker: the event files under <output_dir>/tracking hold
+    every logged step's training loss, equal to train_log.jsonl's, and the config as flat hparams."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_cfg(tiny_cache, tmp_path / "tb", max_steps=4, eval_every=2, log_every=1)
+    cfg.tracking.backend, cfg.tracking.project = "tensorboard", "tb-test"
+    trainer.run(cfg)
+    events = EventAccumulator(str(tmp_path / "tb" / "tracking" / "tb-test")).Reload()
+    loss = {e.step: e.value for e in events.Scalars("train/loss")}
+    logged = read_log(tmp_path / "tb")
+    assert sorted(loss) == [1, 2, 3, 4]
+    assert all(loss[s] == pytest.approx(logged[s]["loss"], rel=1e-6) for s in loss)
+    assert "eval/sim_accept_len" in events.Tags()["scalars"]
+    hparams = (tmp_path / "tb" / "tracking" / "tb-test").glob("*/hparams.yml")
+    assert "train.max_steps: 4" in next(hparams).read_text()
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_before_training(tiny_cache, tmp_path, monkeypatch):
+    import importlib.util
+
+    from eagle3.logs import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    cfg = make_cfg(tiny_cache, tmp_path / "ml", max_steps=2)
+    cfg.tracking.backend = "mlflow"
+    with pytest.raises(UserError, match="tracking.backend=mlflow: this environment has no mlflow package; pip install"):
+        trainer.run(cfg)
+    assert not (tmp_path / "ml" / "checkpoints").exists()
+
+
 @pytest.fixture(scope="module")
 def one_checkpoint(tiny_cache, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt")
