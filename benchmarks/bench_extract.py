@@ -30,11 +30,11 @@ from eagle3.cache import (
     payload_bytes_per_token,
     shard_name,
 )
+from eagle3.cache.codec import dense
 from eagle3.config import Config
 from eagle3.fsutil import write_json_atomic
 from eagle3.loss import ArgmaxHead
 from eagle3.precision import DTYPES
-from eagle3.storage import dense
 from eagle3.targets.hf import HFTarget, load_causal_lm
 
 

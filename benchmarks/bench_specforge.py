@@ -178,10 +178,10 @@ def convert(cfg, out: Path, dtypes: list[str]) -> dict:
 
     from eagle3.bundled import resolve_target_path
     from eagle3.cache import HiddenStateDataset
+    from eagle3.cache.codec import dense
     from eagle3.data.prepared import load_vocab
     from eagle3.formats import engine_config
     from eagle3.model import Eagle3DraftConfig
-    from eagle3.storage import dense
 
     cache, prepared = Path(cfg.cache_dir), Path(cfg.prepared_dir)
     stamp = {"format": CONVERT_FORMAT, "cache": str(cache),

@@ -210,7 +210,7 @@ def plan_eval(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, ran
 def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest item: ids 0, loss_mask 0, states 0 (padded positions are never valid and,
     being to the right, never attended to by real positions under causal attention). fp8 states stay fp8 with
-    their scales (padded with scale 0); the trainer dequantises them on its device (eagle3.storage)."""
+    their scales (padded with scale 0); the trainer dequantises them on its device (eagle3.cache.codec)."""
     t = max(len(it["input_ids"]) for it in items)
     b = len(items)
     out = {

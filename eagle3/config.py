@@ -19,7 +19,7 @@ from eagle3.layer_ids import default_layer_ids, validate_layer_ids
 from eagle3.logs import UserError
 
 Storage = Literal["exact", "fp8", "fp8-aux"]
-"""extract.storage: how the offline cache keeps hidden states (eagle3/storage.py)."""
+"""extract.storage: how the offline cache keeps hidden states (eagle3/cache/codec.py)."""
 
 
 class ConfigError(UserError, ValueError):
@@ -246,7 +246,7 @@ class ExtractConfig(Section):
     max_samples: int | None = Field(None, ge=1)
     """Extract at most this many train samples (the eval split is always extracted whole)."""
     storage: Storage = "exact"
-    """How the offline cache keeps states (eagle3/storage.py): `exact` (the target dtype's bits, lossless), `fp8`
+    """How the offline cache keeps states (eagle3/cache/codec.py): `exact` (the target dtype's bits, lossless), `fp8`
     (float8_e4m3fn + a float32 scale per token and state: ~0.5x the bytes), `fp8-aux` (aux in fp8, the final
     state exact: ~0.63x). Online mode never stores states and ignores it. Measured: BENCHMARKS.md "fp8 cache"."""
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from eagle3.cache.codec import dense
 from eagle3.config import TrainConfig
 from eagle3.loss import SoftCE, StepStats, Teacher, ttt_loss
 from eagle3.rows import TTTPlan, plan_rows
 from eagle3.sequence_parallel import SequenceParallel
-from eagle3.storage import dense
 
 
 @dataclass
@@ -69,6 +69,6 @@ class Objective:
         return ttt_loss(out, draft_target, rows, (batch["input_ids"], argmax, batch["loss_mask"]))
 
     def to_device(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The batch on the device, fp8 states (eagle3.storage) dequantised there to the target's dtype: a GPU
+        """The batch on the device, fp8 states (eagle3.cache.codec) dequantised there to the target's dtype: a GPU
         copies half the bytes and the host never holds a dequantised copy."""
         return dense({k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, self.teacher.dtype)

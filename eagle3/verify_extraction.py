@@ -189,7 +189,7 @@ def format_report(reports: list[SampleReport]) -> str:
 
 def _states_from_cache(cache_dir: str, prepared_train: Any, n: int) -> tuple[list, list[int]]:
     from eagle3.cache import HiddenStateDataset
-    from eagle3.storage import dense
+    from eagle3.cache.codec import dense
 
     ds = HiddenStateDataset(cache_dir, "train", allow_incomplete=True)
     if len(ds) == 0:

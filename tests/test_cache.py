@@ -86,7 +86,7 @@ def test_reads_are_zero_copy_views_of_the_mapping(tmp_path):
     a, b = ds[0]["aux"], ds[0]["aux"]
     assert a.data_ptr() == b.data_ptr()  # same mapped bytes, no copy per access
     batch = ds._batches[0]
-    assert a.data_ptr() == batch.aux.ctypes.data
+    assert a.data_ptr() == batch.states["aux"].ctypes.data
 
 
 def test_shards_are_readable_by_datasets(tmp_path):

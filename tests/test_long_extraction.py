@@ -76,7 +76,7 @@ def test_the_argmax_takes_a_long_sample_in_blocks_with_the_same_ids(monkeypatch)
 def test_fp8_quantisation_in_blocks_is_bit_identical(monkeypatch):
     """quantize holds QUANTIZE_ELEMENTS float32 states at a time (each block checked finite as it comes), and the
     bytes are those of quantising the whole sample at once."""
-    from eagle3 import storage
+    from eagle3.cache import codec as storage
 
     x = torch.randn(1000, 3 * 24, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     x[7] = 0  # an all-zero token keeps scale 0
@@ -162,8 +162,8 @@ def test_a_32k_sample_through_extraction_fp8_and_verify(tmp_path):
     """A 32768-token train sample (and an eval one) of a tiny target whose window is 32768: the fp8 cache holds it,
     read back it is the backend's capture within fp8's rounding, and verify-extraction passes it."""
     from eagle3.cache import HiddenStateDataset
+    from eagle3.cache.codec import dense
     from eagle3.extract import run as extract
-    from eagle3.storage import dense
     from eagle3.targets.hf import HFTarget
     from eagle3.verify_extraction import run as verify
 

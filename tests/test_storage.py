@@ -23,8 +23,8 @@ from eagle3.cache import (
     read_meta,
     shard_name,
 )
+from eagle3.cache.codec import FP8_MAX, dense, dequantize, quantize
 from eagle3.extract import run as extract
-from eagle3.storage import FP8_MAX, dense, dequantize, quantize
 
 
 @pytest.fixture(scope="module")
