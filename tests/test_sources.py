@@ -68,9 +68,9 @@ def test_truncated_json_array_recovers_complete_records(tmp_path: Path):
     path.write_text(text[:cut])
     stats = SourceStats("trunc")
     # small chunks: exercises refills and records spanning chunk boundaries
-    from eagle3.data import sources
+    from eagle3.data import readers, sources
 
-    convs = [sources._to_conversation(r, i, "trunc", None, stats) for i, r in sources._iter_json_array(path, stats, 512)]
+    convs = [sources._to_conversation(r, i, "trunc", None, stats) for i, r in readers.iter_json_array(path, stats, 512)]
     assert [c.id for c in convs] == [f"id{i}" for i in range(37)]
     tail = text[text.rindex("\n  {", 0, cut) + 3 : cut]  # from the opening brace of record 37
     assert stats.truncated_bytes == len(tail.encode())
