@@ -29,7 +29,7 @@ from eagle3.config import Config
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.formats import CONFIG_NAME, save_draft
 from eagle3.fsutil import damaged_files, file_records, remove_stale_in, replace_dir, tmp_sibling
-from eagle3.logs import UserError
+from eagle3.logs import UserError, disk_full_error
 from eagle3.model import SHAPE_FIELDS, Eagle3DraftConfig
 
 log = logging.getLogger("eagle3")
@@ -114,7 +114,6 @@ def _dir_bytes(path: Path) -> int:
 
 def _raise_if_disk_full(e: BaseException, final: Path, ckpt_dir: Path, previous: list[tuple[int, Path]]) -> None:
     """torch.save / safetensors report a full disk without naming the folder; say which checkpoint and how much."""
-    from eagle3.logs import disk_full_error
 
     need = _dir_bytes(previous[-1][1]) if previous else 0
     try:

@@ -32,7 +32,7 @@ from eagle3 import threads
 from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.data.vocab import OutOfVocab
-from eagle3.logs import Progress, setup_logging
+from eagle3.logs import Progress, UserError, setup_logging
 from eagle3.model import context_window
 from eagle3.prompts import PromptSet, load_prompt_set
 from eagle3.specdec import AcceptanceStats, Generation, HFTargetDecoder, SpecSettings, SpeculativeDecoder
@@ -407,7 +407,6 @@ def run(cfg: Config) -> dict[str, Any]:
 def refuse_clear_divergences(report: dict[str, Any], cfg: Config) -> None:
     """After the report is written: a divergence at a clear margin is a bug in the evaluator or the head's
     format, never rounding, so the run fails (eagle3.divergence) unless the user asked to continue."""
-    from eagle3.logs import UserError
 
     clear = [d for r in report["sets"].values() for d in r.get("divergences", []) if not d["near_tie"]]
     if not clear or cfg.eval.allow_divergence:

@@ -178,11 +178,10 @@ def run(cfg: Config, backend: Any = None) -> dict[str, Any]:
 
 @dataclass
 class _Done:
-    """What this rank's extraction has done so far (progress, rates, the kill hook's batch count)."""
+    """What this rank's extraction has done so far (progress, rates)."""
 
     t0: float
     tokens: int = 0
-    batches: int = 0
     nonfinite: int = 0
 
 
@@ -230,7 +229,6 @@ def _extract_shard(cfg: Config, backend: Any, argmax: Any, ds: Any, lens: np.nda
                                 "the cache, never trained on)", job.split, sid)
             writer.write(keep)
             done.tokens += sum(len(x) for x in rows["input_ids"])
-            done.batches += 1
             prog.update(len(batch), tok_s=f"{done.tokens / max(time.monotonic() - done.t0, 1e-9):.0f}")
         return writer.commit(job.shard, skipped)
     except BaseException:

@@ -1,8 +1,8 @@
 """Logging and progress that stay readable when redirected to a file.
 
-Python block-buffers stdout into files: the seed pipeline lost an hour staring at an empty log. Every entry
-point calls `setup_logging()`, which makes stdout/stderr line-buffered. `progress()` is tqdm on a terminal and,
-when output goes to a file, plain log lines with rate and ETA every few seconds instead of carriage returns.
+Python block-buffers stdout into files, and an empty log hides a running job for hours. Every entry point calls
+`setup_logging()`, which makes stdout/stderr line-buffered. `Progress` is tqdm on a terminal and, when output goes
+to a file, plain log lines with rate and ETA every few seconds instead of carriage returns.
 
 `setup_logging()` also installs an exception hook for the process's *uncaught* exceptions: an error phrased for
 the user (a `UserError`, a ValueError/FileNotFoundError/FileExistsError raised by eagle3's own code, a full
@@ -21,12 +21,9 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
 
 from tqdm import tqdm
 
-T = TypeVar("T")
 log = logging.getLogger("eagle3")
 
 
@@ -214,9 +211,3 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def progress(it: Iterable[T], total: int | None, desc: str, unit: str = "it") -> Iterator[T]:
-    with Progress(total, desc, unit) as p:
-        for x in it:
-            yield x
-            p.update(1)

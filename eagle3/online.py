@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from eagle3.batching import Prefetch
+from eagle3.batching import Prefetch, collate, pinned
 
 log = logging.getLogger("eagle3")
 
@@ -81,7 +81,5 @@ class OnlineSource:
 
     def iter_collated(self, index_batches: list[list[int]], pin: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """Collated batches of `index_batches`, computed by the target now (`pin`: pinned for a CUDA copy)."""
-        from eagle3.batching import collate, pinned
-
         for items in OnlineBatches(self.backend, self.split, index_batches, self.argmax, self.prefetch):
             yield pinned(collate(items)) if pin else collate(items)

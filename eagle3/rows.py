@@ -158,9 +158,3 @@ def plan_rows(loss_mask: Tensor, draft_target: Tensor, steps: int, mask_out_of_v
     teacher_row = [rank[at] for at in teacher_at]
     return TTTPlan((b, t), keep, parent, score, need.nonzero().squeeze(1), teacher_row, counted, w, start)
 
-
-def every_row(b: int, t: int, steps: int, device: torch.device | str = "cpu") -> TTTPlan:
-    """Every position computed and scored at every step (the reference unroll, and decode tests)."""
-    all_ = torch.arange(b * t, device=device)
-    return TTTPlan((b, t), [all_] * steps, [all_] * steps, [all_] * steps, all_, [all_] * steps,
-                   torch.full((steps,), float(b * t), device=device), t)

@@ -31,7 +31,7 @@ from eagle3 import threads
 from eagle3.batching import EpochPlan, Mixture, check_fits, plan_epoch, plan_eval
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
-from eagle3.data.prepared import load_vocab, read_prepared_meta
+from eagle3.data.prepared import load_prepared, load_vocab, read_prepared_meta
 from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily, sglang_family
 from eagle3.locks import writes
@@ -41,6 +41,7 @@ from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
 from eagle3.objective import Objective
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
+from eagle3.precision import resolve_mixed_precision as resolve_for_device
 from eagle3.prepare import check_prepared
 from eagle3.process import this_process
 from eagle3.sequence_parallel import SequenceParallel, data_place, describe
@@ -53,9 +54,7 @@ log = logging.getLogger("eagle3")
 # ---------------------------------------------------------------------------------------------------- setup
 def resolve_mixed_precision(cfg: Config) -> str:
     """train.mixed_precision with `auto` resolved for the device accelerate will train on (eagle3.precision)."""
-    from eagle3.precision import resolve_mixed_precision as resolve
-
-    return resolve(cfg.train.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_for_device(cfg.train.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def make_accelerator(cfg: Config):
@@ -82,7 +81,6 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
     Both have `.lengths` and `iter_collated(index_batches, pin)`, whose batches hold the same keys (eagle3.batching
     .collate): the only place the trainer tells the two modes apart is here."""
     if cfg.extract.mode == "online":
-        from eagle3.data.prepared import load_prepared
         from eagle3.targets import make_backend
 
         prepared = load_prepared(cfg.prepared_dir)

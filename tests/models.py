@@ -147,12 +147,20 @@ def tiny_target_cfg(target: Path, prepared: Path, out: Path, **extract):
 
 
 # --------------------------------------------------------------------------------------- the TTT reference
+def every_row(b: int, t: int, steps: int, device: torch.device | str = "cpu"):
+    """Every position computed and scored at every step: eagle3.rows.TTTPlan with nothing pruned."""
+    from eagle3.rows import TTTPlan
+
+    all_ = torch.arange(b * t, device=device)
+    return TTTPlan((b, t), [all_] * steps, [all_] * steps, [all_] * steps, all_, [all_] * steps,
+                   torch.full((steps,), float(b * t), device=device), t)
+
+
 def ttt_unroll(draft, hidden0: torch.Tensor, input_ids: torch.Tensor, steps: int,
                attention: str = "fast") -> list[torch.Tensor]:
     """Logits [B, T, draft_vocab] of every position at each of `steps` unrolled steps: the draft's TTT forward
-    with nothing pruned (eagle3.rows.every_row), the reference the pruned trainer is compared with."""
+    with nothing pruned (every_row), the reference the pruned trainer is compared with."""
     from eagle3.model import ttt_unroll_rows
-    from eagle3.rows import every_row
 
     b, t = input_ids.shape
     rows = every_row(b, t, steps, input_ids.device)

@@ -288,8 +288,6 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
 # -------------------------------------------------------------------------------------------- child side
 def _child(argv: list[str] | None = None) -> int:
     """Runs inside vLLM's interpreter: only the standard library and vllm."""
-    import time
-
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
 
     try:
