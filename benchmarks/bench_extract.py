@@ -33,8 +33,8 @@ from eagle3.cache import (
 from eagle3.cache.codec import dense
 from eagle3.config import Config
 from eagle3.fsutil import write_json_atomic
-from eagle3.loss import ArgmaxHead
 from eagle3.precision import DTYPES
+from eagle3.targets.argmax import ArgmaxHead
 from eagle3.targets.hf import HFTarget, load_causal_lm
 
 

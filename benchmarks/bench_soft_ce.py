@@ -56,7 +56,7 @@ def row_max_vs_max(a: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(a.threads)
-    from eagle3.loss import row_max
+    from eagle3.targets.argmax import row_max
 
     z = torch.randn(a.rows, a.vocab)
     ref, got = z.max(-1), row_max(z)

@@ -82,7 +82,7 @@ def one(a: argparse.Namespace) -> dict:
     device = torch.device("cpu")
     planned = new or "micro" in inspect.signature(trainer.forward_loss).parameters
     if planned:  # this trainer reads the target's argmax from the cache
-        from eagle3.loss import lm_head_argmax
+        from eagle3.targets.argmax import lm_head_argmax
 
         batch["target_argmax"] = lm_head_argmax(lm_head, batch["final"][0], 8192).to(torch.int32)[None]
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)

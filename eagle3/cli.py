@@ -117,7 +117,7 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
 
 def cmd_cache_upgrade(args: argparse.Namespace) -> int:
     from eagle3.cache import expected_fingerprint, print_info, upgrade
-    from eagle3.loss import ArgmaxHead
+    from eagle3.targets.argmax import ArgmaxHead
 
     cfg = _cfg(args)
     n = upgrade(args.dir, ArgmaxHead.for_backend(None, cfg.target, cfg.train.teacher_chunk), expected_fingerprint(cfg))

@@ -50,9 +50,9 @@ from eagle3.cache import (
 from eagle3.data.prepared import load_prepared
 from eagle3.locks import writes
 from eagle3.logs import Progress, disk_full_error, setup_logging
-from eagle3.loss import ArgmaxHead
 from eagle3.prepare import check_prepared
 from eagle3.process import this_process
+from eagle3.targets.argmax import ArgmaxHead
 
 if TYPE_CHECKING:
     from eagle3.config import Config

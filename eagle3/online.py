@@ -6,7 +6,7 @@ target's forward of batch i+1 overlaps the draft's step on batch i (torch releas
 
 Items are the same dicts `HiddenStateDataset` yields, so the trainer cannot tell the two modes apart:
 {"sample_id", "input_ids" int64 [T], "loss_mask" int8 [T], "aux" [T,3H], "final" [T,H], "target_argmax" [T]}
-(the target's full-vocab argmax, computed by an eagle3.loss.ArgmaxHead as extraction does).
+(the target's full-vocab argmax, computed by an eagle3.targets.argmax.ArgmaxHead as extraction does).
 
     batches = OnlineBatches(backend, prepared.train, index_batches, argmax, prefetch=cfg.extract.prefetch)
     for items in batches: ...      # one list of item dicts per index batch, in order

@@ -36,7 +36,7 @@ from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily, sglang_family
 from eagle3.locks import writes
 from eagle3.logs import Progress, UserError, setup_logging
-from eagle3.loss import ArgmaxHead, StepStats, Teacher, summarise
+from eagle3.loss import StepStats, Teacher, summarise
 from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
 from eagle3.objective import Objective
 from eagle3.online import OnlineSource
@@ -45,6 +45,7 @@ from eagle3.precision import resolve_mixed_precision as resolve_for_device
 from eagle3.prepare import check_prepared
 from eagle3.process import this_process
 from eagle3.sequence_parallel import SequenceParallel, data_place, describe
+from eagle3.targets.argmax import ArgmaxHead
 from eagle3.targets.info import TargetInfo, read_target_info
 from eagle3.targets.weights import load_target_head
 from eagle3.tracking import Tracker, accelerator_tracking

@@ -219,7 +219,7 @@ def check_argmax(report: SampleReport, stored: torch.Tensor, model: torch.nn.Mod
     """The cache's target_argmax against the target's own lm_head over the cache's own final states (which the
     layer checks compare with HF's): each stored id must be their argmax, or tie with it within `rel_tol` (by
     default the dtype's rounding)."""
-    from eagle3.loss import lm_head_max
+    from eagle3.targets.argmax import lm_head_max
 
     weight = model.get_output_embeddings().weight
     x = final.to(weight.device, weight.dtype)

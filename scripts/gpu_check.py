@@ -18,7 +18,7 @@ Parts, in order; each records its figures or its error and the next one runs wha
      and the GPU figure read together.
   4. `profiled_step`: the SmolLM2 head's step that benchmarks/bench_profile.py profiles on a CPU and
      benchmarks/bench_specforge.py compares with SpecForge (2 x 512 tokens, TTT 4), timed on the device.
-  5. `extraction`: per token, the stored full-vocab argmax (eagle3.loss.lm_head_argmax over the 163840-row
+  5. `extraction`: per token, the stored full-vocab argmax (eagle3.targets.argmax.lm_head_argmax over the 163840-row
      lm_head) and fp8 quantisation of the states (eagle3.cache.codec.quantize).
 A part over its time share is cut short and says so: the whole run stays inside --budget-s.
 """
@@ -290,7 +290,7 @@ def extraction(sizes: Sizes, device: Any, reps: int) -> dict[str, Any]:
     import torch
 
     from eagle3.cache.codec import quantize
-    from eagle3.loss import lm_head_argmax
+    from eagle3.targets.argmax import lm_head_argmax
 
     tokens = max(sizes.tokens)
     lm_head = torch.empty(sizes.vocab, sizes.hidden, dtype=torch.bfloat16, device=device).normal_(0, 0.02)

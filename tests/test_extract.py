@@ -185,8 +185,8 @@ def test_online_equals_offline(world, tmp_path, dtype, max_batch):
     """Same sample, same states, whichever mode. Bit-exact when both compute one sequence per forward; with
     batching, the trainer's batches differ from the extraction's and CPU GEMMs pick their reduction order by
     shape, so the last bits may differ (same float tolerance as batched-vs-alone)."""
-    from eagle3.loss import ArgmaxHead
     from eagle3.online import OnlineBatches
+    from eagle3.targets.argmax import ArgmaxHead
 
     cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path, shard_samples=4, batch_tokens=80,
                           max_batch_size=max_batch)

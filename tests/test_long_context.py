@@ -14,9 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eagle3.batching import check_fits
 from eagle3.config import TrainConfig
 from eagle3.logs import UserError
-from eagle3.loss import Teacher, lm_head_argmax
+from eagle3.loss import Teacher
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.objective import Objective
+from eagle3.targets.argmax import lm_head_argmax
 
 sys.path.append(str(Path(__file__).parent))  # tests/ helpers (appended: never shadow installed packages)
 import test_trainer  # noqa: E402

@@ -60,16 +60,16 @@ def test_the_bundled_models_window_is_known_without_materialising_it():
 # ----------------------------------------------------------------------------------- bounded temporaries
 def test_the_argmax_takes_a_long_sample_in_blocks_with_the_same_ids(monkeypatch):
     """lm_head_max never multiplies more than LOGITS_PER_BLOCK logits at once, and its ids are the full argmax."""
-    from eagle3 import loss
+    from eagle3.targets import argmax
 
     g = torch.Generator().manual_seed(0)
     weight, final = torch.randn(1000, 16, generator=g), torch.randn(3000, 16, generator=g)
     want = (final @ weight.T).argmax(-1)
     seen = []
-    real = loss.row_max
-    monkeypatch.setattr(loss, "row_max", lambda z, *a: (seen.append(z.numel()), real(z, *a))[1])
-    monkeypatch.setattr(loss, "LOGITS_PER_BLOCK", 256 * 100)
-    assert torch.equal(loss.lm_head_argmax(weight, final, chunk=256), want)
+    real = argmax.row_max
+    monkeypatch.setattr(argmax, "row_max", lambda z, *a: (seen.append(z.numel()), real(z, *a))[1])
+    monkeypatch.setattr(argmax, "LOGITS_PER_BLOCK", 256 * 100)
+    assert torch.equal(argmax.lm_head_argmax(weight, final, chunk=256), want)
     assert max(seen) <= 256 * 100 and len(seen) == -(-3000 // 100) * 4
 
 

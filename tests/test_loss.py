@@ -15,13 +15,12 @@ from eagle3.loss import (
     Teacher,
     acceptance_length,
     linear_soft_ce,
-    lm_head_argmax,
-    row_max,
     summarise,
     ttt_loss,
 )
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_attention_dense, ttt_attention_fast
 from eagle3.rows import plan_rows, valid_positions
+from eagle3.targets.argmax import lm_head_argmax, row_max
 
 
 class Taught(NamedTuple):

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from eagle3.config import TrainConfig, dump_config
-from eagle3.loss import StepStats, Teacher, lm_head_argmax
+from eagle3.loss import StepStats, Teacher
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.objective import Objective
 from eagle3.sequence_parallel import SequenceParallel
+from eagle3.targets.argmax import lm_head_argmax
 
 sys.path.append(str(Path(__file__).parent))  # tests/ helpers (appended: never shadow installed packages)
 import test_trainer  # noqa: E402

@@ -205,7 +205,7 @@ def test_stored_argmax_is_the_targets_and_a_format_1_cache_is_upgraded_to_the_sa
     from eagle3.cli import main
     from eagle3.config import dump_config
     from eagle3.fsutil import sha256_file, write_json_atomic
-    from eagle3.loss import lm_head_argmax
+    from eagle3.targets.argmax import lm_head_argmax
     from eagle3.targets.weights import load_target_head
 
     cfg = make_cfg(tiny_cache, tmp_path / "new", max_steps=1)

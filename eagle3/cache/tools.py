@@ -100,7 +100,7 @@ _ARGMAX_SOURCE = ("weights_id", "dtype", "hidden_size", "architectures")
 @writes(lambda cache_dir, **_: cache_dir, "cache upgrade")  # extract refuses format 1: no rank parts to meet
 def upgrade(cache_dir: str | Path, argmax: Any, expected: dict[str, Any]) -> int:
     """Upgrade a format-1 cache to format 2 in place: each shard gains its `target_argmax` column (computed once
-    here with `argmax`, an eagle3.loss.ArgmaxHead of the cache's target) and a checksum; every other byte of its
+    here with `argmax`, an eagle3.targets.argmax.ArgmaxHead of the cache's target) and a checksum; every other byte of its
     record batches is kept. Shard by shard, each renamed into place whole and its manifest saved after it, so a
     killed upgrade resumes where it stopped; meta.json says format 2 only at the very end. Returns the number of
     shards rewritten.

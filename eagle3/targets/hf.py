@@ -181,7 +181,7 @@ class HFTarget:
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The loaded model's lm_head [V, H] (eagle3.loss.ArgmaxHead uses it rather than a second copy)."""
+        """The loaded model's lm_head [V, H] (eagle3.targets.argmax.ArgmaxHead uses it rather than a second copy)."""
         return self.model.get_output_embeddings().weight
 
     @torch.inference_mode()
