@@ -47,10 +47,9 @@ from eagle3.cache import (
     remaining_tokens,
     shard_name,
 )
-from eagle3.data.prepared import load_prepared
+from eagle3.data.prepared import check_prepared, load_prepared
 from eagle3.locks import writes
 from eagle3.logs import Progress, disk_full_error, setup_logging
-from eagle3.prepare import check_prepared
 from eagle3.process import this_process
 from eagle3.targets.argmax import ArgmaxHead
 

@@ -31,7 +31,7 @@ from eagle3 import threads
 from eagle3.batching import EpochPlan, Mixture, check_fits, plan_epoch, plan_eval
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
 from eagle3.config import Config
-from eagle3.data.prepared import load_prepared, load_vocab, read_prepared_meta
+from eagle3.data.prepared import check_prepared, load_prepared, load_vocab, read_prepared_meta
 from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily, sglang_family
 from eagle3.locks import writes
@@ -42,7 +42,6 @@ from eagle3.objective import Objective
 from eagle3.online import OnlineSource
 from eagle3.precision import DTYPES
 from eagle3.precision import resolve_mixed_precision as resolve_for_device
-from eagle3.prepare import check_prepared
 from eagle3.process import this_process
 from eagle3.sequence_parallel import SequenceParallel, data_place, describe
 from eagle3.targets.argmax import ArgmaxHead

@@ -15,6 +15,7 @@ from tokenizer_builders import kimi_test_tokenizer, llama_test_tokenizer
 from eagle3 import prepare
 from eagle3.batching import Mixture, plan_batches, plan_epoch
 from eagle3.config import ConfigError, load_config
+from eagle3.data import prepared
 from eagle3.data.prepared import load_prepared
 from eagle3.logs import UserError
 
@@ -229,7 +230,7 @@ def test_answers_plus_prompts_counts_the_prompt_tokens(tmp_path: Path, tok_dir: 
     assert sa["vocab_coverage"] == 1.0 >= sb["vocab_coverage"]  # coverage stays over the answers
 
 
-def test_fingerprints_follow_thinking_and_vocab_from_never_the_weights(tmp_path: Path, tok_dir: Path, caplog):
+def test_fingerprints_follow_thinking_join_parts_and_vocab_from_never_the_weights(tmp_path: Path, tok_dir: Path, caplog):
     from eagle3.cache import expected_fingerprint
     from eagle3.data.prepared import PreparedError
 
@@ -246,27 +247,33 @@ def test_fingerprints_follow_thinking_and_vocab_from_never_the_weights(tmp_path:
     meta = load_prepared(first.prepared_dir).meta
     caplog.set_level(logging.WARNING, "eagle3")
     reweighted = cfg(5, 1)
-    assert prepare.fingerprint(prepare.fingerprint_inputs(reweighted, *_target(reweighted))) == meta["fingerprint"]
+    assert prepared.fingerprint(prepared.fingerprint_inputs(reweighted, *_target(reweighted))) == meta["fingerprint"]
     prepare.run(reweighted)  # reused, not rebuilt: same folder, same files
     assert load_prepared(first.prepared_dir).meta["created"] == meta["created"]
     assert "counted with source weights {'a': 1.0, 'b': 1.0}, this config has {'a': 5.0, 'b': 1.0}" in caplog.text
     for stage in ("extract", "train"):
-        prepare.check_prepared(reweighted, meta, stage)  # nothing to re-prepare
+        prepared.check_prepared(reweighted, meta, stage)  # nothing to re-prepare
     assert expected_fingerprint(reweighted, meta) == expected_fingerprint(first, meta)  # nor to re-extract
 
     thinking = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, thinking: true}}, {{path: {b}, weight: 1}}]")
-    assert prepare.fingerprint(prepare.fingerprint_inputs(thinking, *_target(thinking))) != meta["fingerprint"]
+    assert prepared.fingerprint(prepared.fingerprint_inputs(thinking, *_target(thinking))) != meta["fingerprint"]
     with pytest.raises(PreparedError, match=r"data.sources: prepared with "):
-        prepare.check_prepared(thinking, meta, "extract")
+        prepared.check_prepared(thinking, meta, "extract")
     same = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, thinking: false}}, {{path: {b}, weight: 1}}]")
-    prepare.check_prepared(same, meta, "train")  # data.thinking's own value: the rendering is the same
+    prepared.check_prepared(same, meta, "train")  # data.thinking's own value: the rendering is the same
+    joined = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, join_parts: true}}, {{path: {b}, weight: 1}}]")
+    assert prepared.fingerprint(prepared.fingerprint_inputs(joined, *_target(joined))) != meta["fingerprint"]
+    with pytest.raises(PreparedError, match=r"data.sources: prepared with .*this config has .*\"join_parts\": true"):
+        prepared.check_prepared(joined, meta, "extract")  # other records joined: other samples
+    unjoined = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, join_parts: false}}, {{path: {b}, weight: 1}}]")
+    prepared.check_prepared(unjoined, meta, "train")  # the default, said: the same samples
 
     prompts = cfg(1, 1, "draft.vocab_from=answers+prompts")
-    fp_in = prepare.fingerprint_inputs(prompts, *_target(prompts))
-    assert prepare.fingerprint(fp_in) != meta["fingerprint"]
-    prepare.check_prepared(prompts, meta, "extract")  # the states do not depend on the vocab...
+    fp_in = prepared.fingerprint_inputs(prompts, *_target(prompts))
+    assert prepared.fingerprint(fp_in) != meta["fingerprint"]
+    prepared.check_prepared(prompts, meta, "extract")  # the states do not depend on the vocab...
     with pytest.raises(PreparedError, match="draft.vocab_from"):
-        prepare.check_prepared(prompts, meta, "train")  # ...the head does
+        prepared.check_prepared(prompts, meta, "train")  # ...the head does
     prepare.run(prompts)
     assert load_prepared(prompts.prepared_dir).meta["samples_fingerprint"] == meta["samples_fingerprint"]
 
@@ -275,7 +282,7 @@ def _target(cfg):
     from eagle3.data.templates import load_tokenizer, resolve_template
 
     tok = load_tokenizer(cfg.target)
-    return tok, resolve_template(cfg.data.chat_template, tok), prepare.target_vocab_size(cfg, tok)
+    return tok, resolve_template(cfg.data.chat_template, tok), prepared.target_vocab_size(cfg, tok)
 
 
 def test_two_weighted_sources_with_one_name_are_refused(tmp_path: Path, tok_dir: Path):

@@ -8,10 +8,15 @@
 
 The draft vocab is counted once here and only loaded afterwards: regenerating it on resume silently misaligns
 a trained lm_head.
+
+What the folder was made from is part of the contract too: `fingerprint_inputs` (sources, tokenizer, template,
+the data settings) is recorded in meta.json, `prepare` reuses a folder whose fingerprint matches, and
+`check_prepared` refuses `extract` or `train` on a folder another config made, naming each key with both values.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +25,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.config import Config, SourceConfig
+from eagle3.data.sources import resolve_source_path
+from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, resolve_template
 from eagle3.fsutil import damaged_files
 from eagle3.logs import UserError
+from eagle3.targets.info import read_target_info
 
 
 class PreparedError(UserError, ValueError):
@@ -81,3 +90,154 @@ def load_prepared(prepared_dir: str | Path) -> Prepared:
     meta = read_prepared_meta(d)
     d2t, t2d = load_vocab(d / "vocab.safetensors")
     return Prepared(load_from_disk(str(d / "train")), load_from_disk(str(d / "eval")), d2t, t2d, meta)
+
+
+# ------------------------------------------------------------------------------ what the folder was made from
+PREPARE_VERSION = 2
+"""Bump when the rendering/masking rules change, so old prepared folders are rebuilt (2: tool conversations are
+read and rendered instead of skipped; samples record their source and record)."""
+SMALL_FILE_BYTES = 16 << 20
+"""Source files up to this size are identified by content hash; bigger ones by path + size + mtime."""
+
+
+# ------------------------------------------------------------------------------------------------ fingerprint
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def own_thinking(src: SourceConfig, data_thinking: bool) -> bool | None:
+    """A source's `thinking` where it differs from `data.thinking`, else None: the fingerprint names only a setting
+    that changes the rendering (and folders prepared before the key existed keep their fingerprint)."""
+    return src.thinking if src.thinking is not None and src.thinking != data_thinking else None
+
+
+def source_identity(src: SourceConfig, data_thinking: bool = False) -> dict[str, Any]:
+    """What identifies a source's content without reading big files: content hash when small, else stat; and its own
+    rendering setting (`thinking`). Not its weight: the samples do not depend on it."""
+    p = resolve_source_path(src).resolve()
+    ident: dict[str, Any] = {"path": src.path, "format": src.format, "split": src.split, "max_records": src.max_records}
+    if (thinking := own_thinking(src, data_thinking)) is not None:
+        ident["thinking"] = thinking
+    if src.join_parts:  # only when set: folders prepared before the key existed keep their fingerprint
+        ident["join_parts"] = True
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file())
+        listing = [(str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        ident["folder"] = _sha256_bytes(json.dumps([str(p), listing]).encode())
+    else:
+        st = p.stat()
+        if st.st_size <= SMALL_FILE_BYTES:
+            ident["sha256"] = _sha256_bytes(p.read_bytes())
+        else:
+            ident["file"] = [str(p), st.st_size, st.st_mtime_ns]
+    return ident
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    specials = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    return {
+        "class": type(tokenizer).__name__,
+        "len": len(tokenizer),
+        "vocab_sha256": _sha256_bytes(json.dumps([vocab, specials], ensure_ascii=False).encode()),
+    }
+
+
+def target_vocab_size(cfg: Config, tokenizer: Any) -> int:
+    """The target's vocab (lm_head rows) from its config.json (text_config first), else the tokenizer's length.
+
+    A model's vocab is often padded beyond the tokenizer; t2d must cover the model's rows."""
+    try:
+        size = read_target_info(cfg.target.path).text.get("vocab_size")
+    except FileNotFoundError:
+        size = None
+    return size if isinstance(size, int) and size > 0 else len(tokenizer)
+
+
+def fingerprint_inputs(cfg: Config, tokenizer: Any, tpl: ChatTemplate, vocab_size: int) -> dict[str, Any]:
+    return {**_settings(cfg), "sources": [source_identity(s, cfg.data.thinking) for s in cfg.data.sources],
+            **_target_part(tokenizer, tpl, vocab_size)}
+
+
+def _settings(cfg: Config) -> dict[str, Any]:
+    """The fingerprint inputs the config alone decides."""
+    d = cfg.data
+    return {"version": PREPARE_VERSION, "thinking": d.thinking, "system_prompt": d.system_prompt,
+            "max_length": d.max_length, "overlength": d.overlength, "max_samples": d.max_samples,
+            "eval_size": d.eval_size, "seed": d.seed, "draft_vocab_size": cfg.draft.vocab_size,
+            # only when not the default: folders prepared before the key existed keep their fingerprint
+            **({"min_length": d.min_length} if d.min_length else {}),
+            **({"vocab_from": cfg.draft.vocab_from} if cfg.draft.vocab_from != "answers" else {})}
+
+
+VOCAB_KEYS = ("draft_vocab_size", "vocab_from")
+"""Fingerprint inputs that decide only the draft vocab: hidden-state caches do not depend on them."""
+
+
+def _target_part(tokenizer: Any, tpl: ChatTemplate, vocab_size: int) -> dict[str, Any]:
+    """The fingerprint inputs the target's tokenizer decides."""
+    return {"tokenizer": tokenizer_identity(tokenizer), "target_vocab_size": vocab_size,
+            "template": {"name": tpl.name, "sha256": _sha256_bytes(tpl.text.encode()), "eot": list(tpl.eot)}}
+
+
+def fingerprint(inputs: dict[str, Any]) -> str:
+    return _sha256_bytes(json.dumps(inputs, sort_keys=True).encode())
+
+
+_CONFIG_KEYS = {
+    "max_length": "data.max_length", "min_length": "data.min_length", "overlength": "data.overlength",
+    "max_samples": "data.max_samples",
+    "eval_size": "data.eval_size", "seed": "data.seed", "thinking": "data.thinking",
+    "system_prompt": "data.system_prompt", "template": "data.chat_template", "sources": "data.sources",
+    "draft_vocab_size": "draft.vocab_size", "vocab_from": "draft.vocab_from",
+    "tokenizer": "the target's tokenizer (target.path)",
+    "target_vocab_size": "the target's vocab size (target.path)", "version": "the prepare rules (eagle3's version)",
+}
+
+
+_SOURCE_NAMING = ("path", "format", "split", "max_records", "thinking", "join_parts")
+
+
+def _naming(src: SourceConfig, data_thinking: bool) -> dict[str, Any]:
+    """A source as the config names it (its own `thinking` and `join_parts` as source_identity records them)."""
+    own = {"thinking": own_thinking(src, data_thinking), "join_parts": True if src.join_parts else None}
+    return {k: own[k] if k in own else getattr(src, k) for k in _SOURCE_NAMING}
+
+
+def _config_part(fp_in: dict[str, Any]) -> dict[str, Any]:
+    """What the config decides of the prepared data: the fingerprint inputs with each source as the config names it
+    (a big source file's size and mtime change when it is copied to another machine; its samples do not)."""
+    return {**fp_in, "sources": [{k: s.get(k) for k in _SOURCE_NAMING} for s in fp_in.get("sources", [])]}
+
+
+def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
+    """Refuse a config that changed the data since `prepare` made it (data.max_length, the template, the sources,
+    draft.vocab_size for training, ...): `extract` and `train` would otherwise run on the old data. Names each key
+    with both values and the command that re-prepares. A folder `prepare` did not write (no recorded inputs) has
+    nothing to compare; where the target has no tokenizer, the keys that need one are not compared."""
+    then = meta.get("fingerprint_inputs")
+    if then is None:
+        return
+    # The sources as the config names them, never read: the raw data need not be on a training machine.
+    now = {**_settings(cfg), "sources": [_naming(src, cfg.data.thinking) for src in cfg.data.sources]}
+    try:
+        tokenizer = load_tokenizer(cfg.target)
+        now |= _target_part(tokenizer, resolve_template(cfg.data.chat_template, tokenizer),
+                            target_vocab_size(cfg, tokenizer))
+    except (OSError, ValueError, RuntimeError, TemplateError):
+        pass  # no tokenizer with the target (a test's bare weights): its keys are not compared
+    then = _config_part(then)
+    skip = set(VOCAB_KEYS) if stage == "extract" else set()  # hidden states do not depend on the draft vocab
+    changed = sorted(k for k in now if k not in skip and now.get(k) != then.get(k))
+    if not changed:
+        return
+    lines = "\n".join(f"  {_CONFIG_KEYS.get(k, k)}: prepared with {_short(then.get(k))}, this config has "
+                      f"{_short(now.get(k))}" for k in changed)
+    raise PreparedError(f"the prepared data in {cfg.prepared_dir} was made from another config than this one:\n"
+                        f"{lines}\nRe-run `eagle3 prepare --config ...` with this config before `eagle3 {stage}` "
+                        "(or set the keys back).")
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v, sort_keys=True) if not isinstance(v, str) else repr(v)
+    return text if len(text) <= 120 else text[:117] + "..."
