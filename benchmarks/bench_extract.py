@@ -119,7 +119,7 @@ def bench_dtype(samples: list[dict], dtype: str, batch_tokens: int, out: Path, m
     cfg.target.aux_layer_ids = [2, 15, 27]
     cfg.extract.batch_tokens = batch_tokens
     target = HFTarget(cfg)
-    argmax = ArgmaxHead.for_backend(target, cfg.target, cfg.train.teacher_chunk)
+    argmax = ArgmaxHead.for_backend(target, cfg.target, cfg.extract.teacher_chunk)
     bare = load_causal_lm(target.path, DTYPES[dtype])
     batches = plan_batches([len(s["input_ids"]) for s in samples], batch_tokens, cfg.extract.max_batch_size)
     if max_batches:

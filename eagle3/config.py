@@ -249,10 +249,22 @@ class ExtractConfig(Section):
     """How the offline cache keeps states (eagle3/cache/codec.py): `exact` (the target dtype's bits, lossless), `fp8`
     (float8_e4m3fn + a float32 scale per token and state: ~0.5x the bytes), `fp8-aux` (aux in fp8, the final
     state exact: ~0.63x). Online mode never stores states and ignores it. Measured: BENCHMARKS.md "fp8 cache"."""
+    teacher_chunk: int = Field(8192, ge=1)
+    """Vocab rows per chunk of the target's full-vocab argmax (computed where states are captured: offline
+    extraction, online mode, `eagle3 cache upgrade`; the trainer masks out-of-vocab positions with it): bounds
+    memory for big vocabularies."""
 
 
 # ----------------------------------------------------------------------------------------------------- train
 class TrainConfig(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "teacher_chunk" in data:  # a config written before the key moved
+            raise ValueError("train.teacher_chunk is now extract.teacher_chunk (it is set where the target's argmax "
+                             "is computed): move the key")
+        return data
+
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -289,9 +301,6 @@ class TrainConfig(Section):
     """Loss weight of TTT step j is step_decay**j."""
     mask_out_of_vocab: bool = True
     """Drop positions whose target argmax is outside the draft vocab (EAGLE's rule)."""
-    teacher_chunk: int = Field(8192, ge=1)
-    """Vocab rows per chunk of the target's full-vocab argmax (computed where states are captured: extraction,
-    online mode, `eagle3 cache upgrade`): bounds memory for big vocabularies."""
     loss_chunk_rows: int = Field(4096, ge=1)
     """Scored rows per chunk of the fused lm_head + soft cross-entropy (eagle3.loss.SoftCE): a TTT step's
     [rows, draft_vocab] logits exist one chunk at a time (4096 x 32000 float32 = 0.5 GB for Kimi-K2.5's head)."""

@@ -156,7 +156,7 @@ def run(cfg: Config, backend: Any = None) -> dict[str, Any]:
         _preflight_sample(backend, list(data[first.split][first.rows[0]]["input_ids"]), fp["hidden_size"])
 
     done = _Done(time.monotonic())
-    argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.train.teacher_chunk)
+    argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.extract.teacher_chunk)
     with Progress(todo_samples, f"extract rank {rank}/{world}", unit="samples") as prog:
         for job in jobs:
             tokens_at_start, committed = done.tokens, sum(len(m.shards) for m in manifests.values())

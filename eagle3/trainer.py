@@ -85,7 +85,7 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
 
         prepared = load_prepared(cfg.prepared_dir)
         backend = make_backend(cfg)
-        argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.train.teacher_chunk)
+        argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.extract.teacher_chunk)
         evald = OnlineSource(backend, prepared.eval, cfg.extract.prefetch, argmax) if len(prepared.eval) else None
         return OnlineSource(backend, prepared.train, cfg.extract.prefetch, argmax), evald
     from eagle3.cache import HiddenStateDataset, check_fingerprint, expected_fingerprint

@@ -270,7 +270,7 @@ def run(cfg: Config, source: str = "backend", num_samples: int = 4, backend: Any
         reports.append(compare(sid, list(ids), aux, final, layer_ids, hs, prenorm,
                                FP8_TOKEN_COSINE_MIN if storage != "exact" else None))
         if top is not None:
-            check_argmax(reports[-1], top, model, final, cfg.train.teacher_chunk,
+            check_argmax(reports[-1], top, model, final, cfg.extract.teacher_chunk,
                          FP8_ARGMAX_REL_TOL if storage == "fp8" else None)
     print(f"verify-extraction: {source} vs HF reference (output_hidden_states), layer ids {layer_ids} "
           f"(eagle3 convention: id k = input of decoder layer k)" + (f", {storage} storage" if storage != "exact"

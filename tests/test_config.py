@@ -33,6 +33,13 @@ def test_typo_names_dotted_path_and_suggests(tmp_path: Path) -> None:
     assert "allowed here:" in msg and "ttt_steps" in msg
 
 
+def test_a_moved_key_says_where_it_went(tmp_path: Path) -> None:
+    """train.teacher_chunk became extract.teacher_chunk (set where the target's argmax is computed)."""
+    with pytest.raises(ConfigError, match=r"train.teacher_chunk is now extract.teacher_chunk"):
+        load_config(_write(tmp_path, "train:\n  teacher_chunk: 4096\n"))
+    assert load_config(_write(tmp_path, "extract:\n  teacher_chunk: 4096\n")).extract.teacher_chunk == 4096
+
+
 def test_wrong_type_names_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(_write(tmp_path, "train:\n  ttt_steps: many\n"))

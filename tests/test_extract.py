@@ -197,7 +197,7 @@ def test_online_equals_offline(world, tmp_path, dtype, max_batch):
     index_batches = [[7, 0, 3], [9], [1, 2, 4, 5, 6, 8]]  # the trainer's choice, unlike the extraction batches
     seen = 0
     backend = HFTarget(cfg)
-    online = OnlineBatches(backend, prepared.train, index_batches, ArgmaxHead.for_backend(backend, cfg.target, cfg.train.teacher_chunk), prefetch=2)
+    online = OnlineBatches(backend, prepared.train, index_batches, ArgmaxHead.for_backend(backend, cfg.target, cfg.extract.teacher_chunk), prefetch=2)
     where = {cache[i]["sample_id"]: i for i in range(len(cache))}
     for idx, items in zip(index_batches, online, strict=True):
         assert [it["sample_id"] for it in items] == [prepared.train[i]["id"] for i in idx]

@@ -212,7 +212,7 @@ def test_stored_argmax_is_the_targets_and_a_format_1_cache_is_upgraded_to_the_sa
     ds = HiddenStateDataset(tiny_cache["cache"], "train")
     _, lm_head, _ = load_target_head(cfg.target.path)
     for i in range(len(ds)):
-        assert torch.equal(ds[i]["target_argmax"], lm_head_argmax(lm_head, ds[i]["final"], cfg.train.teacher_chunk))
+        assert torch.equal(ds[i]["target_argmax"], lm_head_argmax(lm_head, ds[i]["final"], cfg.extract.teacher_chunk))
 
     old = tmp_path / "v1-cache"
     shutil.copytree(tiny_cache["cache"], old)
