@@ -46,10 +46,13 @@ HOLDER = textwrap.dedent("""
         for arg in sys.argv[1:]:
             held.enter_context(writing(arg.lstrip("+"), "extract", per_rank=arg.startswith("+")))
         if os.environ.get("FORK"):  # a worker it forked (a multiprocessing pool) outliving it
+            ready, say_ready = os.pipe()
             child = os.fork()
-            if child == 0:
+            if child == 0:  # os.fork returns here after the at-fork hooks ran: say so, then outlive the parent
+                os.write(say_ready, b"x")
                 time.sleep(60)
                 os._exit(0)
+            os.read(ready, 1)  # a parent killed before its child ran at all would test nothing
             print(child, flush=True)
         print("held", flush=True)
         sys.stdin.read()
