@@ -16,7 +16,21 @@ Re-running the same command after a crash resumes from the newest checkpoint in 
 
 import sys
 
-from eagle3.cli import main
+from eagle3.cli import stage_config
+from eagle3.locks import writing
 
-if __name__ == "__main__":  # the `eagle3 train` command: one parser, one error path, the same exit codes
-    sys.exit(main(["train", *sys.argv[1:]]))
+
+def main(argv: list[str]) -> int:
+    cfg = stage_config("train", argv)  # --config FILE [key=value ...], the whole file validated (exit 2 if not)
+    # One writer per checkpoint folder, taken before the trainer's imports: a second run is refused at once.
+    with writing(cfg.checkpoint_dir, "train", per_rank=True):
+        from eagle3 import trainer
+
+        session = trainer.set_up(cfg)  # data, head, teacher, optimizer (accelerate); resumed from the newest checkpoint
+        trainer.train_loop(session)  # TTT steps; held-out acceptance, checkpoints and the tracker on the way
+        trainer.finish(session)  # the best head kept and exported for SGLang
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -263,5 +263,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def stage_config(stage: str, argv: list[str]) -> Config:
+    """`eagle3 <stage>`'s command line (`--config FILE [key=value ...]`) as the validated config, for the entry
+    scripts (train.py, extract.py): the same parser, and a config error exits 2 as `eagle3 <stage>` does."""
+    setup_logging()
+    try:
+        return _cfg(parse([stage, *argv]))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -117,7 +117,45 @@ def _disk_full(e: BaseException, path: Path, cache_dir: Path, tokens_left: int, 
 
 @writes(lambda cfg, **_: cfg.cache_dir, "extract", per_rank=True)  # ranks share the cache, one part each
 def run(cfg: Config, backend: Any = None) -> dict[str, Any]:
-    """Extract this rank's missing shards of every prepared split into `cfg.cache_dir`."""
+    """Extract this rank's missing shards of every prepared split into `cfg.cache_dir` (`backend`: a target
+    already open, else the config's)."""
+    work = plan(cfg)
+    if not work.jobs:
+        return {"rank": work.rank, "shards": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
+    return extract_all(work, open_target(work, backend))
+
+
+@dataclass
+class Work:
+    """This rank's part of an extraction: what the cache lacks of it, and what it is checked against."""
+
+    cfg: Config
+    rank: int
+    world: int
+    data: dict[str, Any]
+    """The prepared splits (datasets)."""
+    lengths: dict[str, np.ndarray]
+    fp: dict[str, Any]
+    """The fingerprint the cache is extracted with (eagle3.cache.expected_fingerprint)."""
+    jobs: list[Job]
+    manifests: dict[str, Manifest]
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.cfg.cache_dir
+
+    @property
+    def samples(self) -> int:
+        return sum(len(j.rows) for j in self.jobs)
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(self.lengths[j.split][j.rows].sum()) for j in self.jobs)
+
+
+def plan(cfg: Config) -> Work:
+    """The cache opened (meta.json created, or checked against this config) and this rank's missing shards, with
+    the disk they need checked before anything runs."""
     setup_logging()
     place = this_process()
     rank, world = place.rank, place.world
@@ -129,50 +167,60 @@ def run(cfg: Config, backend: Any = None) -> dict[str, Any]:
     fp = expected_fingerprint(cfg, prepared.meta)
     layout = {"world_size": world, "shard_samples": cfg.extract.shard_samples, "max_samples": cfg.extract.max_samples}
     open_cache(cache_dir, fp, layout, rank)
-
     data = {"train": prepared.train, "eval": prepared.eval}
     lengths = {split: sample_lengths(ds) for split, ds in data.items()}
     if cfg.extract.max_samples is not None:  # train only: the eval split is small and the trainer needs it whole
         lengths["train"] = lengths["train"][: cfg.extract.max_samples]
     jobs, manifests = _plan_jobs(cache_dir, lengths, fp, layout, rank)
-    todo_samples = sum(len(j.rows) for j in jobs)
-    todo_tokens = sum(int(lengths[j.split][j.rows].sum()) for j in jobs)
+    work = Work(cfg, rank, world, data, lengths, fp, jobs, manifests)
     if not jobs:
         log.info("rank %d/%d: cache %s already holds all its shards; nothing to do", rank, world, cache_dir)
-        return {"rank": rank, "shards": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
-    log.info("rank %d/%d: %d shard(s), %d samples, %d tokens to extract into %s", rank, world, len(jobs),
-             todo_samples, todo_tokens, cache_dir)
-    if cfg.extract.preflight:
+    else:
+        log.info("rank %d/%d: %d shard(s), %d samples, %d tokens to extract into %s", rank, world, len(jobs),
+                 work.samples, work.tokens, cache_dir)
+    if jobs and cfg.extract.preflight:
         preflight_disk(cache_dir, remaining_tokens(cache_dir, world, lengths, cfg.extract.shard_samples),
                        fp["hidden_size"], fp["dtype"], storage=fp["storage"])
+    return work
 
+
+def open_target(work: Work, backend: Any = None) -> Any:
+    """The target backend (`backend`, or the config's), checked to be the one the fingerprint names, and (with
+    extract.preflight) run on this rank's first sample before any shard is started."""
     if backend is None:
         from eagle3.targets import make_backend
 
-        backend = make_backend(cfg)
-    _check_backend(backend, fp)
-    if cfg.extract.preflight:
-        first = jobs[0]
-        _preflight_sample(backend, list(data[first.split][first.rows[0]]["input_ids"]), fp["hidden_size"])
+        backend = make_backend(work.cfg)
+    _check_backend(backend, work.fp)
+    if work.cfg.extract.preflight and work.jobs:
+        first = work.jobs[0]
+        _preflight_sample(backend, list(work.data[first.split][first.rows[0]]["input_ids"]), work.fp["hidden_size"])
+    return backend
 
+
+def extract_all(work: Work, backend: Any) -> dict[str, Any]:
+    """Every planned shard, in order: the target's states and argmax written to a shard, its manifest saved after
+    it (a kill loses at most the shard in progress); what was done, logged and returned."""
+    cfg, fp, rank, world, cache_dir = work.cfg, work.fp, work.rank, work.world, work.cache_dir
+    todo_samples, todo_tokens = work.samples, work.tokens
     done = _Done(time.monotonic())
     argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.extract.teacher_chunk)
     with Progress(todo_samples, f"extract rank {rank}/{world}", unit="samples") as prog:
-        for job in jobs:
-            tokens_at_start, committed = done.tokens, sum(len(m.shards) for m in manifests.values())
+        for job in work.jobs:
+            tokens_at_start, committed = done.tokens, sum(len(m.shards) for m in work.manifests.values())
             try:
-                entry = _extract_shard(cfg, backend, argmax, data[job.split], lengths[job.split], job, fp, rank,
-                                       world, done, prog)
+                entry = _extract_shard(cfg, backend, argmax, work.data[job.split], work.lengths[job.split], job, fp,
+                                       rank, world, done, prog)
             except BaseException as e:
                 if disk_full_error(e) is not None:
                     path = cache_dir / job.split / shard_name(rank, world, job.shard)
                     raise _disk_full(e, path, cache_dir, todo_tokens - tokens_at_start, fp["hidden_size"],
                                      fp["dtype"], committed, fp["storage"]) from e
                 raise
-            manifests[job.split].shards.append(entry)
-            manifests[job.split].save(cache_dir)
+            work.manifests[job.split].shards.append(entry)
+            work.manifests[job.split].save(cache_dir)
             done.nonfinite += len(entry.skipped_nonfinite)
-    return _report(done, rank, world, todo_samples, len(jobs), cache_dir, fp)
+    return _report(done, rank, world, todo_samples, len(work.jobs), cache_dir, fp)
 
 
 @dataclass
