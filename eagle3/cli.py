@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 from eagle3 import threads
-from eagle3.config import Config, ConfigError, dump_config, load_config
+from eagle3.config import Config, ConfigError, EvalEngine, Storage, dump_config, load_config
 from eagle3.config_docs import config_docs
+from eagle3.layer_ids import ArchFamily, Engine
 from eagle3.logs import setup_logging
 
 
@@ -196,14 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("extract", cmd_extract, "target hidden states -> the on-disk cache (offline mode)")
     add("train", cmd_train, "train the EAGLE-3 head (single process; use accelerate launch train.py for more)")
     ev = add("eval", cmd_eval, "acceptance length under real speculative decoding")
-    ev.add_argument("--engine", choices=["builtin", "vllm", "sglang"], default=None, help="overrides eval.engine")
+    ev.add_argument("--engine", choices=get_args(EvalEngine), default=None, help="overrides eval.engine")
     vp = add("verify-extraction", cmd_verify_extraction, "compare extracted states with an HF reference forward")
     vp.add_argument("--source", default="backend", help="'backend' (the configured target backend) or a cache dir")
     vp.add_argument("--num-samples", type=int, default=4)
 
     ex = add("export", cmd_export, "write a checkpoint as SGLang or vLLM load it", config=False)
-    ex.add_argument("--to", choices=["sglang", "vllm"], required=True)
-    ex.add_argument("--target-family", choices=["llama", "deepseek"], default=None,
+    ex.add_argument("--to", choices=get_args(Engine), required=True)
+    ex.add_argument("--target-family", choices=get_args(ArchFamily), default=None,
                     help="SGLang's layer-id spelling for a target architecture outside eagle3's table "
                          "(eagle3/layer_ids.py); refused without it")
     ex.add_argument("checkpoint", help="a training checkpoint folder (or an eagle3 export)")
@@ -235,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv = cache_sub.add_parser("convert", help="re-store an exact cache as fp8 into a new folder (no target run)")
     conv.add_argument("src")
     conv.add_argument("dst")
-    conv.add_argument("--storage", required=True, choices=["fp8", "fp8-aux"])
+    conv.add_argument("--storage", required=True, choices=[s for s in get_args(Storage) if s != "exact"])
     conv.set_defaults(fn=cmd_cache_convert)
     return parser
 

@@ -15,11 +15,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from eagle3.layer_ids import default_layer_ids, validate_layer_ids
+from eagle3.layer_ids import ArchFamily, default_layer_ids, validate_layer_ids
 from eagle3.logs import UserError
 
 Storage = Literal["exact", "fp8", "fp8-aux"]
 """extract.storage: how the offline cache keeps hidden states (eagle3/cache/codec.py)."""
+EvalEngine = Literal["builtin", "vllm", "sglang"]
+"""eval.engine: who decodes speculatively (eagle3.evaluate)."""
 
 
 class ConfigError(UserError, ValueError):
@@ -78,7 +80,7 @@ class TargetConfig(Section):
     aux_layer_ids: list[int] | None = None
     """Low/mid/high layer ids in eagle3's convention (see eagle3.layer_ids: id k = input of decoder layer k =
     HF `hidden_states[k]` = vLLM's id k); None means `[2, L//2, L-3]`."""
-    layer_id_family: Literal["llama", "deepseek"] | None = None
+    layer_id_family: ArchFamily | None = None
     """SGLang's layer-id spelling for a target architecture outside eagle3's table (eagle3/layer_ids.py): `llama`
     where SGLang's model adds 1 to every id, `deepseek` where it takes them as-is. None: such a target is refused
     before training and at export, never guessed."""
@@ -371,7 +373,7 @@ class EvalConfig(Section):
     """Shortest n-gram n-gram drafting matches (vLLM `prompt_lookup_min`)."""
     ngram_max: int = Field(4, ge=1)
     """Longest n-gram n-gram drafting matches (vLLM `prompt_lookup_max`)."""
-    engine: Literal["builtin", "vllm", "sglang"] = "builtin"
+    engine: EvalEngine = "builtin"
     """`builtin` (eagle3's own speculative decoding), `vllm` or `sglang` (the same prompts in the engine, τ side by side)."""
     builtin: bool = True
     """Run the built-in evaluator (the HF target in this process) and replay its prompts in the engine. false:

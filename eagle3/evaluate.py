@@ -147,22 +147,12 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
     """Speculative, plain and (with `ngram` = (min_n, max_n)) prompt-lookup decoding of every turn of every prompt;
     returns the set's metrics and the rendered prompts (what an engine check replays)."""
     from eagle3.data.types import Turn
-    from eagle3.divergence import explain
 
-    sums = _Sums()
-    per_cat: dict[str, _Sums] = {}  # the same sums per prompt category
     t2d = getattr(dec.draft, "t2d", None)  # the head's draft vocab, for the share of the output it cannot propose
-    t2d = t2d.detach().bool().cpu().numpy() if isinstance(t2d, torch.Tensor) else None
-    steps = dec.s.num_steps
-    buckets: dict[str, list[AcceptanceStats]] = {}
-    greedy = dec.s.temperature <= 0
-    num_layers = dec.target.model.config.get_text_config().num_hidden_layers
-    divergences = []
-    inherited = ngram_mismatches = 0
-    rendered: list[list[int]] = []
-    per_turn: list[dict[str, Any]] = []
+    tally = _SetTally(dec.s.num_steps, dec.s.temperature <= 0,
+                      t2d.detach().bool().cpu().numpy() if isinstance(t2d, torch.Tensor) else None)
     window = context_window(dec.target.model.config.get_text_config().to_dict())
-    past_window = 0
+    rendered: list[list[int]] = []
     for i, prompt in enumerate(ps.prompts):
         hist_spec: list[Turn] = list(prompt.messages or [])
         hist_base: list[Turn] = list(prompt.messages or [])
@@ -176,7 +166,7 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
                 ids_spec, ids_base = render(hist_spec, prompt.tools), render(hist_base, prompt.tools)
             if window is not None and max(len(ids_spec), len(ids_base)) + dec.s.max_new_tokens > window:
                 # past the window the target itself decodes from positions it never saw: not a turn to judge by
-                past_window += 1
+                tally.past_window += 1
                 log.warning("%s %s turn %d: %d prompt tokens + %d new ones are past the target's context window (%d): "
                             "left out", ps.name, prompt.id, t + 1, len(ids_spec), dec.s.max_new_tokens, window)
                 progress.update(len(prompt.to_generate()) - t)  # this turn and the ones that would follow it
@@ -185,49 +175,84 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
             seed_t = seed + 1000 * i + t
             out = dec.generate(ids_spec, torch.Generator().manual_seed(seed_t))
             ref = dec.generate_baseline(ids_base, torch.Generator().manual_seed(seed_t))
-            ng = None
-            if ngram is not None:
-                ng = dec.generate_ngram(ids_base, torch.Generator().manual_seed(seed_t), *ngram)
-                ngram_mismatches += greedy and ng.tokens != ref.tokens
-            for acc in [sums] + ([per_cat.setdefault(prompt.category, _Sums())] if prompt.category is not None else []):
-                acc.add(out, ref, ng, ids_base, t2d)
-            for who, gen in enumerate((out, ng)):
-                for length, pos in zip(gen.accept_lengths if gen else [], gen.positions if gen else [], strict=True):
-                    buckets.setdefault(context_bucket(pos), [AcceptanceStats(), AcceptanceStats()])[who].add([length])
-            if greedy and out.tokens != ref.tokens and ids_spec != ids_base:
-                # an earlier turn of this dialogue parted: its answers are in these two prompts, so this turn
-                # follows from that divergence and is not judged again
-                inherited += 1
-            elif greedy and out.tokens != ref.tokens:
-                d = explain(dec, prompt.id, t + 1, ids_base, out.tokens, ref.tokens, num_layers)
-                (log.info if d.near_tie else log.error)("%s", d.line())
-                divergences.append(d.to_json())
+            ng = None if ngram is None else dec.generate_ngram(ids_base, torch.Generator().manual_seed(seed_t), *ngram)
+            tally.add(prompt, t, ids_spec, ids_base, out, ref, ng)
+            tally.judge(dec, prompt.id, t, ids_spec, ids_base, out, ref)
             rendered.append(ids_spec)
-            per_turn.append({"id": prompt.id, "category": prompt.category, "turn": t + 1,
-                             "prompt_tokens": len(ids_spec), "new_tokens": len(out.tokens),
-                             "verify_steps": out.num_steps,
-                             "tau": (sum(out.accept_lengths) / out.num_steps) if out.num_steps else None})
             if text is not None:
                 hist_spec.append(Turn("assistant", render.answer(out.tokens, eos)))
                 hist_base.append(Turn("assistant", render.answer(ref.tokens, eos)))
-            progress.update(1, tau=f"{sums.spec.tau:.2f}")
-    result = sums.metrics(steps)
-    result.update(prompts=len(ps.prompts), turns=len(per_turn), per_turn=per_turn)
-    if past_window:
-        result["turns_past_context_window"] = past_window
-    result["context_buckets"] = {name: _bucket_row(buckets[name], steps) for _, name in CONTEXT_BUCKETS
-                                 if name in buckets}
-    if per_cat:  # each category as a set of its own: the card's rows (report.card)
-        turns = Counter(t["category"] for t in per_turn)
-        result["categories"] = {c: {"turns": turns[c], **acc.metrics(steps)} for c, acc in sorted(per_cat.items())}
-    if greedy:
-        near = sum(d["near_tie"] for d in divergences)
-        result.update(greedy_mismatches=len(divergences) + inherited, near_ties=near,
-                      clear_divergences=len(divergences) - near, divergences=divergences,
-                      after_earlier_divergence=inherited)
-        if ngram is not None:
-            result["ngram"]["greedy_mismatches"] = ngram_mismatches
-    return result, rendered
+            progress.update(1, tau=f"{tally.sums.spec.tau:.2f}")
+    return tally.result(len(ps.prompts), ngram is not None), rendered
+
+
+@dataclass
+class _SetTally:
+    """What one prompt set's turns add up to: the sums (the set's and each category's), the context buckets, the
+    greedy divergences and the turns left out."""
+
+    steps: int
+    greedy: bool
+    t2d: np.ndarray | None
+    sums: _Sums = field(default_factory=lambda: _Sums())
+    per_cat: dict[str, _Sums] = field(default_factory=dict)
+    buckets: dict[str, list[AcceptanceStats]] = field(default_factory=dict)
+    per_turn: list[dict[str, Any]] = field(default_factory=list)
+    divergences: list[dict[str, Any]] = field(default_factory=list)
+    inherited: int = 0
+    ngram_mismatches: int = 0
+    past_window: int = 0
+
+    def add(self, prompt: Any, t: int, ids_spec: list[int], ids_base: list[int], out: Generation, ref: Generation,
+            ng: Generation | None) -> None:
+        cat = [self.per_cat.setdefault(prompt.category, _Sums())] if prompt.category is not None else []
+        for acc in [self.sums, *cat]:
+            acc.add(out, ref, ng, ids_base, self.t2d)
+        for who, gen in enumerate((out, ng)):
+            for length, pos in zip(gen.accept_lengths if gen else [], gen.positions if gen else [], strict=True):
+                self.buckets.setdefault(context_bucket(pos), [AcceptanceStats(), AcceptanceStats()])[who].add([length])
+        self.ngram_mismatches += bool(ng is not None and self.greedy and ng.tokens != ref.tokens)
+        self.per_turn.append({"id": prompt.id, "category": prompt.category, "turn": t + 1,
+                              "prompt_tokens": len(ids_spec), "new_tokens": len(out.tokens),
+                              "verify_steps": out.num_steps,
+                              "tau": (sum(out.accept_lengths) / out.num_steps) if out.num_steps else None})
+
+    def judge(self, dec: SpeculativeDecoder, prompt_id: str, t: int, ids_spec: list[int], ids_base: list[int],
+              out: Generation, ref: Generation) -> None:
+        """A greedy speculative answer that parts from plain greedy decoding, explained (eagle3.divergence)."""
+        from eagle3.divergence import explain
+
+        if not self.greedy or out.tokens == ref.tokens:
+            return
+        if ids_spec != ids_base:
+            # an earlier turn of this dialogue parted: its answers are in these two prompts, so this turn follows
+            # from that divergence and is not judged again
+            self.inherited += 1
+            return
+        num_layers = dec.target.model.config.get_text_config().num_hidden_layers
+        d = explain(dec, prompt_id, t + 1, ids_base, out.tokens, ref.tokens, num_layers)
+        (log.info if d.near_tie else log.error)("%s", d.line())
+        self.divergences.append(d.to_json())
+
+    def result(self, prompts: int, ngram: bool) -> dict[str, Any]:
+        result = self.sums.metrics(self.steps)
+        result.update(prompts=prompts, turns=len(self.per_turn), per_turn=self.per_turn)
+        if self.past_window:
+            result["turns_past_context_window"] = self.past_window
+        result["context_buckets"] = {name: _bucket_row(self.buckets[name], self.steps) for _, name in CONTEXT_BUCKETS
+                                     if name in self.buckets}
+        if self.per_cat:  # each category as a set of its own: the card's rows (report.card)
+            turns = Counter(t["category"] for t in self.per_turn)
+            result["categories"] = {c: {"turns": turns[c], **acc.metrics(self.steps)}
+                                    for c, acc in sorted(self.per_cat.items())}
+        if self.greedy:
+            near = sum(d["near_tie"] for d in self.divergences)
+            result.update(greedy_mismatches=len(self.divergences) + self.inherited, near_ties=near,
+                          clear_divergences=len(self.divergences) - near, divergences=self.divergences,
+                          after_earlier_divergence=self.inherited)
+            if ngram:
+                result["ngram"]["greedy_mismatches"] = self.ngram_mismatches
+        return result
 
 
 def _bucket_row(stats: list[AcceptanceStats], num_positions: int) -> dict[str, Any]:

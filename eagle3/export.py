@@ -21,14 +21,13 @@ from eagle3.formats import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     DraftFormatError,
-    EngineName,
     engine_config,
     engine_tensors,
     read_draft,
     validate,
 )
 from eagle3.fsutil import atomic_dir
-from eagle3.layer_ids import ArchFamily
+from eagle3.layer_ids import ArchFamily, Engine
 from eagle3.locks import writes
 from eagle3.model_card import CARD_NAME, model_card
 from eagle3.precision import DTYPES
@@ -56,7 +55,7 @@ def _is_replaceable(out: Path) -> bool:
 
 
 @writes(lambda out, **_: out, "export")
-def export(checkpoint: str | Path, out: str | Path, to: EngineName = "sglang", dtype: str | None = "bfloat16",
+def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype: str | None = "bfloat16",
            num_speculative_tokens: int = 3, target_family: ArchFamily | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for `to` into `out` (atomically), with its model card
     (`README.md`, eagle3.model_card); return `out`.

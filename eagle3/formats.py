@@ -48,7 +48,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -70,7 +70,6 @@ log = logging.getLogger("eagle3")
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-EngineName = Literal["sglang", "vllm"]
 _MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 _MLA_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                  "v_head_dim": 128}
@@ -390,7 +389,7 @@ def _mla_fields(c: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
             "rope_interleave": True}
 
 
-def engine_config(config: Eagle3DraftConfig, to: EngineName, dtype_name: str, num_speculative_tokens: int = 3,
+def engine_config(config: Eagle3DraftConfig, to: Engine, dtype_name: str, num_speculative_tokens: int = 3,
                   family_override: ArchFamily | None = None) -> dict[str, Any]:
     """The config.json an engine reads for this head (see the module docstring for each field's reason)."""
     where = "draft config"
@@ -448,7 +447,7 @@ def _speculators_config(config: Eagle3DraftConfig, dtype_name: str, ids: list[in
     }
 
 
-def engine_tensors(tensors: dict[str, Tensor], to: EngineName, dtype: torch.dtype | None) -> dict[str, Tensor]:
+def engine_tensors(tensors: dict[str, Tensor], to: Engine, dtype: torch.dtype | None) -> dict[str, Tensor]:
     """Engine-named tensors: `midlayer.*` for SGLang, `layers.0.*` for vLLM; floats cast, d2t int64, t2d bool.
 
     A full-vocab head (identity mapping, already checked by `validate`) has no d2t/t2d in the vLLM export."""
