@@ -645,14 +645,14 @@ def target_num_layers(cfg: Config) -> int | None:
 
 def target_context_window(cfg: Config) -> tuple[int, str] | None:
     """(tokens, where it was read) of the longest sequence the engines serve the target at, without loading weights
-    (eagle3.model.context_window of its config.json: max_position_embeddings, scaled for linear RoPE); None where
+    (eagle3.rope.context_window of its config.json: max_position_embeddings, scaled for linear RoPE); None where
     this machine cannot see the target's config (a remote SGLang target)."""
     from eagle3.bundled import bundled_context_window
 
     n = bundled_context_window(cfg.target.path)
     if n is not None:
         return n, cfg.target.path
-    from eagle3.model import context_window
+    from eagle3.rope import context_window
     from eagle3.targets.info import read_target_info
 
     try:

@@ -33,8 +33,8 @@ from eagle3.checkpoints import resolve_checkpoint
 from eagle3.config import Config
 from eagle3.data.vocab import OutOfVocab
 from eagle3.logs import Progress, UserError, setup_logging
-from eagle3.model import context_window
 from eagle3.prompts import PromptSet, load_prompt_set
+from eagle3.rope import context_window
 from eagle3.specdec import AcceptanceStats, Generation, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 from eagle3.targets.hf import eos_ids, load_target
 from eagle3.targets.info import TargetInfo

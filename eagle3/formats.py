@@ -64,7 +64,8 @@ from eagle3.layer_ids import (
     sglang_family,
     to_engine_ids,
 )
-from eagle3.model import FORMAT, Eagle3Draft, Eagle3DraftConfig, rope_scaling_of, rope_theta_of
+from eagle3.model import FORMAT, Eagle3Draft, Eagle3DraftConfig
+from eagle3.rope import rope_scaling_of, rope_theta_of
 
 log = logging.getLogger("eagle3")
 
@@ -155,7 +156,7 @@ def read_config(raw: dict[str, Any], where: Path, *, engine: Engine | None = Non
             return Eagle3DraftConfig(**{k: v for k, v in block.items() if k != "format"})
         except TypeError as e:
             raise DraftFormatError(f"{where}: incomplete draft config: {e}") from None
-        except ValueError as e:  # its RoPE scaling (eagle3.model.normalise_rope)
+        except ValueError as e:  # its RoPE scaling (eagle3.rope.normalise_rope)
             raise DraftFormatError(f"{where}: {e}") from None
     return _engine_config_to_eagle3(raw, where, engine, family)
 

@@ -1,7 +1,7 @@
 """The teacher, the loss and the metrics of EAGLE-3's training-time test.
 
 The positions each step scores are eagle3.rows (the alignment is explained there); the head's unrolled forward
-is eagle3.model (`ttt_unroll_rows`). Here: the target's distribution over the draft vocab on those rows
+is eagle3.ttt (`ttt_unroll_rows`). Here: the target's distribution over the draft vocab on those rows
 (Teacher), the draft's lm_head fused with the decayed soft cross-entropy averaged over each step's scored rows
 (SoftCE, which the draft's forward calls; `ttt_loss` adds the per-step sums), and the accuracies and the
 simulated acceptance length the trainer logs and selects checkpoints by.

@@ -16,7 +16,7 @@
 Parameter names are the engines' own, so eagle3's draft folder (eagle3.formats, which reads and writes every
 format) is one an engine could read as-is; the export only adds the engine's config spelling. The attention pieces are exposed separately
 (`attention_inputs` / `after_attention`) because the training-time test attends over keys from several
-unrolled steps with its own fast kernel (`ttt_unroll_rows`, at the end of this file), while `decode` is the
+unrolled steps with its own fast kernel (eagle3.ttt `ttt_unroll_rows`), while `decode` is the
 incremental KV-cache path that the evaluator uses for chain and tree drafting.
 
 Training-time test: step j's input at position t is (the step j-1 output hidden, token x_{t+1+j}) at RoPE
@@ -28,10 +28,8 @@ engine's KV cache holds them when drafting j tokens ahead.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -39,7 +37,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
-from torch.profiler import record_function
 from transformers import DeepseekV3Config, LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
@@ -49,14 +46,15 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eagle3.layer_ids import LAYER_ID_CONVENTION, default_layer_ids, validate_layer_ids
-from eagle3.rows import TTTPlan, shift_tokens
+from eagle3.rope import normalise_rope, rope_scaling_of, rope_theta_of, transformers_rope
+from eagle3.rows import TTTPlan
 from eagle3.targets.info import TargetInfo
+from eagle3.ttt import LOCAL, Attention, LocalAttention, repeat_kv, ttt_unroll_rows
 
 log = logging.getLogger("eagle3")
 
 FORMAT = "eagle3-draft"
 KV = tuple[Tensor, Tensor]
-Attention = Literal["fast", "dense"]
 Arch = Literal["llama", "mla"]
 
 
@@ -66,128 +64,6 @@ def _as_dict(hf_config: Any) -> dict[str, Any]:
     if isinstance(hf_config, dict):
         return dict(hf_config)
     return hf_config.to_dict()
-
-
-def rope_theta_of(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
-
-
-# -------------------------------------------------------------------------------------------------- RoPE
-# The head's RoPE is written to its config.json and both engines build it from there alone (SGLang 0.5.23
-# `llama_eagle3.py` / `kimi_k25_eagle3.py` through `get_rope`, vLLM 0.32 `llama_eagle3.py` / `deepseek_eagle3.py`
-# through theirs): neither copies the target's scaling into a draft. What must hold is that training rotates as
-# the engines will, at every position the engines serve (they size a draft's rotary cache from the target's
-# window: SGLang refuses a draft whose own window is shorter, vLLM raises the draft's max_position_embeddings).
-ROPE_KEYS: dict[str, tuple[str, ...]] = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "truncate", "attention_factor", "attn_factor", "extrapolation_factor"),
-}
-"""The scalings eagle3 trains as both engines serve them, and the keys either engine reads for each (written to the
-export; others, e.g. a target's `partial_rotary_factor`, are not the head's). `dynamic` and `longrope` are refused:
-transformers recomputes their frequencies from the sequence length at every call, the engines once."""
-
-
-def normalise_rope(scaling: dict[str, Any] | None, max_positions: int | None) -> dict[str, Any] | None:
-    """`scaling` as the engines read it, with every value an engine would default written out: `rope_type` (not the
-    legacy `type`), llama3's and YaRN's `original_max_position_embeddings` (transformers and both engines default it
-    to max_position_embeddings, which vLLM raises to the target's window for a draft), YaRN's `factor`
-    (transformers derives a missing one as max / original, the engines take 1). None for plain RoPE, and for a
-    factor of 1, which is the same rotation (no interpolation, mscale 1). ValueError for a scaling eagle3 does
-    not reproduce (ROPE_KEYS)."""
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return None
-    if kind not in ROPE_KEYS:
-        raise ValueError(f"RoPE scaling {kind!r} is not one eagle3 trains as the engines serve it (it supports "
-                         f"{', '.join(ROPE_KEYS)}: transformers recomputes {kind!r} from the sequence length)")
-    out: dict[str, Any] = {"rope_type": kind, **{k: scaling[k] for k in ROPE_KEYS[kind] if scaling.get(k) is not None}}
-    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in out:
-        if not max_positions:
-            raise ValueError(f"{kind} RoPE scaling without original_max_position_embeddings or max_position_embeddings")
-        out["original_max_position_embeddings"] = int(max_positions)
-    if kind == "yarn" and "factor" not in out:
-        out["factor"] = (max_positions or out["original_max_position_embeddings"]) / out["original_max_position_embeddings"]
-    if "factor" not in out:
-        raise ValueError(f"{kind} RoPE scaling without a factor")
-    return None if float(out["factor"]) == 1.0 else out
-
-
-def rope_scaling_of(hf: dict[str, Any]) -> dict[str, Any] | None:
-    """An HF config's RoPE scaling, normalised (`normalise_rope`); None for plain RoPE."""
-    return normalise_rope(hf.get("rope_scaling") or hf.get("rope_parameters"), hf.get("max_position_embeddings"))
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def yarn_attention_factor(scaling: dict[str, Any], mla: bool) -> float:
-    """The factor YaRN multiplies cos and sin by, as both engines compute it, or ValueError where they differ.
-
-    Llama layer (`YaRNScalingRotaryEmbedding`): mscale(f, mscale) / mscale(f, mscale_all_dim) when both are given
-    (SGLang: not None, vLLM: non-zero), else 0.1 ln f + 1; SGLang then multiplies by `attn_factor`, vLLM takes an
-    explicit `attention_factor` instead. MLA layer (both engines make any scaling `deepseek_yarn`):
-    mscale(f, mscale) / mscale(f, mscale_all_dim) with defaults 1 and 0, where transformers' DeepSeek-V3 falls back
-    to 0.1 ln f + 1 unless both are given: the value is handed to transformers as `attention_factor`."""
-    f = float(scaling["factor"])
-    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    attn, explicit = float(scaling.get("attn_factor", 1.0)), scaling.get("attention_factor")
-    if float(scaling.get("extrapolation_factor", 1.0)) != 1.0:
-        raise ValueError("YaRN extrapolation_factor != 1: SGLang applies it, vLLM does not")
-    if mla:
-        if explicit is not None:
-            raise ValueError("YaRN attention_factor on an MLA head: vLLM then serves another rotation "
-                             "(deepseek_llama_scaling), SGLang ignores it")
-        base = _yarn_mscale(f, float(1.0 if m is None else m)) / _yarn_mscale(f, float(0.0 if m_all is None else m_all))
-        sglang, vllm = base * attn, base
-    else:
-        both = _yarn_mscale(f, float(m or 0)) / _yarn_mscale(f, float(m_all or 0))
-        sglang = (both if m is not None and m_all is not None else _yarn_mscale(f)) * attn
-        vllm = float(explicit) if explicit is not None else (both if m and m_all else _yarn_mscale(f))
-    if not math.isclose(sglang, vllm, rel_tol=1e-9):
-        raise ValueError(f"YaRN {scaling}: SGLang scales cos/sin by {sglang:.6g}, vLLM by {vllm:.6g}; no head "
-                         "trained on it serves alike in both")
-    return sglang
-
-
-def transformers_rope(scaling: dict[str, Any] | None, theta: float, mla: bool) -> dict[str, Any]:
-    """transformers' `rope_parameters` that rotate exactly as the engines serve `scaling` (normalised): YaRN's
-    cos/sin factor given explicitly (`yarn_attention_factor`), and for MLA the DeepSeek YaRN the engines run, which
-    always truncates its correction range."""
-    if not scaling:
-        return {"rope_type": "default", "rope_theta": theta}
-    out = {k: v for k, v in scaling.items() if k not in ("attn_factor", "extrapolation_factor")}
-    out["rope_theta"] = theta
-    if out["rope_type"] == "yarn":
-        out["attention_factor"] = yarn_attention_factor(scaling, mla)
-        if mla:
-            out["truncate"] = True
-    return out
-
-
-CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
-"""Where SGLang (`get_context_length`) and vLLM (`_get_and_verify_max_len`) read a model's context length."""
-
-
-def context_window(hf: dict[str, Any]) -> int | None:
-    """The longest sequence both engines serve a model with this (text) config at: the shortest of its length keys,
-    times the factor of a `linear` or `dynamic` scaling (both engines scale such a window; YaRN, llama3 and
-    longrope configs give the scaled window itself, and SGLang also takes any scaling with
-    `original_max_position_embeddings` as given). None when the config names no length."""
-    lengths = [int(hf[k]) for k in CONTEXT_KEYS if isinstance(hf.get(k), int | float) and hf[k] > 0]
-    if not lengths:
-        return None
-    window = min(lengths)
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind in ("linear", "dynamic") and "original_max_position_embeddings" not in scaling:
-        window = int(window * float(scaling.get("factor") or 1.0))
-    return window
 
 
 _MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -449,10 +325,6 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
 
-def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
-    """[B, n_kv, K, D] -> [B, n_kv*n_rep, K, D] (GQA: each kv head serves n_rep query heads)."""
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
 
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Eagle3DraftConfig, embed_weight: Tensor | None = None):
@@ -623,147 +495,3 @@ class Eagle3Draft(nn.Module):
         out["d2t"] = out["d2t"].to(torch.int64)
         out["t2d"] = out["t2d"].to(torch.bool)
         return out
-
-
-# ---------------------------------------------------------------------------- training-time test
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None = None) -> Tensor:
-    """Causal SDPA of q [B, nh, T, D] over k, v [B, nkv, T, D] (query t sees keys 0..t), plus `sinks` [n, D]:
-    n shared keys, each its own value, that every query sees. The sinks go first and n zero queries before the
-    real ones, so the mask is SDPA's square upper-left causal one: its flash kernels (CUDA, and the CPU's)
-    never build the T x T scores, where any explicit mask, or a lower-right one on the CPU, would."""
-    n_rep = q.shape[1] // k.shape[1]
-    # Repeated, not SDPA's enable_gqa: the CPU kernel's GQA ran 10-15% slower at 4K tokens (fp32 and bf16), and not
-    # every CUDA kernel takes it (one that does not falls back to the T x T math kernel).
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    b, h, _, d = q.shape
-    n = sinks.shape[0]
-    s = sinks.expand(b, h, n, d)
-    out = F.scaled_dot_product_attention(torch.cat([q.new_zeros(b, h, n, d), q], 2), torch.cat([s, k], 2),
-                                         torch.cat([s, v], 2), is_causal=True, scale=scale)
-    return out[:, :, n:]
-
-
-class LocalAttention:
-    """Attention with every position of the sequence in this process. eagle3.sequence_parallel's Ulysses has the
-    same two methods, there over a share of the positions and all-to-alls between ranks."""
-
-    def keys(self, k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-        """Step 0's keys and values [B, nkv, T, D] in the layout `attend` takes (here: as they are)."""
-        return k, v
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None = None) -> Tensor:
-        """causal_attention of q [B, nh, T, D] over keys from `keys`."""
-        return causal_attention(q, k, v, scale, sinks)
-
-
-LOCAL = LocalAttention()
-
-
-def ttt_attention_fast(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
-                       scale: float | None = None, over: LocalAttention = LOCAL) -> Tensor:
-    """Exact TTT attention, memory linear in T: one causal SDPA over the step-0 keys plus j "sink" keys.
-
-    The j same-position scores d_i(t) = q_t . k_i,t are computed elementwise and appended to each query as
-    extra channels; j shared sink keys (one-hot in those channels) then score exactly d_i(t) for query t, and
-    their one-hot values report the softmax weight p_i(t) each sink received, normalised jointly with the
-    step-0 causal keys. The output is SDPA's step-0 part plus sum_i p_i(t) v_i,t.
-    q [B, nh, T, D] and each ks[i], vs[i] [B, nkv, T, D]: positions 0..T-1 in order (a position without a query
-    holds zeros; its output is meaningless); k0, v0 as `over.keys` lays them out. `scale`: the softmax scale
-    (None: D**-0.5). `over`: where the positions live (this process, or a sequence-parallel group).
-    """
-    b, nh, t, d = q.shape
-    scale = d**-0.5 if scale is None else scale
-    n = len(ks)
-    if n == 0:
-        return over.attend(q, k0, v0, scale)
-    n_rep = nh // ks[0].shape[1]
-    dp = -(-(d + n) // 8) * 8  # padded head dim (kernels like multiples of 8)
-    diag = torch.stack([(q * repeat_kv(k, n_rep)).sum(-1) for k in ks], dim=-1)  # [B, nh, T, n]
-    q_aug = torch.cat([q, diag, q.new_zeros(b, nh, t, dp - d - n)], dim=-1)
-    sinks = torch.zeros(n, dp, dtype=q.dtype, device=q.device)
-    sinks[torch.arange(n), d + torch.arange(n)] = 1.0
-    pad = (0, dp - d)
-    out = over.attend(q_aug, F.pad(k0, pad), F.pad(v0, pad), scale, sinks)
-    result = out[..., :d]
-    for i, v in enumerate(vs):
-        result = result + out[..., d + i : d + i + 1] * repeat_kv(v, n_rep)
-    return result
-
-
-def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor],
-                        scale: float | None = None) -> Tensor:
-    """Reference: all keys concatenated with an explicit [T, T + jT] mask (causal block + diagonal blocks)."""
-    t = q.shape[2]
-    n_rep = q.shape[1] // k0.shape[1]
-    keys = torch.cat([k0, *ks], dim=2)
-    values = torch.cat([v0, *vs], dim=2)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    eye = torch.eye(t, dtype=torch.bool, device=q.device)
-    mask = torch.cat([causal, *([eye] * len(ks))], dim=-1)
-    return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask,
-                                          scale=scale)
-
-
-def ttt_unroll_rows(draft: Eagle3Draft, hidden0: Tensor, input_ids: Tensor, rows: TTTPlan,
-                    attention: Attention = "fast", over: LocalAttention = LOCAL,
-                    checkpoint: bool = False) -> list[Tensor]:
-    """Final-normed output hidden [len(score[j]), H] of the scored rows of each unrolled step (the lm_head's
-    input; see the module docstring).
-
-    hidden0 [B, T, H]: fc of the features at the plan's T positions; input_ids [B, rows.window] (the tokens
-    past them included). Step 0 computes keys and values at every position (they are every later query's
-    prefix); everything else (queries, the layer after attention, the final norm) runs only on the rows in
-    `rows`, placed at their positions for attention. `checkpoint`: keep only each step's inputs and outputs
-    (its hidden, keys and values) for the backward, which recomputes the step's layer (torch.utils.checkpoint).
-    """
-    if attention == "dense" and over is not LOCAL:
-        raise ValueError("the dense reference attention runs in one process only")
-    b, t = rows.shape
-    flat_pos = (rows.start + torch.arange(t, device=input_ids.device)).repeat(b)
-    scale = draft.attn_scale
-
-    def attend(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
-        if attention == "dense":
-            return ttt_attention_dense(q, k0, v0, ks, vs, scale)
-        return ttt_attention_fast(q, k0, v0, ks, vs, scale, over)
-
-    def step_0(hidden0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1)[:, :t], hidden0, flat_pos.view(b, t))
-        k0, v0 = over.keys(k0, v0, q.shape[1])
-        out = attend(q, k0, v0, [], [])
-        return draft.block(hidden0.reshape(b * t, -1)[rows.keep[0]], rows.unpack(0, out)), k0, v0
-
-    def step_j(j: int, hidden: Tensor, k0: Tensor, v0: Tensor, *earlier: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """earlier: the keys of steps 1..j-1 at their rows, then their values."""
-        keep = rows.keep[j]
-        hidden = draft.handoff(hidden[rows.parent[j]])
-        ids = shift_tokens(input_ids, 1 + j)[:, :t].flatten()[keep]
-        q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
-        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [M_j, nkv, D]
-        ks, vs = [*earlier[: j - 1], k], [*earlier[j - 1 :], v]
-        at = [rows.within(i + 1, j) for i in range(j)]
-        out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0,
-                     [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
-                     [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)])
-        return draft.block(hidden, rows.unpack(j, out)), k, v
-
-    def run(fn: Callable[..., tuple[Tensor, Tensor, Tensor]], *args: Any) -> tuple[Tensor, Tensor, Tensor]:
-        if checkpoint and torch.is_grad_enabled():
-            # The layer draws no random numbers: no RNG state to save and restore around the recompute.
-            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-        return fn(*args)
-
-    with record_function("ttt_step_0"):  # named in a torch.profiler trace (benchmarks/bench_profile.py); free else
-        hidden, k0, v0 = run(step_0, hidden0)
-        states = [draft.norm(hidden[rows.score[0]])]
-    ks: list[Tensor] = []  # step i's keys and values at the rows of keep[i] (i = 1, 2, ...)
-    vs: list[Tensor] = []
-    for j in range(1, rows.steps):
-        with record_function(f"ttt_step_{j}"):
-            hidden, k, v = run(partial(step_j, j), hidden, k0, v0, *ks, *vs)
-            ks.append(k)
-            vs.append(v)
-            states.append(draft.norm(hidden[rows.score[j]]))
-    return states

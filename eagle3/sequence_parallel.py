@@ -8,7 +8,7 @@ Everything of the training-time test but attention works per position, so a rank
 lm_head and loss on its own; a position's labels and teachers lie up to `rows.reach(steps)` positions ahead, so
 each rank also holds that much of the next share (its window, TTTPlan.window). Attention: an all-to-all turns
 [B, heads, S, D] (every head, a share of the positions) into [B, heads / N, N*S, D] (a share of the heads, every
-position); the rank runs the causal kernel (eagle3.model.causal_attention) on its heads; a second all-to-all
+position); the rank runs the causal kernel (eagle3.ttt.causal_attention) on its heads; a second all-to-all
 brings the outputs home. Heads that do not divide by N are padded with zero heads, and GQA's key heads are
 repeated to one per query head first where they do not divide.
 
@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.logs import UserError
-from eagle3.model import LocalAttention, causal_attention, repeat_kv
 from eagle3.process import Place
 from eagle3.rows import reach
+from eagle3.ttt import LocalAttention, causal_attention, repeat_kv
 
 SHARED_KEYS = ("aux", "aux_scale")
 """Batch keys a rank needs at its own positions only (the features); every other [B, T, ...] key it needs over its

@@ -160,7 +160,7 @@ def ttt_unroll(draft, hidden0: torch.Tensor, input_ids: torch.Tensor, steps: int
                attention: str = "fast") -> list[torch.Tensor]:
     """Logits [B, T, draft_vocab] of every position at each of `steps` unrolled steps: the draft's TTT forward
     with nothing pruned (every_row), the reference the pruned trainer is compared with."""
-    from eagle3.model import ttt_unroll_rows
+    from eagle3.ttt import ttt_unroll_rows
 
     b, t = input_ids.shape
     rows = every_row(b, t, steps, input_ids.device)

@@ -176,7 +176,7 @@ def _step0_output(m: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor) -> torch
     feature = m.project(aux)
     q, k, v = m.attention_inputs(torch.nn.functional.pad(ids[:, 1:], (0, 1)), feature, torch.arange(ids.shape[1])[None])
     n_rep = q.shape[1] // k.shape[1]
-    from eagle3.model import repeat_kv
+    from eagle3.ttt import repeat_kv
 
     out = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
                                                            is_causal=True, scale=m.attn_scale)

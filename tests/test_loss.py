@@ -18,9 +18,10 @@ from eagle3.loss import (
     summarise,
     ttt_loss,
 )
-from eagle3.model import Eagle3Draft, Eagle3DraftConfig, ttt_attention_dense, ttt_attention_fast
+from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.rows import plan_rows, valid_positions
 from eagle3.targets.argmax import lm_head_argmax, row_max
+from eagle3.ttt import ttt_attention_dense, ttt_attention_fast
 
 
 class Taught(NamedTuple):

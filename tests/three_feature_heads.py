@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.model import repeat_kv
+from eagle3.ttt import repeat_kv
 
 NOISE = 0.3
 """Random attention and MLP outputs, as a share of the feature's part the lm_head reads."""

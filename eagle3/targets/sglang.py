@@ -167,7 +167,7 @@ def capture_env(cfg: Config, info: TargetInfo) -> dict[str, str]:
     """SGLang refuses a context longer than the model's window unless told otherwise; a `data.max_length` prompt at
     the very end of the window needs CONTEXT_MARGIN slots past it, never prefilled (`max_new_tokens: 1` stops after
     the prefill), so the capture server is told when that is all it is."""
-    from eagle3.model import context_window
+    from eagle3.rope import context_window
 
     window = context_window(info.text)
     if window is not None and cfg.data.max_length <= window < capture_context(cfg):
