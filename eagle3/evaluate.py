@@ -21,16 +21,17 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
 from eagle3 import threads
 from eagle3.checkpoints import resolve_checkpoint
-from eagle3.config import Config
+from eagle3.config import Config, EvalEngine
 from eagle3.data.vocab import OutOfVocab
 from eagle3.logs import Progress, UserError, setup_logging
 from eagle3.prompts import PromptSet, load_prompt_set
@@ -393,40 +394,53 @@ def run(cfg: Config) -> dict[str, Any]:
         (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
         return report
     report, rendered, folder = run_builtin(cfg)
-    engine = cfg.eval.engine
-    if engine != "builtin":
-        all_prompts = [p for ps in rendered.values() for p in ps]
-        builtin_tau = _pooled_tau(report)
-        if engine == "vllm":
-            from eagle3.engines.vllm_eval import pooled_groups, run_vllm
-
-            # one group per set and category, in the rendered prompts' order, so vLLM's τ fills the same card
-            # (prompts without a category form the group `set/`, so a set's row is always its groups pooled)
-            groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
-            result = run_vllm(cfg, folder, all_prompts, groups=groups)
-            found = result.setdefault("groups", {})
-            found |= {name: pooled_groups(found, name) for name in report["sets"]}
-            if cfg.eval.ngram:  # vLLM's own n-gram drafting on the same prompts: the card's vLLM n-gram column
-                ng = run_vllm(cfg, None, all_prompts, groups=groups, method="ngram", check_greedy=False)
-                ng_groups = ng.pop("groups", {})
-                result["ngram_groups"] = ng_groups | {name: pooled_groups(ng_groups, name) for name in report["sets"]}
-                outs = ng.pop("outputs", None)
-                if outs is not None and result.get("outputs") is not None:
-                    ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, result["outputs"], strict=True))
-                result["ngram"] = ng
-        else:
-            from eagle3.engines.sglang_eval import run_sglang
-
-            result = run_sglang(cfg, all_prompts, folder)
-            # SGLang counts emitted tokens: the built-in's last step of a turn, cut at max_new_tokens or eos, must
-            # count only what it emitted too
-            builtin_tau = _emitted_tau(report)
-        result["builtin_tau"] = builtin_tau
-        report["engines"] = {engine: result}
+    if cfg.eval.engine != "builtin":
+        report["engines"] = {cfg.eval.engine: ENGINE_CHECKS[cfg.eval.engine](cfg, report, rendered, folder)}
     write_report(report, cfg.eval_dir)
     (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
     refuse_clear_divergences(report, cfg)
     return report
+
+
+def vllm_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path
+               ) -> dict[str, Any]:
+    """The built-in's rendered prompts inside vLLM, one group per set and category so vLLM's τ fills the same card
+    (prompts without a category form the group `set/`, so a set's row is always its groups pooled); with
+    eval.ngram, vLLM's own n-gram drafting on the same prompts (the card's vLLM n-gram column)."""
+    from eagle3.engines.vllm_eval import pooled_groups, run_vllm
+
+    prompts = [p for ps in rendered.values() for p in ps]
+    groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
+    result = run_vllm(cfg, folder, prompts, groups=groups)
+    found = result.setdefault("groups", {})
+    found |= {name: pooled_groups(found, name) for name in report["sets"]}
+    if cfg.eval.ngram:
+        ng = run_vllm(cfg, None, prompts, groups=groups, method="ngram", check_greedy=False)
+        ng_groups = ng.pop("groups", {})
+        result["ngram_groups"] = ng_groups | {name: pooled_groups(ng_groups, name) for name in report["sets"]}
+        outs = ng.pop("outputs", None)
+        if outs is not None and result.get("outputs") is not None:
+            ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, result["outputs"], strict=True))
+        result["ngram"] = ng
+    return {**result, "builtin_tau": _pooled_tau(report)}
+
+
+def sglang_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path
+                 ) -> dict[str, Any]:
+    """The built-in's rendered prompts through an SGLang server with the head."""
+    from eagle3.engines.sglang_eval import run_sglang
+
+    result = run_sglang(cfg, [p for ps in rendered.values() for p in ps], folder)
+    # SGLang counts emitted tokens: the built-in's last step of a turn, cut at max_new_tokens or eos, must count
+    # only what it emitted too
+    return {**result, "builtin_tau": _emitted_tau(report)}
+
+
+EngineCheck = Callable[[Config, dict[str, Any], dict[str, list[list[int]]], Path], dict[str, Any]]
+ENGINE_CHECKS: dict[str, EngineCheck] = {"vllm": vllm_check, "sglang": sglang_check}
+"""eval.engine -> the same prompts inside that engine after the built-in run (`builtin` needs none)."""
+if {"builtin", *ENGINE_CHECKS} != set(get_args(EvalEngine)):
+    raise RuntimeError(f"eval.engine's choices {get_args(EvalEngine)} and the engine checks {tuple(ENGINE_CHECKS)} differ")
 
 
 def refuse_clear_divergences(report: dict[str, Any], cfg: Config) -> None:
