@@ -626,37 +626,37 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def target_num_layers(cfg: Config) -> int | None:
+def target_num_layers(target: TargetConfig) -> int | None:
     """The target's depth without loading weights: from the config, a bundled model, or a local config.json."""
-    if cfg.target.num_layers is not None:
-        return cfg.target.num_layers
+    if target.num_layers is not None:
+        return target.num_layers
     from eagle3.bundled import bundled_num_layers
 
-    n = bundled_num_layers(cfg.target.path)
+    n = bundled_num_layers(target.path)
     if n is not None:
         return n
     from eagle3.targets.info import read_target_info
 
     try:
-        return read_target_info(cfg.target.path).num_layers
+        return read_target_info(target.path).num_layers
     except (OSError, ValueError):  # no folder here yet (a remote SGLang target), or an unreadable file
         return None
 
 
-def target_context_window(cfg: Config) -> tuple[int, str] | None:
+def target_context_window(target: TargetConfig) -> tuple[int, str] | None:
     """(tokens, where it was read) of the longest sequence the engines serve the target at, without loading weights
     (eagle3.rope.context_window of its config.json: max_position_embeddings, scaled for linear RoPE); None where
     this machine cannot see the target's config (a remote SGLang target)."""
     from eagle3.bundled import bundled_context_window
 
-    n = bundled_context_window(cfg.target.path)
+    n = bundled_context_window(target.path)
     if n is not None:
-        return n, cfg.target.path
+        return n, target.path
     from eagle3.rope import context_window
     from eagle3.targets.info import read_target_info
 
     try:
-        info = read_target_info(cfg.target.path)
+        info = read_target_info(target.path)
     except (OSError, ValueError):
         return None
     n = context_window(info.text)
@@ -677,13 +677,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, source)) from None
-    n = target_num_layers(cfg)
+    n = target_num_layers(cfg.target)
     if n is not None:
         try:
             cfg.layer_ids(n)
         except ValueError as e:
             raise ConfigError(f"{source}: invalid config\n  {e}") from None
-    window = target_context_window(cfg)
+    window = target_context_window(cfg.target)
     if window is not None and cfg.data.max_length > window[0]:
         raise ConfigError(
             f"{source}: invalid config\n  data.max_length: {cfg.data.max_length} tokens is beyond the target's context "

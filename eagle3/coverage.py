@@ -46,7 +46,7 @@ def run(cfg: Config) -> dict[str, Any]:
     target = HFTargetDecoder(model, cfg.layer_ids(num_layers))
     eos = set(eos_ids(tokenizer, model.generation_config))
     # plain greedy decoding needs no head: the decoder's draft is never called by generate_baseline
-    dec = SpeculativeDecoder(target, None, replace(settings_from(cfg), temperature=0.0), eos)  # type: ignore[arg-type]
+    dec = SpeculativeDecoder(target, None, replace(settings_from(cfg.eval), temperature=0.0), eos)  # type: ignore[arg-type]
     render = PromptRenderer(tokenizer, cfg)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
     render.check_tools(sets)

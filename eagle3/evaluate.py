@@ -31,7 +31,7 @@ import torch
 
 from eagle3 import threads
 from eagle3.checkpoints import resolve_checkpoint
-from eagle3.config import Config, EvalEngine
+from eagle3.config import Config, EvalConfig, EvalEngine
 from eagle3.data.vocab import OutOfVocab
 from eagle3.logs import Progress, UserError, setup_logging
 from eagle3.prompts import PromptSet, load_prompt_set
@@ -71,8 +71,7 @@ def draft_for_target(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
     return draft
 
 
-def settings_from(cfg: Config) -> SpecSettings:
-    e = cfg.eval
+def settings_from(e: EvalConfig) -> SpecSettings:
     return SpecSettings(num_steps=e.num_steps, topk=e.topk, num_draft_tokens=e.num_draft_tokens,
                         temperature=e.temperature, draft_sampling=e.draft_sampling,
                         max_new_tokens=e.max_new_tokens)
@@ -290,7 +289,7 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     draft = draft_for_target(folder, model, cfg)
     ids = list(draft.config.aux_layer_ids)
     target = HFTargetDecoder(model, ids)
-    settings = settings_from(cfg)
+    settings = settings_from(cfg.eval)
     eos = set(eos_ids(tokenizer, model.generation_config))
     dec = SpeculativeDecoder(target, draft, settings, eos)
     render = PromptRenderer(tokenizer, cfg)
@@ -376,7 +375,7 @@ def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[in
         "builtin": False,
         "target": {"path": cfg.target.path, "dtype": cfg.target.dtype, "tp_size": cfg.target.sglang.tp_size},
         "draft": str(folder),
-        "settings": {**asdict(settings_from(cfg)), "seed": cfg.eval.seed, "max_prompts": cfg.eval.max_prompts},
+        "settings": {**asdict(settings_from(cfg.eval)), "seed": cfg.eval.seed, "max_prompts": cfg.eval.max_prompts},
         "definitions": {"tau": "SGLang's (completion_tokens - 1) / spec_verify_ct: accepted + bonus tokens per "
                                "verify step, the prefill's token excluded (sglang_accept_length includes it)"},
         "sets": result.pop("sets"),

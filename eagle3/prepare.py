@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from eagle3.config import Config
+from eagle3.config import Config, DataConfig
 from eagle3.data.prepared import (
     PREPARE_VERSION,
     VOCAB_KEYS,
@@ -71,7 +71,7 @@ OUR_ENTRIES = {"train", "eval", "vocab.safetensors", "meta.json"}
 
 
 # -------------------------------------------------------------------------------------------------- stages
-def read_all(cfg: Config) -> tuple[list[Conversation], list[SourceStats], dict[str, int]]:
+def read_all(data: DataConfig) -> tuple[list[Conversation], list[SourceStats], dict[str, int]]:
     """Every source's conversations in order, with their reading stats, and {conversation id: index of its source in
     data.sources} (ids made unique here). A record an earlier source of the same file already yielded is skipped
     (`duplicate_of_an_earlier_source`): listed by two sources it would be trained on twice, or land in both splits."""
@@ -80,11 +80,11 @@ def read_all(cfg: Config) -> tuple[list[Conversation], list[SourceStats], dict[s
     all_stats = []
     taken: dict[tuple[str, str | None], set[int]] = {}
     joined: dict[tuple[str, str | None], int] = {}
-    for i, src in enumerate(cfg.data.sources):
+    for i, src in enumerate(data.sources):
         stats = SourceStats(source_name(src))
         t0 = time.monotonic()
         j = joined.setdefault(record_file(src), i)
-        if cfg.data.sources[j].join_parts != src.join_parts:
+        if data.sources[j].join_parts != src.join_parts:
             # A joined conversation is known by its first part's index: the others would be read again, unseen.
             raise UserError(f"data.sources[{j}] and data.sources[{i}] read the same records ({src.path}) but only one "
                             "sets join_parts: a joined conversation's later parts would be read twice; set join_parts "
@@ -143,11 +143,10 @@ def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, syst
     return out
 
 
-def render_all(convs: list[Conversation], cfg: Config, tokenizer: Any, tpl: ChatTemplate,
+def render_all(convs: list[Conversation], d: DataConfig, tokenizer: Any, tpl: ChatTemplate,
                thinking: list[bool] | None = None) -> list[Rendered]:
     """(conversation, input_ids, loss_mask, error) per conversation, in order; a plain loop or
     datasets.map(num_proc). `thinking`: each conversation's setting (its source's), default `data.thinking`."""
-    d = cfg.data
     thinking = [d.thinking] * len(convs) if thinking is None else thinking
     if d.num_proc > 1:
         from datasets import Dataset
@@ -292,7 +291,7 @@ def run(cfg: Config) -> dict[str, Any]:
     out = cfg.prepared_dir
     tokenizer = load_tokenizer(cfg.target)
     tpl = resolve_template(cfg.data.chat_template, tokenizer)
-    vsize = target_vocab_size(cfg, tokenizer)
+    vsize = target_vocab_size(cfg.target, tokenizer)
     fp_in = fingerprint_inputs(cfg, tokenizer, tpl, vsize)
     fp = fingerprint(fp_in)
     weights = source_weights(cfg.data.sources)  # two weighted sources with one name: refused before any work
@@ -305,7 +304,7 @@ def run(cfg: Config) -> dict[str, Any]:
         return reused
     _check_replaceable(out)
 
-    convs, src_stats, origin = read_all(cfg)
+    convs, src_stats, origin = read_all(cfg.data)
     if not convs:
         raise ValueError(f"data.sources: no usable conversation in {[s.path for s in cfg.data.sources]}")
     random.Random(cfg.data.seed).shuffle(convs)
@@ -415,7 +414,7 @@ def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any, rs
     d = cfg.data
     check_renders_tools(tokenizer, tpl, sum(c.has_tools for c in used), len(used), "conversations")
     t_render = time.monotonic()
-    rendered = render_all(used, cfg, tokenizer, tpl, thinking)
+    rendered = render_all(used, cfg.data, tokenizer, tpl, thinking)
     render_s = time.monotonic() - t_render
     errors = [e for *_, e in rendered if e]
     samples = fit_length(rendered, d.max_length, d.overlength, rstats, d.min_length)

@@ -30,7 +30,7 @@ import torch
 from eagle3 import threads
 from eagle3.batching import EpochPlan, Mixture, check_fits, plan_epoch, plan_eval
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
-from eagle3.config import Config
+from eagle3.config import Config, TargetConfig, TrainConfig
 from eagle3.data.prepared import check_prepared, load_prepared, load_vocab, read_prepared_meta
 from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily, sglang_family
@@ -146,16 +146,16 @@ def describe_mixture(mixture: Mixture, lengths: list[int]) -> str:
     return f"mixture over {int(natural.sum())} train tokens per epoch: " + ", ".join(parts)
 
 
-def _rank_world(cfg: Config) -> tuple[int, int]:
+def _rank_world(train: TrainConfig) -> tuple[int, int]:
     """This process's place in the data plan: (data-parallel rank, world), the ranks of a sequence-parallel group
     sharing one (eagle3.sequence_parallel)."""
     place = this_process()
-    return data_place(place.rank, place.world, cfg.train.sequence_parallel)
+    return data_place(place.rank, place.world, train.sequence_parallel)
 
 
-def _budget(cfg: Config) -> int:
+def _budget(train: TrainConfig) -> int:
     """Tokens of one micro-batch, padding included, over the ranks that share it."""
-    return cfg.train.batch_tokens * cfg.train.sequence_parallel
+    return train.batch_tokens * train.sequence_parallel
 
 
 def verify_before_training(cache_dir: Path) -> None:
@@ -206,13 +206,13 @@ def fine_tune_start(folder: str, want: Eagle3DraftConfig, embed: torch.Tensor, d
     return draft
 
 
-def sglang_spelling_problem(cfg: Config) -> str | None:
+def sglang_spelling_problem(target: TargetConfig) -> str | None:
     """Why the SGLang export at the end would be refused (a target outside eagle3's table of layer-id spellings
     and no target.layer_id_family), else None. Said before training and again at the end, where the export is
     skipped: the checkpoints and a vLLM export do not need it."""
-    info = read_target_info(cfg.target.path)
+    info = read_target_info(target.path)
     try:
-        sglang_family(info.architectures, info.model_type, cfg.target.layer_id_family)
+        sglang_family(info.architectures, info.model_type, target.layer_id_family)
     except ValueError as e:
         return f"no SGLang export of the best head will be written: {e}"
     return None
@@ -221,7 +221,7 @@ def sglang_spelling_problem(cfg: Config) -> str | None:
 def export_best(cfg: Config, best: Path) -> None:
     from eagle3.export import export
 
-    if problem := sglang_spelling_problem(cfg):
+    if problem := sglang_spelling_problem(cfg.target):
         log.warning("%s; the best head stays in %s", problem, best)
         return
     out = cfg.export_dir / "sglang"
@@ -252,7 +252,7 @@ def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config
     n = len(dataset)
     if cfg.train.eval_max_samples:
         n = min(n, cfg.train.eval_max_samples)
-    plan, counted = plan_eval(dataset.lengths[:n], _budget(cfg), cfg.train.seed, *_rank_world(cfg))
+    plan, counted = plan_eval(dataset.lengths[:n], _budget(cfg.train), cfg.train.seed, *_rank_world(cfg.train))
     total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
     model.eval()
     with closing(dataset.iter_collated(plan, pin=_pin(accelerator))) as batches:
@@ -308,7 +308,7 @@ def set_up(cfg: Config) -> Session:
     set_seed(cfg.train.seed)
     tc = cfg.train
     check_prepared(cfg, read_prepared_meta(cfg.prepared_dir), "train")
-    if problem := sglang_spelling_problem(cfg):
+    if problem := sglang_spelling_problem(cfg.target):
         log.warning(problem)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg.target.path)
@@ -323,9 +323,9 @@ def set_up(cfg: Config) -> Session:
     objective = Objective(teacher, tc, sp)
     del embed, lm_head
 
-    rank, world = _rank_world(cfg)
+    rank, world = _rank_world(tc)
     mixture = train_mixture(cfg, train_ds)
-    first = plan_epoch(train_ds.lengths, _budget(cfg), tc.seed, 0, rank, world, mixture=mixture)
+    first = plan_epoch(train_ds.lengths, _budget(tc), tc.seed, 0, rank, world, mixture=mixture)
     steps_per_epoch = len(first.batches) // tc.grad_accum
     if steps_per_epoch == 0:
         raise ValueError(f"the train split gives {len(first.batches)} micro-batches per rank, fewer than "
@@ -355,12 +355,12 @@ def set_up(cfg: Config) -> Session:
 def train_loop(s: Session) -> dict[str, Any]:
     """Epochs of planned batches, one optimizer step per accumulation group, until `total_steps`."""
     tc, state = s.cfg.train, s.state
-    rank, world = _rank_world(s.cfg)
+    rank, world = _rank_world(tc)
     progress = Progress(s.total_steps, "train", unit="step", initial=state.step, disable=not s.tracker.main)
     metrics: dict[str, Any] = {}
     s.model.train()
     while state.step < s.total_steps:
-        plan = plan_epoch(s.train_ds.lengths, _budget(s.cfg), tc.seed, state.epoch, rank, world, mixture=s.mixture)
+        plan = plan_epoch(s.train_ds.lengths, _budget(tc), tc.seed, state.epoch, rank, world, mixture=s.mixture)
         usable = (len(plan.batches) // tc.grad_accum) * tc.grad_accum
         if state.batch_index + tc.grad_accum > usable:
             state.epoch, state.batch_index = state.epoch + 1, 0

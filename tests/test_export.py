@@ -300,10 +300,10 @@ def test_training_names_the_missing_family_and_skips_only_the_sglang_export(tmp_
         "architectures": ["SomeNewForCausalLM"], "model_type": "some_new", "num_hidden_layers": 12}))
     cfg = Config()
     cfg.target.path = str(tmp_path / "target")
-    assert "no SGLang export of the best head will be written" in sglang_spelling_problem(cfg)
-    assert "target.layer_id_family" in sglang_spelling_problem(cfg)
+    assert "no SGLang export of the best head will be written" in sglang_spelling_problem(cfg.target)
+    assert "target.layer_id_family" in sglang_spelling_problem(cfg.target)
     cfg.target.layer_id_family = "deepseek"
-    assert sglang_spelling_problem(cfg) is None
+    assert sglang_spelling_problem(cfg.target) is None
 
 
 def test_every_export_ships_a_model_card_of_its_run(tmp_path):

@@ -282,7 +282,7 @@ def _target(cfg):
     from eagle3.data.templates import load_tokenizer, resolve_template
 
     tok = load_tokenizer(cfg.target)
-    return tok, resolve_template(cfg.data.chat_template, tok), prepared.target_vocab_size(cfg, tok)
+    return tok, resolve_template(cfg.data.chat_template, tok), prepared.target_vocab_size(cfg.target, tok)
 
 
 def test_two_weighted_sources_with_one_name_are_refused(tmp_path: Path, tok_dir: Path):

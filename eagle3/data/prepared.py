@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.config import Config, SourceConfig
+from eagle3.config import Config, SourceConfig, TargetConfig
 from eagle3.data.sources import resolve_source_path
 from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, resolve_template
 from eagle3.fsutil import damaged_files
@@ -143,12 +143,12 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def target_vocab_size(cfg: Config, tokenizer: Any) -> int:
+def target_vocab_size(target: TargetConfig, tokenizer: Any) -> int:
     """The target's vocab (lm_head rows) from its config.json (text_config first), else the tokenizer's length.
 
     A model's vocab is often padded beyond the tokenizer; t2d must cover the model's rows."""
     try:
-        size = read_target_info(cfg.target.path).text.get("vocab_size")
+        size = read_target_info(target.path).text.get("vocab_size")
     except FileNotFoundError:
         size = None
     return size if isinstance(size, int) and size > 0 else len(tokenizer)
@@ -223,7 +223,7 @@ def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
     try:
         tokenizer = load_tokenizer(cfg.target)
         now |= _target_part(tokenizer, resolve_template(cfg.data.chat_template, tokenizer),
-                            target_vocab_size(cfg, tokenizer))
+                            target_vocab_size(cfg.target, tokenizer))
     except (OSError, ValueError, RuntimeError, TemplateError):
         pass  # no tokenizer with the target (a test's bare weights): its keys are not compared
     then = _config_part(then)

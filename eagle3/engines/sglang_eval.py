@@ -104,7 +104,7 @@ def eagle3_flags(cfg: Config, target_path: str, draft: Path) -> list[str]:
     from eagle3.targets.sglang import target_flags
 
     e = cfg.eval
-    return target_flags(cfg, target_path, [
+    return target_flags(cfg.target, target_path, [
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
         "--speculative-num-steps", str(e.num_steps), "--speculative-eagle-topk", str(e.topk),
         "--speculative-num-draft-tokens", str(e.num_draft_tokens), "--skip-server-warmup"])
@@ -162,7 +162,7 @@ def run_sglang(cfg: Config, prompts: list[list[int]], draft_folder: Path | None 
     from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
 
-    stop = stop_token_ids(cfg)
+    stop = stop_token_ids(cfg.target)
     outs = []
     with serving(cfg, draft_folder) as (url, draft), Progress(len(prompts), "sglang", unit="prompt") as progress:
         for ids in prompts:
@@ -189,7 +189,7 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
     from eagle3.logs import Progress
     from eagle3.report import by_category
 
-    stop = stop_token_ids(cfg)
+    stop = stop_token_ids(cfg.target)
     results: dict[str, Any] = {}
     rendered: dict[str, list] = {}
     metas: list[dict[str, Any]] = []

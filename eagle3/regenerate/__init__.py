@@ -45,7 +45,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
-from eagle3.config import Config, SourceConfig
+from eagle3.config import Config, DataConfig, SourceConfig
 from eagle3.data.types import Conversation
 from eagle3.locks import writes
 from eagle3.logs import Progress
@@ -120,10 +120,10 @@ class Summary:
                 f"replayed, {self.malformed_tool_calls} answers with malformed calls kept as text)")
 
 
-def regenerated_sources(cfg: Config) -> list[SourceConfig]:
+def regenerated_sources(data: DataConfig) -> list[SourceConfig]:
     """The sources to answer: those marked `regenerate: true` when any is (the opt-in), else every source."""
-    chosen = [s for s in cfg.data.sources if s.regenerate]
-    return chosen or list(cfg.data.sources)
+    chosen = [s for s in data.sources if s.regenerate]
+    return chosen or list(data.sources)
 
 
 def load_conversations(cfg: Config) -> Iterator[Conversation]:
@@ -132,7 +132,7 @@ def load_conversations(cfg: Config) -> Iterator[Conversation]:
     from eagle3.data.sources import read_conversations
 
     def all_sources() -> Iterator[Conversation]:
-        for src in regenerated_sources(cfg):
+        for src in regenerated_sources(cfg.data):
             yield from read_conversations(src, for_generation=True)
 
     return islice(all_sources(), cfg.data.max_samples)

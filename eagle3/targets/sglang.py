@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from eagle3.config import Config, SGLangSettings
+from eagle3.config import Config, SGLangSettings, TargetConfig
 from eagle3.layer_ids import ArchFamily, validate_layer_ids
 from eagle3.precision import DTYPES
 from eagle3.process import this_process
@@ -107,13 +107,13 @@ _REFUSED_FLAGS = {
 }
 
 
-def _target_info(cfg: Config) -> TargetInfo:
+def _target_info(target: TargetConfig) -> TargetInfo:
     """The target's config.json (eagle3.targets.info), with what to do when this machine cannot see it."""
     try:
-        return read_target_info(cfg.target.path)
+        return read_target_info(target.path)
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"target.path={cfg.target.path!r}: no config.json there; the SGLang backend reads the target's shape "
+            f"target.path={target.path!r}: no config.json there; the SGLang backend reads the target's shape "
             "from it, so the model folder must be visible on this machine") from None
 
 
@@ -128,16 +128,16 @@ def check_launch_args(args: list[str]) -> None:
             raise ValueError(f"target.sglang.launch_args: {flag}: extraction serves the target without a draft")
 
 
-def target_flags(cfg: Config, model_path: str, role_flags: list[str]) -> list[str]:
+def target_flags(target: TargetConfig, model_path: str, role_flags: list[str]) -> list[str]:
     """`sglang.launch_server` flags serving the configured target (host and port apart): the target's own, then
     `role_flags` (what the capture server or the EAGLE-3 server adds), then `target.sglang.launch_args`."""
-    s = cfg.target.sglang
+    s = target.sglang
     check_launch_args(s.launch_args)
-    flags = ["--model-path", model_path, "--tp-size", str(s.tp_size), "--dtype", cfg.target.dtype, *role_flags]
-    if cfg.target.trust_remote_code:
+    flags = ["--model-path", model_path, "--tp-size", str(s.tp_size), "--dtype", target.dtype, *role_flags]
+    if target.trust_remote_code:
         flags.append("--trust-remote-code")
-    if cfg.target.revision:
-        flags += ["--revision", cfg.target.revision]
+    if target.revision:
+        flags += ["--revision", target.revision]
     return flags + list(s.launch_args)
 
 
@@ -179,7 +179,7 @@ def capture_flags(cfg: Config, model_path: str) -> list[str]:
     """The capture server's flags for this config (host and port apart)."""
     context = capture_context(cfg)  # refuses a launch_args one that is too short
     given = any(a.partition("=")[0] == "--context-length" for a in cfg.target.sglang.launch_args)
-    return target_flags(cfg, model_path, [
+    return target_flags(cfg.target, model_path, [
         *([] if given else ["--context-length", str(context)]),  # a data.max_length prompt fits
         "--disable-radix-cache",          # a prefix hit would prefill (and dump) only the tail of a prompt
         "--chunked-prefill-size", "-1",   # a chunk would be dumped as a separate, partial prompt
@@ -225,7 +225,7 @@ class SGLangTarget:
                  info: TargetInfo | None = None):
         s = cfg.target.sglang
         self.cfg = cfg
-        self.info = info or _target_info(cfg)
+        self.info = info or _target_info(cfg.target)
         self.num_layers = cfg.target.num_layers or self.info.num_layers
         self.hidden_size = self.info.hidden_size
         self.vocab_size = self.info.vocab_size
@@ -425,7 +425,7 @@ def serve(cfg: Config, port: int | None, host: str, dry_run: bool, local_rank: i
         from urllib.parse import urlparse
 
         port = (urlparse(url).port if url else None) or DEFAULT_PORT
-    info = _target_info(cfg)
+    info = _target_info(cfg.target)
     layer_ids = cfg.layer_ids(cfg.target.num_layers or info.num_layers)
     python = sglang_python()
     cmd = [python, "-m", "sglang.launch_server", *capture_flags(cfg, str(info.folder)), "--host", host,
