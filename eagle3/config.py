@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3.layer_ids import ArchFamily, default_layer_ids, validate_layer_ids
 from eagle3.logs import UserError
+from eagle3.paths import RunPaths
 
 Storage = Literal["exact", "fp8", "fp8-aux"]
 """extract.storage: how the offline cache keeps hidden states (eagle3/cache/codec.py)."""
@@ -493,30 +494,34 @@ class Config(Section):
             raise ValueError("regenerate.endpoints: the openai backend needs at least one server URL")
         return self
 
-    # Derived paths: one place decides where each stage reads and writes.
+    @property
+    def paths(self) -> RunPaths:
+        """Where each stage reads and writes (eagle3.paths)."""
+        return RunPaths.under(self.output_dir, self.data.output_dir, self.extract.cache_dir, self.regenerate.output)
+
     @property
     def prepared_dir(self) -> Path:
-        return Path(self.data.output_dir or Path(self.output_dir) / "prepared")
+        return self.paths.prepared_dir
 
     @property
     def cache_dir(self) -> Path:
-        return Path(self.extract.cache_dir or Path(self.output_dir) / "cache")
+        return self.paths.cache_dir
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.output_dir) / "checkpoints"
+        return self.paths.checkpoint_dir
 
     @property
     def eval_dir(self) -> Path:
-        return Path(self.output_dir) / "eval"
+        return self.paths.eval_dir
 
     @property
     def export_dir(self) -> Path:
-        return Path(self.output_dir) / "export"
+        return self.paths.export_dir
 
     @property
     def regenerated_path(self) -> Path:
-        return Path(self.regenerate.output or Path(self.output_dir) / "regenerated.jsonl")
+        return self.paths.regenerated_path
 
     def layer_ids(self, num_layers: int) -> list[int]:
         """The aux layer ids to use for a target of `num_layers` layers (validated)."""

@@ -30,6 +30,7 @@ from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import ArchFamily, Engine
 from eagle3.locks import writes
 from eagle3.model_card import CARD_NAME, model_card
+from eagle3.paths import RunPaths
 from eagle3.precision import DTYPES
 
 log = logging.getLogger("eagle3")
@@ -56,13 +57,15 @@ def _is_replaceable(out: Path) -> bool:
 
 @writes(lambda out, **_: out, "export")
 def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype: str | None = "bfloat16",
-           num_speculative_tokens: int = 3, target_family: ArchFamily | None = None) -> Path:
+           num_speculative_tokens: int = 3, target_family: ArchFamily | None = None,
+           paths: RunPaths | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for `to` into `out` (atomically), with its model card
     (`README.md`, eagle3.model_card); return `out`.
 
     `checkpoint`: an eagle3 draft folder, a training step folder (its `draft/`), or an eagle3 export.
     `dtype`: weights dtype of the export (`bfloat16` default; None keeps the checkpoint's).
     `target_family`: SGLang's layer-id spelling for a target outside eagle3's table (`target.layer_id_family`).
+    `paths`: the run's folders for the card (a config's `cfg.paths`; default: the layout around the checkpoint).
     """
     if to not in ("sglang", "vllm"):
         raise ExportError(f"unknown engine {to!r}; choose sglang or vllm")
@@ -91,7 +94,7 @@ def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype
         save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg_json, indent=2) + "\n")
         (tmp / CARD_NAME).write_text(model_card(folder, config, cfg_json, to, out, num_speculative_tokens,
-                                                target_family))
+                                                target_family, paths))
     log.info("exported a %s head for %s to %s (layer ids %s in %s's spelling for a %s-family target)", config.arch,
              to, out, cfg_json["eagle3_export"]["engine_layer_ids"], to, cfg_json["eagle3_export"]["target_family"])
     return out

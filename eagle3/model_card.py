@@ -14,7 +14,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from eagle3.cache.codec import CacheError
+from eagle3.cache.layout import read_meta
 from eagle3.layer_ids import ArchFamily
+from eagle3.paths import RunPaths
 from eagle3.tracking import LOSS_LOG
 
 CARD_NAME = "README.md"
@@ -70,79 +73,100 @@ def serve_command(engine: str, target: str, export: Path, num_steps: int) -> str
 
 
 def model_card(draft_folder: Path, draft_config: Any, export_config: dict[str, Any], engine: str, out: Path,
-               num_steps: int, target_family: ArchFamily | None = None) -> str:
-    """The README.md text of the export of `draft_folder` for `engine` at `out`."""
-    meta = export_config.get("eagle3_export", {})
+               num_steps: int, target_family: ArchFamily | None = None, paths: RunPaths | None = None) -> str:
+    """The README.md text of the export of `draft_folder` for `engine` at `out`. `paths`: the run's folders (a
+    config's `cfg.paths`); without them, the default layout of the run folder the checkpoint sits in."""
     target = (draft_config.target or {}).get("path") or "<target>"
     run = run_folder(draft_folder)
+    paths = paths or (RunPaths.under(run) if run else None)
     lines = [f"# EAGLE-3 draft head for {target} ({engine})", "",
              f"Exported by eagle3 from `{draft_folder}` for {engine}.", "", "## Target", ""]
-    arch = ", ".join((draft_config.target or {}).get("architectures") or []) or "?"
-    lines.append(f"- model: `{target}` ({arch}, {(draft_config.target or {}).get('num_layers', '?')} layers, "
-                 f"hidden {draft_config.target_hidden_size})")
-    cache = _json(run / "cache" / "meta.json") if run else None
-    if cache:
-        fp = cache.get("fingerprint", {})
+    lines += _target_lines(draft_config, export_config.get("eagle3_export", {}), engine, target_family, paths)
+    lines += ["", "## Head", "", *_head_lines(draft_config), "", "## Data", "", *_data_lines(paths)]
+    lines += ["", "## Training", "", *_training_lines(paths)]
+    lines += ["", "## Evaluation (the run's last `eagle3 eval`)", "", *_eval_lines(paths, draft_folder)]
+    lines += ["", "## Serve", "", "```", *_serve_lines(target, engine, out, num_steps), "```", ""]
+    return "\n".join(lines)
+
+
+def _target_lines(c: Any, meta: dict[str, Any], engine: str, target_family: ArchFamily | None,
+                  paths: RunPaths | None) -> list[str]:
+    arch = ", ".join((c.target or {}).get("architectures") or []) or "?"
+    lines = [f"- model: `{(c.target or {}).get('path') or '<target>'}` ({arch}, "
+             f"{(c.target or {}).get('num_layers', '?')} layers, hidden {c.target_hidden_size})"]
+    try:
+        fp = read_meta(paths.cache_dir, upgraded=False)["fingerprint"] if paths else None
+    except CacheError:  # no cache next to the checkpoint (online training), or another format: not said
+        fp = None
+    if fp:
         lines.append(f"- weights id `{fp.get('weights_id')}` (revision {fp.get('revision')}), states stored "
                      f"{fp.get('storage')} in {fp.get('dtype')}")
-    lines.append(f"- auxiliary layers: eagle3 ids {draft_config.aux_layer_ids} (input of decoder layer k); "
-                 f"{engine}'s spelling in this folder: {meta.get('engine_layer_ids')} "
-                 f"({meta.get('target_family') or target_family}-family target)")
-    lines += ["", "## Head", "",
-              f"- layer: `{draft_config.arch}`, hidden {draft_config.hidden_size}, {draft_config.num_attention_heads} "
-              f"heads, MLP {draft_config.intermediate_size}; EAGLE-3.1 fc_norm {draft_config.fc_norm}, norm_output "
-              f"{draft_config.norm_output}; features `{draft_config.features}`",
-              f"- draft vocab {draft_config.draft_vocab_size} of {draft_config.vocab_size}; RoPE scaling "
-              f"{json.dumps(draft_config.rope_scaling)}", "", "## Data", ""]
-    prepared = _json(run / "prepared" / "meta.json") if run else None
-    if prepared:
-        s = prepared.get("summary", {})
-        lines.append(f"- template `{prepared.get('chat_template')}`, max length {prepared.get('max_length')}, "
-                     f"{s.get('train_samples')} train samples ({s.get('train_tokens')} tokens), "
-                     f"{s.get('eval_samples')} held out")
-        for src in s.get("train_sources", []):
-            mix = (f"; weight {src['weight']:g}: {100 * src['epoch0_share']:.1f}% of an epoch's tokens "
-                   f"(x{src['epoch0_repeat']:.2f})" if "weight" in src else "")
-            lines.append(f"- source `{src['name']}`: {src['samples']} samples, {src['tokens']} tokens{mix}")
-    else:
-        lines.append("- no prepared data next to the checkpoint: not recorded here")
-    lines += ["", "## Training", ""]
-    trained = _training(run / LOSS_LOG) if run else None
-    if trained:
-        lines.append(f"- {trained['steps']} steps over {trained['epochs']} epoch(s) of the train split, peak lr "
-                     f"{trained['lr']:g}" + (
-                         f"; best held-out simulated acceptance length {trained['best'][1]:.3f} (step "
-                         f"{trained['best'][0]})" if trained["best"] else ""))
-    else:
-        lines.append("- no training log next to the checkpoint: not recorded here")
-    lines += ["", "## Evaluation (the run's last `eagle3 eval`)", ""]
-    report_path = run / "eval" / "report.json" if run else None
+    lines.append(f"- auxiliary layers: eagle3 ids {c.aux_layer_ids} (input of decoder layer k); {engine}'s spelling "
+                 f"in this folder: {meta.get('engine_layer_ids')} ({meta.get('target_family') or target_family}-family "
+                 "target)")
+    return lines
+
+
+def _head_lines(c: Any) -> list[str]:
+    return [f"- layer: `{c.arch}`, hidden {c.hidden_size}, {c.num_attention_heads} heads, MLP {c.intermediate_size}; "
+            f"EAGLE-3.1 fc_norm {c.fc_norm}, norm_output {c.norm_output}; features `{c.features}`",
+            f"- draft vocab {c.draft_vocab_size} of {c.vocab_size}; RoPE scaling {json.dumps(c.rope_scaling)}"]
+
+
+def _data_lines(paths: RunPaths | None) -> list[str]:
+    # the record alone (a card is written where the samples themselves may not be, and never refuses a head)
+    prepared = _json(paths.prepared_dir / "meta.json") if paths else None
+    if not prepared:
+        return ["- no prepared data next to the checkpoint: not recorded here"]
+    s = prepared.get("summary", {})
+    lines = [f"- template `{prepared.get('chat_template')}`, max length {prepared.get('max_length')}, "
+             f"{s.get('train_samples')} train samples ({s.get('train_tokens')} tokens), {s.get('eval_samples')} held out"]
+    for src in s.get("train_sources", []):
+        mix = (f"; weight {src['weight']:g}: {100 * src['epoch0_share']:.1f}% of an epoch's tokens "
+               f"(x{src['epoch0_repeat']:.2f})" if "weight" in src else "")
+        lines.append(f"- source `{src['name']}`: {src['samples']} samples, {src['tokens']} tokens{mix}")
+    return lines
+
+
+def _training_lines(paths: RunPaths | None) -> list[str]:
+    trained = _training(paths.output_dir / LOSS_LOG) if paths else None
+    if not trained:
+        return ["- no training log next to the checkpoint: not recorded here"]
+    best = trained["best"]
+    return [f"- {trained['steps']} steps over {trained['epochs']} epoch(s) of the train split, peak lr "
+            f"{trained['lr']:g}" + (f"; best held-out simulated acceptance length {best[1]:.3f} (step {best[0]})"
+                                    if best else "")]
+
+
+def _eval_lines(paths: RunPaths | None, draft_folder: Path) -> list[str]:
+    report_path = paths.eval_dir / "report.json" if paths else None
     report = _json(report_path) if report_path else None
-    if report and report.get("card") and Path(str(report.get("draft"))).resolve() != draft_folder.resolve():
-        lines.append(f"- the run's last report is of another head (`{report.get('draft')}`): not this one's")
-    elif report and report.get("card") and _older(report_path, draft_folder):
-        lines.append("- the run's last report predates this head (an earlier training of the same folder): "
-                     "`eagle3 eval --config ...` measures this one")
-    elif report and report.get("card"):
-        st = report.get("settings", {})
-        engines = ", ".join(["builtin"] * bool(report.get("sets")) + list(report.get("engines", {})))
-        lines += [f"Engine(s): {engines}; steps {st.get('num_steps')} / topk {st.get('topk')} / "
-                  f"{st.get('num_draft_tokens')} draft tokens, temperature {st.get('temperature')}, "
-                  f"{st.get('max_new_tokens')} new tokens, target {report.get('target', {}).get('dtype')}.", "",
-                  "| prompt set | turns | τ | tokens per target forward |", "|---|---|---|---|"]
-        lines += [f"| {r['set']} | {r.get('turns', '')} | {r['tau']:.3f} | {r.get('tokens_per_forward', 0):.3f} |"
-                  for r in report["card"] if r.get("tau") is not None]
-        for name, e in report.get("engines", {}).items():
-            if isinstance(e, dict) and e.get("tau") is not None:
-                lines.append(f"\n{name}: τ {e['tau']:.3f} (built-in on the same prompts: {e.get('builtin_tau')})")
-    else:
-        lines.append("- no evaluation report next to the checkpoint: `eagle3 eval --config ...` writes one")
-    lines += ["", "## Serve", "", "```"]
-    served = target
+    if not (report and report.get("card")):
+        return ["- no evaluation report next to the checkpoint: `eagle3 eval --config ...` writes one"]
+    if Path(str(report.get("draft"))).resolve() != draft_folder.resolve():
+        return [f"- the run's last report is of another head (`{report.get('draft')}`): not this one's"]
+    if _older(report_path, draft_folder):
+        return ["- the run's last report predates this head (an earlier training of the same folder): "
+                "`eagle3 eval --config ...` measures this one"]
+    st = report.get("settings", {})
+    engines = ", ".join(["builtin"] * bool(report.get("sets")) + list(report.get("engines", {})))
+    lines = [f"Engine(s): {engines}; steps {st.get('num_steps')} / topk {st.get('topk')} / "
+             f"{st.get('num_draft_tokens')} draft tokens, temperature {st.get('temperature')}, "
+             f"{st.get('max_new_tokens')} new tokens, target {report.get('target', {}).get('dtype')}.", "",
+             "| prompt set | turns | τ | tokens per target forward |", "|---|---|---|---|"]
+    lines += [f"| {r['set']} | {r.get('turns', '')} | {r['tau']:.3f} | {r.get('tokens_per_forward', 0):.3f} |"
+              for r in report["card"] if r.get("tau") is not None]
+    for name, e in report.get("engines", {}).items():
+        if isinstance(e, dict) and e.get("tau") is not None:
+            lines.append(f"\n{name}: τ {e['tau']:.3f} (built-in on the same prompts: {e.get('builtin_tau')})")
+    return lines
+
+
+def _serve_lines(target: str, engine: str, out: Path, num_steps: int) -> list[str]:
+    served, lines = target, []
     if target.startswith("bundled:"):  # a safetensors folder eagle3 makes from the bundled GGUF, once
         from eagle3.bundled import eagle3_home
 
         served = str(eagle3_home() / "models" / target.removeprefix("bundled:"))
         lines.append("python -c 'from eagle3.bundled import materialise_smollm2; materialise_smollm2()'  # once")
-    lines += [serve_command(engine, served, out.resolve(), num_steps), "```", ""]
-    return "\n".join(lines)
+    return [*lines, serve_command(engine, served, out.resolve(), num_steps)]

@@ -225,7 +225,7 @@ def export_best(cfg: Config, best: Path) -> None:
         log.warning("%s; the best head stays in %s", problem, best)
         return
     out = cfg.export_dir / "sglang"
-    export(best, out, to="sglang", target_family=cfg.target.layer_id_family)
+    export(best, out, to="sglang", target_family=cfg.target.layer_id_family, paths=cfg.paths)
     log.info("exported the best draft for SGLang: %s", out)
 
 

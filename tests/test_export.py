@@ -343,6 +343,15 @@ def test_every_export_ships_a_model_card_of_its_run(tmp_path):
                  "| bfcl/simple_python | 10 | 2.750 |", "sglang: τ 2.490",
                  f"--speculative-draft-model-path {out.resolve()} --speculative-num-steps 3"):
         assert part in card, (part, card)
+    # a run whose cache lives elsewhere (extract.cache_dir): the trainer's export passes the run's paths
+    from eagle3.paths import RunPaths
+
+    (run / "cache").rename(tmp_path / "elsewhere")
+    moved = export(run / "checkpoints" / "best", tmp_path / "sg-moved", to="sglang")
+    assert "weights id" not in (moved / "README.md").read_text()
+    moved = export(run / "checkpoints" / "best", tmp_path / "sg-moved", to="sglang",
+                   paths=RunPaths.under(run, cache_dir=tmp_path / "elsewhere"))
+    assert "weights id `abc123`" in (moved / "README.md").read_text()
     # a report older than the head (the folder trained again since) is not presented as this head's
     import os
 
