@@ -171,27 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    cfg_p = sub.add_parser("config", help="inspect the resolved config")
-    cfg_sub = cfg_p.add_subparsers(dest="action", required=True)
-    show = cfg_sub.add_parser("show", help="print the resolved, validated config")
-    _with_config(show)
-    show.set_defaults(fn=cmd_config)
-    docs = cfg_sub.add_parser("docs", help="print the reference of every config key (Markdown)")
-    docs.set_defaults(fn=lambda _args: print(config_docs(), end="") or 0)
-
+    _add_config(sub)
     add("prepare", cmd_prepare, "conversations -> chat template -> input_ids + loss_mask, and the draft vocab")
-    data_p = sub.add_parser("data", help="inspect the prepared data")
-    data_sub = data_p.add_subparsers(dest="action", required=True)
-    what = "print one prepared sample as the target sees it: the trained spans marked, token counts, its source record"
-    ds = data_sub.add_parser("show", help=what, description=what)
-    _with_config(ds)
-    pick = ds.add_mutually_exclusive_group()
-    pick.add_argument("--index", type=int, default=None, help="the sample's index in --split (default 0)")
-    pick.add_argument("--id", default=None, help="the sample's id (either split)")
-    ds.add_argument("--split", choices=["train", "eval"], default="train")
-    ds.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                    help="mark trained spans in colour (auto: on a terminal) or between [[ and ]]")
-    ds.set_defaults(fn=cmd_data_show)
+    _add_data(sub)
     _add_vocab(sub)
     add("regenerate", cmd_regenerate, "self-distillation: re-answer every conversation with the target")
     add("extract", cmd_extract, "target hidden states -> the on-disk cache (offline mode)")
@@ -209,7 +191,40 @@ def build_parser() -> argparse.ArgumentParser:
                          "(eagle3/layer_ids.py); refused without it")
     ex.add_argument("checkpoint", help="a training checkpoint folder (or an eagle3 export)")
     ex.add_argument("out", help="output folder")
+    _add_sglang(sub)
+    _add_cache(sub)
+    return parser
 
+
+def _add_config(sub: Any) -> None:
+    """`eagle3 config show|docs`."""
+    cfg_p = sub.add_parser("config", help="inspect the resolved config")
+    cfg_sub = cfg_p.add_subparsers(dest="action", required=True)
+    show = cfg_sub.add_parser("show", help="print the resolved, validated config")
+    _with_config(show)
+    show.set_defaults(fn=cmd_config)
+    docs = cfg_sub.add_parser("docs", help="print the reference of every config key (Markdown)")
+    docs.set_defaults(fn=lambda _args: print(config_docs(), end="") or 0)
+
+
+def _add_data(sub: Any) -> None:
+    """`eagle3 data show`."""
+    data_p = sub.add_parser("data", help="inspect the prepared data")
+    data_sub = data_p.add_subparsers(dest="action", required=True)
+    what = "print one prepared sample as the target sees it: the trained spans marked, token counts, its source record"
+    ds = data_sub.add_parser("show", help=what, description=what)
+    _with_config(ds)
+    pick = ds.add_mutually_exclusive_group()
+    pick.add_argument("--index", type=int, default=None, help="the sample's index in --split (default 0)")
+    pick.add_argument("--id", default=None, help="the sample's id (either split)")
+    ds.add_argument("--split", choices=["train", "eval"], default="train")
+    ds.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                    help="mark trained spans in colour (auto: on a terminal) or between [[ and ]]")
+    ds.set_defaults(fn=cmd_data_show)
+
+
+def _add_sglang(sub: Any) -> None:
+    """`eagle3 sglang serve|command`."""
     sg = sub.add_parser("sglang", help="the SGLang server that extraction captures hidden states from")
     sg_sub = sg.add_subparsers(dest="action", required=True)
     for action, what in (("serve", "start eagle3's capturing SGLang server for a config (in this terminal)"),
@@ -222,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="which entry of a target.sglang.url list this server is (default: LOCAL_RANK, else 0)")
         a.set_defaults(fn=cmd_sglang)
 
+
+def _add_cache(sub: Any) -> None:
+    """`eagle3 cache info|upgrade|convert`."""
     cache_p = sub.add_parser("cache", help="inspect or convert a hidden-state cache")
     cache_sub = cache_p.add_subparsers(dest="action", required=True)
     info = cache_sub.add_parser("info", help="samples, tokens, bytes per token, layer ids, fingerprint")
@@ -238,7 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst")
     conv.add_argument("--storage", required=True, choices=[s for s in get_args(Storage) if s != "exact"])
     conv.set_defaults(fn=cmd_cache_convert)
-    return parser
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from eagle3.config import Config, DataConfig
+from eagle3.config import Config, DataConfig, DraftConfig
 from eagle3.data.prepared import (
     PREPARE_VERSION,
     VOCAB_KEYS,
@@ -297,10 +297,7 @@ def run(cfg: Config) -> dict[str, Any]:
     weights = source_weights(cfg.data.sources)  # two weighted sources with one name: refused before any work
     reused = _reusable(out, fp, fp_in)
     if reused is not None:
-        if reused.get("vocab_weights") != weights:
-            log.warning(f"the draft vocab in {out} was counted with source weights {reused.get('vocab_weights')}, this "
-                        f"config has {weights}: the trainer draws the new mixture from the same samples, the vocab "
-                        "stays (prepare into a new data.output_dir to count it with these weights)")
+        _say_weights(out, reused, weights)
         return reused
     _check_replaceable(out)
 
@@ -320,14 +317,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if top >= vsize:
         raise ValueError(f"token id {top} is outside the target vocab ({vsize}) of target.path={cfg.target.path!r}")
     by_source = train_sources(cfg, train_s)
-    token_weights = None
-    if weights is not None:  # each sample's tokens counted by its source's repeat factor: the epochs the head sees
-        factor = {row["name"]: row["repeat_expected"] for row in by_source}
-        token_weights = np.repeat([factor[x[3]] for x in train_s], [len(x[1]) for x in train_s])
-    vocab: DraftVocab = build_draft_vocab(train_ids, train_mask, vsize, cfg.draft.vocab_size, token_weights,
-                                          with_prompts=cfg.draft.vocab_from == "answers+prompts")
-    if cfg.draft.vocab_size >= vsize:
-        log.info(f"draft.vocab_size={cfg.draft.vocab_size} >= target vocab {vsize}: the draft uses the full vocab")
+    vocab = _count_vocab(cfg.draft, train_s, (train_ids, train_mask), vsize, by_source if weights else None)
 
     n_loss = int(train_mask.sum() + eval_mask.sum())
     n_tok = len(train_ids) + len(eval_ids)
@@ -359,6 +349,28 @@ def run(cfg: Config) -> dict[str, Any]:
     _write(out, _meta(cfg, fp, fp_in, tokenizer, tpl, vsize, vocab, summary), train_s, eval_s, vocab)
     _print_summary(out, summary)
     return summary
+
+
+def _say_weights(out: Path, reused: dict[str, Any], weights: dict[str, float] | None) -> None:
+    if reused.get("vocab_weights") != weights:
+        log.warning(f"the draft vocab in {out} was counted with source weights {reused.get('vocab_weights')}, this "
+                    f"config has {weights}: the trainer draws the new mixture from the same samples, the vocab "
+                    "stays (prepare into a new data.output_dir to count it with these weights)")
+
+
+def _count_vocab(draft: DraftConfig, train_s: list[Sample], flat: tuple[np.ndarray, np.ndarray], vsize: int,
+                 by_source: list[dict[str, Any]] | None) -> DraftVocab:
+    """The draft vocab over the train split; in a weighted mixture (`by_source`) each sample's tokens counted by
+    its source's repeat factor: the epochs the head sees."""
+    token_weights = None
+    if by_source is not None:
+        factor = {row["name"]: row["repeat_expected"] for row in by_source}
+        token_weights = np.repeat([factor[x[3]] for x in train_s], [len(x[1]) for x in train_s])
+    vocab = build_draft_vocab(*flat, vsize, draft.vocab_size, token_weights,
+                              with_prompts=draft.vocab_from == "answers+prompts")
+    if draft.vocab_size >= vsize:
+        log.info(f"draft.vocab_size={draft.vocab_size} >= target vocab {vsize}: the draft uses the full vocab")
+    return vocab
 
 
 def train_sources(cfg: Config, train_s: list[Sample]) -> list[dict[str, Any]]:
