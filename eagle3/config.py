@@ -21,6 +21,8 @@ from eagle3.paths import RunPaths
 
 Storage = Literal["exact", "fp8", "fp8-aux"]
 """extract.storage: how the offline cache keeps hidden states (eagle3/cache/codec.py)."""
+DraftArch = Literal["llama", "mla"]
+"""draft.arch: the head's decoder layer (eagle3.model: ATTENTIONS, ARCH_DIMS)."""
 EvalEngine = Literal["builtin", "vllm", "sglang"]
 """eval.engine: who decodes speculatively (eagle3.evaluate)."""
 
@@ -208,7 +210,7 @@ class DraftConfig(Section):
     """RMSNorm epsilon (default: the target's)."""
     features: Literal["fused", "top"] = "fused"
     """`fused`: EAGLE-3's low/mid/high features. `top`: an ablation feeding only the high state (EAGLE-1/2 style)."""
-    arch: Literal["llama", "mla"] = "llama"
+    arch: DraftArch = "llama"
     """The draft layer: `llama` (`LlamaForCausalLMEagle3`) or `mla` (DeepSeek-V3's multi-head latent attention,
     `Eagle3DeepseekV2ForCausalLM`, the published Kimi-K2.5 MLA head's kind). Both engines serve both."""
     fc_norm: bool = False

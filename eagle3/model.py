@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from eagle3.config import DraftArch
 from eagle3.layer_ids import LAYER_ID_CONVENTION, default_layer_ids, validate_layer_ids
 from eagle3.rope import normalise_rope, rope_scaling_of, rope_theta_of, transformers_rope
 from eagle3.rows import TTTPlan
@@ -55,7 +56,6 @@ log = logging.getLogger("eagle3")
 
 FORMAT = "eagle3-draft"
 KV = tuple[Tensor, Tensor]
-Arch = Literal["llama", "mla"]
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:
@@ -77,6 +77,32 @@ def _mla_defaults(hf: dict[str, Any], family: str, hidden: int, heads: int) -> d
     d = int(hf.get("head_dim") or hidden // heads)
     return {"q_lora_rank": 12 * d, "kv_lora_rank": 4 * d, "qk_nope_head_dim": d,
             "qk_rope_head_dim": max(2, d // 2), "v_head_dim": d}
+
+
+ArchDims = tuple[int, int, dict[str, Any] | None, dict[str, Any]]
+"""(kv heads, head dim, RoPE scaling, the arch's own fields) of a head for a target."""
+
+
+def _llama_dims(d: Any, hf: dict[str, Any], family: str, hidden: int, heads: int) -> ArchDims:
+    if family == "deepseek":  # no Llama-sense kv heads or head_dim; MLA's YaRN is tuned to its rope sub-dimension
+        return d.num_key_value_heads or heads, d.head_dim or hf.get("v_head_dim") or 128, None, {}
+    return (d.num_key_value_heads or hf.get("num_key_value_heads") or heads,
+            d.head_dim or hf.get("head_dim") or hidden // heads, rope_scaling_of(hf), {})
+
+
+def _mla_dims(d: Any, hf: dict[str, Any], family: str, hidden: int, heads: int) -> ArchDims:
+    mla = _mla_defaults(hf, family, hidden, heads)
+    mla.update({k: getattr(d, k) for k in _MLA_DIMS if getattr(d, k) is not None})
+    rope_scaling = rope_scaling_of(hf)
+    if rope_scaling and rope_scaling["rope_type"] != "yarn":
+        log.info("the target's %s RoPE scaling is not YaRN, the only one the engines serve an MLA head with: the MLA "
+                 "head rotates plainly", rope_scaling["rope_type"])
+        rope_scaling = None
+    return heads, mla["v_head_dim"], rope_scaling, mla
+
+
+ARCH_DIMS: dict[str, Callable[..., ArchDims]] = {"llama": _llama_dims, "mla": _mla_dims}
+"""draft.arch -> its dimensions for a target (its attention: ATTENTIONS)."""
 
 
 SHAPE_FIELDS = ("arch", "fc_norm", "norm_output", "hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -144,25 +170,9 @@ class Eagle3DraftConfig:
         d = draft
         hidden = d.hidden_size or hf["hidden_size"]
         heads = d.num_attention_heads or hf["num_attention_heads"]
-        mla: dict[str, Any] = {}
-        if d.arch == "mla":
-            kv_heads = heads
-            mla = _mla_defaults(hf, family, hidden, heads)
-            mla.update({k: getattr(d, k) for k in _MLA_DIMS if getattr(d, k) is not None})
-            head_dim = mla["v_head_dim"]
-            rope_scaling = rope_scaling_of(hf)
-            if rope_scaling and rope_scaling["rope_type"] != "yarn":
-                log.info("the target's %s RoPE scaling is not YaRN, the only one the engines serve an MLA head "
-                         "with: the MLA head rotates plainly", rope_scaling["rope_type"])
-                rope_scaling = None
-        elif family == "deepseek":
-            kv_heads = d.num_key_value_heads or heads
-            head_dim = d.head_dim or hf.get("v_head_dim") or 128
-            rope_scaling = None
-        else:
-            kv_heads = d.num_key_value_heads or hf.get("num_key_value_heads") or heads
-            head_dim = d.head_dim or hf.get("head_dim") or hidden // heads
-            rope_scaling = rope_scaling_of(hf)
+        if d.arch not in ARCH_DIMS:
+            raise ValueError(f"unknown draft arch {d.arch!r}; choose one of {', '.join(ARCH_DIMS)}")
+        kv_heads, head_dim, rope_scaling, mla = ARCH_DIMS[d.arch](d, hf, family, hidden, heads)
         num_layers = hf.get("num_hidden_layers")
         ids = target.aux_layer_ids or (default_layer_ids(num_layers) if num_layers else None)
         if ids and num_layers:
@@ -313,12 +323,18 @@ class MLAAttention(nn.Module):
         return q, k, F.pad(v, (0, self.head_dim - self.v_dim))
 
 
+ATTENTIONS: dict[str, type[Eagle3Attention] | type[MLAAttention]] = {"llama": Eagle3Attention, "mla": MLAAttention}
+"""draft.arch -> the decoder layer's attention (its dimensions: ARCH_DIMS)."""
+if not set(get_args(DraftArch)) == set(ATTENTIONS) == set(ARCH_DIMS):
+    raise RuntimeError(f"draft.arch's choices {get_args(DraftArch)}, ATTENTIONS and ARCH_DIMS must name the same layers")
+
+
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, c: Eagle3DraftConfig, llama: LlamaConfig):
         super().__init__()
-        if c.arch not in ("llama", "mla"):
-            raise ValueError(f"unknown draft arch {c.arch!r}; choose llama or mla")
-        self.self_attn: Eagle3Attention | MLAAttention = MLAAttention(c) if c.arch == "mla" else Eagle3Attention(c)
+        if c.arch not in ATTENTIONS:
+            raise ValueError(f"unknown draft arch {c.arch!r}; choose one of {', '.join(ATTENTIONS)}")
+        self.self_attn: Eagle3Attention | MLAAttention = ATTENTIONS[c.arch](c)
         self.mlp = LlamaMLP(llama)
         self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
