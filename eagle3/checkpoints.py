@@ -142,8 +142,8 @@ def check_same_draft(path: Path, current: Eagle3DraftConfig) -> None:
                              f"{now.get(key)}; use a new output_dir or train.resume=false")
 
 
-def save_best(accelerator, model, cfg: Config) -> Path:
-    best = cfg.checkpoint_dir / "best"
+def save_best(accelerator, model, checkpoint_dir: Path) -> Path:
+    best = checkpoint_dir / "best"
     sd = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         tmp = _tmp_dir(best)
@@ -163,7 +163,7 @@ def resume(accelerator: Any, model: Any, cfg: Config, d2t: torch.Tensor) -> Trai
     for _, path in reversed(ckpts if cfg.train.resume else []):
         problems = checkpoint_problems(path)
         if not problems:
-            check_same_vocab(path, d2t, cfg)
+            check_same_vocab(path, d2t, cfg.prepared_dir)
             check_same_draft(path, accelerator.unwrap_model(model).config)
             check_same_world(path, accelerator.num_processes, cfg.train.sequence_parallel)
             try:
@@ -221,10 +221,10 @@ def check_same_world(path: Path, world: int, sequence_parallel: int = 1) -> None
             "(the optimizer and schedule start afresh)")
 
 
-def check_same_vocab(path: Path, d2t: torch.Tensor, cfg: Config) -> None:
+def check_same_vocab(path: Path, d2t: torch.Tensor, prepared_dir: Path) -> None:
     saved_d2t, _ = load_vocab(path / "vocab.safetensors")
     if not torch.equal(saved_d2t, d2t):
-        raise ValueError(f"checkpoint {path} was trained with another draft vocab than {cfg.prepared_dir}; "
+        raise ValueError(f"checkpoint {path} was trained with another draft vocab than {prepared_dir}; "
                          "use a new output_dir or train.resume=false")
 
 

@@ -52,9 +52,9 @@ from eagle3.tracking import Tracker, accelerator_tracking
 log = logging.getLogger("eagle3")
 
 # ---------------------------------------------------------------------------------------------------- setup
-def resolve_mixed_precision(cfg: Config) -> str:
+def resolve_mixed_precision(train: TrainConfig) -> str:
     """train.mixed_precision with `auto` resolved for the device accelerate will train on (eagle3.precision)."""
-    return resolve_for_device(cfg.train.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_for_device(train.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def make_accelerator(cfg: Config):
@@ -64,7 +64,7 @@ def make_accelerator(cfg: Config):
     # never change; DDP would otherwise re-broadcast the 2.3 GB Kimi embedding every step.
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
     return Accelerator(
-        mixed_precision=resolve_mixed_precision(cfg),
+        mixed_precision=resolve_mixed_precision(cfg.train),
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[ddp],
         **accelerator_tracking(cfg),
@@ -247,13 +247,13 @@ def _reduce(accelerator, stats: StepStats) -> StepStats:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, objective: Objective, dataset: Any, cfg: Config) -> dict[str, float]:
+def evaluate(accelerator, model, objective: Objective, dataset: Any, train: TrainConfig) -> dict[str, float]:
     """acc_j, loss_j and the simulated acceptance length over the eval split (sharded across ranks)."""
     n = len(dataset)
-    if cfg.train.eval_max_samples:
-        n = min(n, cfg.train.eval_max_samples)
-    plan, counted = plan_eval(dataset.lengths[:n], _budget(cfg.train), cfg.train.seed, *_rank_world(cfg.train))
-    total = StepStats.zeros(cfg.train.ttt_steps, accelerator.device)
+    if train.eval_max_samples:
+        n = min(n, train.eval_max_samples)
+    plan, counted = plan_eval(dataset.lengths[:n], _budget(train), train.seed, *_rank_world(train))
+    total = StepStats.zeros(train.ttt_steps, accelerator.device)
     model.eval()
     with closing(dataset.iter_collated(plan, pin=_pin(accelerator))) as batches:
         for i, batch in enumerate(batches):
@@ -444,7 +444,7 @@ def after_step(s: Session, metrics: dict[str, Any]) -> None:
                      metrics["sim_accept_len"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
                      100 * metrics["data_wait_share"], 100 * metrics["padding_share"])
     if s.eval_ds is not None and len(s.eval_ds) and (state.step % tc.eval_every == 0 or last):
-        ev = evaluate(s.accelerator, s.model, s.objective, s.eval_ds, s.cfg)
+        ev = evaluate(s.accelerator, s.model, s.objective, s.eval_ds, s.cfg.train)
         tracker.log({f"eval/{k}": v for k, v in ev.items()}, step=state.step)
         tracker.info("eval @ step %d: sim_accept_len %.3f (teacher-forced %.3f), %s", state.step,
                      ev["sim_accept_len"], ev["sim_accept_len_tf"],
@@ -452,7 +452,7 @@ def after_step(s: Session, metrics: dict[str, Any]) -> None:
         tracker.record({"step": state.step, "eval": ev})
         if ev["sim_accept_len"] > state.best_accept_len:
             state.best_accept_len, state.best_step = ev["sim_accept_len"], state.step
-            save_best(s.accelerator, s.model, s.cfg)
+            save_best(s.accelerator, s.model, s.cfg.checkpoint_dir)
         metrics["eval"] = ev
     if state.step % tc.save_every == 0 or last:
         save_checkpoint(s.accelerator, s.model, s.cfg, state, s.d2t, s.t2d)
@@ -462,7 +462,7 @@ def finish(s: Session) -> None:
     """The best head saved (the last weights when nothing was evaluated) and exported for SGLang."""
     best = s.cfg.checkpoint_dir / "best"
     if not (best / "config.json").is_file():
-        save_best(s.accelerator, s.model, s.cfg)  # no eval split: the last weights are the best we know
+        save_best(s.accelerator, s.model, s.cfg.checkpoint_dir)  # no eval split: the last weights are the best we know
     if s.tracker.main:
         export_best(s.cfg, best)
     s.accelerator.wait_for_everyone()

@@ -137,7 +137,7 @@ def test_regenerate_answers_only_the_sources_that_opt_in(tmp_path: Path):
     def ids(*flags):
         srcs = ", ".join(f"{{path: {tmp_path / n}.jsonl{', regenerate: ' + f if f else ''}}}"
                          for n, f in zip("abc", flags, strict=True))
-        return [c.id for c in load_conversations(load_config(None, [f"data.sources=[{srcs}]"]))]
+        return [c.id for c in load_conversations(load_config(None, [f"data.sources=[{srcs}]"]).data)]
 
     assert ids("", "", "") == ["a0", "a1", "b0", "b1", "c0", "c1"]  # no opt-in: every source, as before
     assert ids("", "true", "") == ["b0", "b1"]

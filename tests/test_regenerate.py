@@ -54,7 +54,7 @@ def fast_backend(cfg: Config) -> OpenAIBackend:
 def run_openai(cfg: Config) -> Summary:
     from eagle3.regenerate import load_conversations
 
-    return regenerate(cfg, load_conversations(cfg), fast_backend(cfg))
+    return regenerate(cfg, load_conversations(cfg.data), fast_backend(cfg))
 
 
 TWO_TURN = [

@@ -274,7 +274,7 @@ def _heldout(cfg, draft_folder) -> dict[str, float]:
     embed, lm_head, _ = load_target_head(cfg.target.path)
     objective = Objective(Teacher(lm_head.float(), d2t, t2d), cfg.train)
     draft = accelerator.prepare(load_draft(draft_folder, embed_weight=embed))
-    return trainer.evaluate(accelerator, draft, objective, HiddenStateDataset(cfg.cache_dir, "eval"), cfg)
+    return trainer.evaluate(accelerator, draft, objective, HiddenStateDataset(cfg.cache_dir, "eval"), cfg.train)
 
 
 def test_a_head_trained_on_fp8_accepts_as_the_exact_caches_does(learnable, tmp_path):

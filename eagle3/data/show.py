@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import sys
 from itertools import groupby
+from pathlib import Path
 from typing import Any
 
-from eagle3.config import Config
+from eagle3.config import Config, DataConfig
 from eagle3.data.prepared import load_prepared
 from eagle3.data.sources import read_conversations, read_record, source_name
 from eagle3.data.templates import load_tokenizer
@@ -32,9 +33,9 @@ LONG_STRING = 2000
 """Strings of the source record longer than this are shortened in the print (a debugging view, not a dump)."""
 
 
-def find_sample(cfg: Config, index: int | None, sample_id: str | None, split: str) -> tuple[str, int, dict[str, Any]]:
+def find_sample(prepared_dir: Path, index: int | None, sample_id: str | None, split: str) -> tuple[str, int, dict[str, Any]]:
     """(split, index, row) of the asked sample: by id in either split, else by index in `split`."""
-    prepared = load_prepared(cfg.prepared_dir)
+    prepared = load_prepared(prepared_dir)
     splits = {"train": prepared.train, "eval": prepared.eval}
     if sample_id is not None:
         for name, ds in splits.items():
@@ -42,12 +43,12 @@ def find_sample(cfg: Config, index: int | None, sample_id: str | None, split: st
             if sample_id in ids:
                 i = ids.index(sample_id)
                 return name, i, ds[i]
-        raise UserError(f"no sample with id {sample_id!r} in {cfg.prepared_dir} (train or eval); ids look like "
+        raise UserError(f"no sample with id {sample_id!r} in {prepared_dir} (train or eval); ids look like "
                         f"{prepared.train['id'][:3]}")
     ds = splits[split]
     i = 0 if index is None else index
     if not 0 <= i < len(ds):
-        raise UserError(f"--index {i}: the {split} split of {cfg.prepared_dir} has {len(ds)} samples (0..{len(ds) - 1})")
+        raise UserError(f"--index {i}: the {split} split of {prepared_dir} has {len(ds)} samples (0..{len(ds) - 1})")
     return split, i, ds[i]
 
 
@@ -76,14 +77,14 @@ def _shorten(value: Any) -> Any:
     return value
 
 
-def source_record(cfg: Config, row: dict[str, Any]) -> tuple[str, Any]:
+def source_record(data: DataConfig, row: dict[str, Any]) -> tuple[str, Any]:
     """(where, record): the raw record the sample came from, else (older folders) the conversation as read."""
-    by_name = {source_name(s): s for s in cfg.data.sources}
+    by_name = {source_name(s): s for s in data.sources}
     src = by_name.get(row.get("source") or "")
     if src is not None and row.get("record") is not None:
         return f"{src.path}, record {row['record']}", read_record(src, int(row["record"]))
     base_id = str(row["id"]).split("#")[0]  # prepare makes repeated ids unique with #n
-    for src in cfg.data.sources:
+    for src in data.sources:
         for conv in read_conversations(src):
             if conv.id == base_id:
                 return (f"{src.path}, conversation {conv.id!r} as read (repaired)",
@@ -93,13 +94,13 @@ def source_record(cfg: Config, row: dict[str, Any]) -> tuple[str, Any]:
 
 def show(cfg: Config, index: int | None = None, sample_id: str | None = None, split: str = "train",
          color: bool | None = None) -> str:
-    split, i, row = find_sample(cfg, index, sample_id, split)
+    split, i, row = find_sample(cfg.prepared_dir, index, sample_id, split)
     tokenizer = load_tokenizer(cfg.target)
     ids, mask = [int(t) for t in row["input_ids"]], [int(m) for m in row["loss_mask"]]
     color = sys.stdout.isatty() if color is None else color
     trained = sum(mask)
     spans = sum(1 for m, _ in groupby(mask) if m)
-    where, record = source_record(cfg, row)
+    where, record = source_record(cfg.data, row)
     mark = "in colour" if color else f"between {OPEN} and {CLOSE}"
     lines = [
         f"sample {row['id']!r} ({split} split, index {i}) of {cfg.prepared_dir}",

@@ -132,14 +132,14 @@ def stop_token_ids(target: TargetConfig) -> list[int]:
     return eos_ids(load_tokenizer(target), generation)
 
 
-def hf_greedy(cfg: Config, prompts: list[list[int]], max_new_tokens: int, stop: list[int]) -> list[list[int]]:
+def hf_greedy(target: TargetConfig, prompts: list[list[int]], max_new_tokens: int, stop: list[int]) -> list[list[int]]:
     """Plain HF greedy decoding of every prompt (the reference vLLM's speculative output must reproduce)."""
     import torch
 
     from eagle3.logs import Progress
     from eagle3.targets.hf import load_target
 
-    model, _ = load_target(cfg.target)
+    model, _ = load_target(target)
     device = next(model.parameters()).device
     outs: list[list[int]] = []
     # As long as the built-in's plain baseline (minutes on a CPU for all of MT-bench): it needs an ETA.
@@ -280,7 +280,7 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
         result["untrusted"] = CPU_SAMPLING
         log.warning("vLLM's acceptance at temperature %s: %s", cfg.eval.temperature, CPU_SAMPLING)
     if check_greedy and cfg.eval.temperature <= 0 and raw.get("outputs") is not None:
-        ref = hf_greedy(cfg, prompts, cfg.eval.max_new_tokens, stop)
+        ref = hf_greedy(cfg.target, prompts, cfg.eval.max_new_tokens, stop)
         result.update(compare_greedy(raw["outputs"], ref, stop))
     return result
 

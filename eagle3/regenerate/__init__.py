@@ -45,7 +45,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
-from eagle3.config import Config, DataConfig, SourceConfig
+from eagle3.config import Config, DataConfig, RegenerateConfig, SourceConfig
 from eagle3.data.types import Conversation
 from eagle3.locks import writes
 from eagle3.logs import Progress
@@ -126,16 +126,16 @@ def regenerated_sources(data: DataConfig) -> list[SourceConfig]:
     return chosen or list(data.sources)
 
 
-def load_conversations(cfg: Config) -> Iterator[Conversation]:
+def load_conversations(data: DataConfig) -> Iterator[Conversation]:
     """Every conversation of every source to answer (`regenerated_sources`), in order, capped at `data.max_samples`,
     read as prompts (`for_generation`: a trailing user turn or tool result stays, no answer is needed)."""
     from eagle3.data.sources import read_conversations
 
     def all_sources() -> Iterator[Conversation]:
-        for src in regenerated_sources(cfg.data):
+        for src in regenerated_sources(data):
             yield from read_conversations(src, for_generation=True)
 
-    return islice(all_sources(), cfg.data.max_samples)
+    return islice(all_sources(), data.max_samples)
 
 
 def make_backend(cfg: Config) -> Backend:
@@ -176,16 +176,16 @@ def regenerate(cfg: Config, conversations: Iterable[Conversation], backend: Back
     summary.total_in_output = len(done)
     if todo:
         backend = backend or make_backend(cfg)
-        _drive(cfg, backend, todo, summary)
+        _drive(cfg.regenerate, backend, todo, summary)
     else:
         failed_path(out).unlink(missing_ok=True)
     log.info(summary.line())
     return summary
 
 
-def _drive(cfg: Config, backend: Backend, todo: list[Dialogue], summary: Summary) -> None:
+def _drive(rc: RegenerateConfig, backend: Backend, todo: list[Dialogue], summary: Summary) -> None:
     out = summary.output
-    keep = cfg.regenerate.keep_reasoning
+    keep = rc.keep_reasoning
     t0 = time.monotonic()
     # The sidecar lists this run's failures only: earlier failures are not in the output, so they are retried now.
     failed_file = failed_path(out)
@@ -225,4 +225,4 @@ def _failure_record(o: Outcome) -> dict[str, Any]:
 
 def run(cfg: Config) -> Summary:
     """`eagle3 regenerate`: read the sources, regenerate, log the summary."""
-    return regenerate(cfg, load_conversations(cfg))
+    return regenerate(cfg, load_conversations(cfg.data))
