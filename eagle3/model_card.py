@@ -125,6 +125,12 @@ def _data_lines(paths: RunPaths | None) -> list[str]:
         mix = (f"; weight {src['weight']:g}: {100 * src['epoch0_share']:.1f}% of an epoch's tokens "
                f"(x{src['epoch0_repeat']:.2f})" if "weight" in src else "")
         lines.append(f"- source `{src['name']}`: {src['samples']} samples, {src['tokens']} tokens{mix}")
+    try:
+        cut = read_meta(paths.cache_dir, upgraded=False)["layout"].get("max_samples")
+    except (CacheError, KeyError):
+        cut = None
+    if cut is not None and cut < (s.get("train_samples") or 0):
+        lines.append(f"- extracted and trained on: the first {cut} train samples (extract.max_samples)")
     return lines
 
 

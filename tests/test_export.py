@@ -321,7 +321,8 @@ def test_every_export_ships_a_model_card_of_its_run(tmp_path):
              "epoch0_repeat": 2.25}]}}))
     (run / "cache").mkdir()
     (run / "cache" / "meta.json").write_text(json.dumps({"fingerprint": {"weights_id": "abc123", "revision": None,
-                                                                          "storage": "fp8", "dtype": "bfloat16"}}))
+                                                                          "storage": "fp8", "dtype": "bfloat16"},
+                                                          "layout": {"world_size": 1, "max_samples": 25}}))
     (run / "train_log.jsonl").write_text("\n".join(json.dumps(r) for r in [
         {"step": 1, "loss": 9.0, "lr": 1e-4, "tokens_per_s": 100.0, "step_s": 2.0, "epoch": 0},
         {"step": 2, "loss": 8.0, "lr": 2e-4, "tokens_per_s": 100.0, "step_s": 2.0, "epoch": 1},
@@ -339,6 +340,7 @@ def test_every_export_ships_a_model_card_of_its_run(tmp_path):
     for part in ("/models/tiny-kimi", "weights id `abc123`", "eagle3 ids [2, 6, 9]", "spelling in this folder: [1, 5, 8]",
                  "template `kimi-k2.5`, max length 32768, 40 train samples (9000 tokens)",
                  "source `agentic`: 10 samples, 3000 tokens; weight 3: 75.0% of an epoch's tokens (x2.25)",
+                 "trained on: the first 25 train samples (extract.max_samples)",
                  "2 steps over 2 epoch(s) of the train split, peak lr 0.0002", "best held-out simulated acceptance length 2.345 (step 2)",
                  "| bfcl/simple_python | 10 | 2.750 |", "sglang: τ 2.490",
                  f"--speculative-draft-model-path {out.resolve()} --speculative-num-steps 3"):
