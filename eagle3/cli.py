@@ -277,8 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _config_error(e)
+
+
+def _config_error(e: ConfigError) -> int:
+    """A config error's one line and its exit status (2), the same from `eagle3` and the entry scripts."""
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
 
 
 def stage_config(stage: str, argv: list[str]) -> Config:
@@ -288,8 +293,7 @@ def stage_config(stage: str, argv: list[str]) -> Config:
     try:
         return _cfg(parse([stage, *argv]))
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(_config_error(e)) from None
 
 
 if __name__ == "__main__":

@@ -79,25 +79,31 @@ def model_card(draft_folder: Path, draft_config: Any, export_config: dict[str, A
     target = (draft_config.target or {}).get("path") or "<target>"
     run = run_folder(draft_folder)
     paths = paths or (RunPaths.under(run) if run else None)
+    cache = _cache_meta(paths)
     lines = [f"# EAGLE-3 draft head for {target} ({engine})", "",
              f"Exported by eagle3 from `{draft_folder}` for {engine}.", "", "## Target", ""]
-    lines += _target_lines(draft_config, export_config.get("eagle3_export", {}), engine, target_family, paths)
-    lines += ["", "## Head", "", *_head_lines(draft_config), "", "## Data", "", *_data_lines(paths)]
+    lines += _target_lines(draft_config, export_config.get("eagle3_export", {}), engine, target_family, cache)
+    lines += ["", "## Head", "", *_head_lines(draft_config), "", "## Data", "", *_data_lines(paths, cache)]
     lines += ["", "## Training", "", *_training_lines(paths)]
     lines += ["", "## Evaluation (the run's last `eagle3 eval`)", "", *_eval_lines(paths, draft_folder)]
     lines += ["", "## Serve", "", "```", *_serve_lines(target, engine, out, num_steps), "```", ""]
     return "\n".join(lines)
 
 
+def _cache_meta(paths: RunPaths | None) -> dict[str, Any] | None:
+    """The run's cache record (meta.json), or None: no cache next to the checkpoint (online training), or not one."""
+    try:
+        return read_meta(paths.cache_dir, upgraded=False) if paths else None
+    except CacheError:
+        return None
+
+
 def _target_lines(c: Any, meta: dict[str, Any], engine: str, target_family: ArchFamily | None,
-                  paths: RunPaths | None) -> list[str]:
+                  cache: dict[str, Any] | None) -> list[str]:
     arch = ", ".join((c.target or {}).get("architectures") or []) or "?"
     lines = [f"- model: `{(c.target or {}).get('path') or '<target>'}` ({arch}, "
              f"{(c.target or {}).get('num_layers', '?')} layers, hidden {c.target_hidden_size})"]
-    try:
-        fp = read_meta(paths.cache_dir, upgraded=False)["fingerprint"] if paths else None
-    except CacheError:  # no cache next to the checkpoint (online training), or another format: not said
-        fp = None
+    fp = (cache or {}).get("fingerprint")
     if fp:
         lines.append(f"- weights id `{fp.get('weights_id')}` (revision {fp.get('revision')}), states stored "
                      f"{fp.get('storage')} in {fp.get('dtype')}")
@@ -113,7 +119,7 @@ def _head_lines(c: Any) -> list[str]:
             f"- draft vocab {c.draft_vocab_size} of {c.vocab_size}; RoPE scaling {json.dumps(c.rope_scaling)}"]
 
 
-def _data_lines(paths: RunPaths | None) -> list[str]:
+def _data_lines(paths: RunPaths | None, cache: dict[str, Any] | None) -> list[str]:
     # the record alone (a card is written where the samples themselves may not be, and never refuses a head)
     prepared = _json(paths.prepared_dir / "meta.json") if paths else None
     if not prepared:
@@ -125,10 +131,7 @@ def _data_lines(paths: RunPaths | None) -> list[str]:
         mix = (f"; weight {src['weight']:g}: {100 * src['epoch0_share']:.1f}% of an epoch's tokens "
                f"(x{src['epoch0_repeat']:.2f})" if "weight" in src else "")
         lines.append(f"- source `{src['name']}`: {src['samples']} samples, {src['tokens']} tokens{mix}")
-    try:
-        cut = read_meta(paths.cache_dir, upgraded=False)["layout"].get("max_samples")
-    except (CacheError, KeyError):
-        cut = None
+    cut = ((cache or {}).get("layout") or {}).get("max_samples")
     if cut is not None and cut < (s.get("train_samples") or 0):
         lines.append(f"- extracted and trained on: the first {cut} train samples (extract.max_samples)")
     return lines

@@ -197,24 +197,20 @@ LONG_PROMPTS = 200
 def sharegpt_long(prepared_dir: str | Path | None = None) -> PromptSet:
     """Long ShareGPT histories whose last answer is generated (see the module docstring)."""
     from eagle3.config import SourceConfig
+    from eagle3.data.readers import conversation_id
     from eagle3.data.sources import read_conversations
 
-    trained = {_conversation_of(i) for i in _train_ids(prepared_dir)}
+    # held out by conversation: a history none of whose parts (joined or not) was trained on
+    trained = {conversation_id(i) for i in _train_ids(prepared_dir)}
     prompts = []
     for conv in read_conversations(SourceConfig(path="bundled:sharegpt", join_parts=True)):
         last = max(i for i, t in enumerate(conv.turns) if t.role == "assistant")
         chars = sum(len(t.content) for t in conv.turns[:last])
-        if last >= 3 and LONG_CHARS[0] <= chars <= LONG_CHARS[1] and _conversation_of(conv.id) not in trained:
+        if last >= 3 and LONG_CHARS[0] <= chars <= LONG_CHARS[1] and conversation_id(conv.id) not in trained:
             prompts.append(Prompt(conv.id, messages=conv.turns[:last]))
             if len(prompts) == LONG_PROMPTS:
                 break
     return PromptSet("sharegpt-long", prompts)
-
-
-def _conversation_of(sample_id: str) -> str:
-    """ShareGPT V3's conversation id of a record or joined record `<id>_<k>`: a prompt is held out when no part of
-    its conversation was trained on, joined or not."""
-    return sample_id.rsplit("_", 1)[0] if sample_id.rsplit("_", 1)[-1].isdigit() else sample_id
 
 
 def _train_ids(prepared_dir: str | Path | None) -> set[str]:

@@ -100,7 +100,6 @@ SMALL_FILE_BYTES = 16 << 20
 """Source files up to this size are identified by content hash; bigger ones by path + size + mtime."""
 
 
-# ------------------------------------------------------------------------------------------------ fingerprint
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -115,11 +114,8 @@ def source_identity(src: SourceConfig, data_thinking: bool = False) -> dict[str,
     """What identifies a source's content without reading big files: content hash when small, else stat; and its own
     rendering setting (`thinking`). Not its weight: the samples do not depend on it."""
     p = resolve_source_path(src).resolve()
-    ident: dict[str, Any] = {"path": src.path, "format": src.format, "split": src.split, "max_records": src.max_records}
-    if (thinking := own_thinking(src, data_thinking)) is not None:
-        ident["thinking"] = thinking
-    if src.join_parts:  # only when set: folders prepared before the key existed keep their fingerprint
-        ident["join_parts"] = True
+    # a source's own settings only when set: folders prepared before such a key existed keep their fingerprint
+    ident = {k: v for k, v in _naming(src, data_thinking).items() if v is not None or k not in _OWN_SETTINGS}
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file())
         listing = [(str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
@@ -196,6 +192,8 @@ _CONFIG_KEYS = {
 
 
 _SOURCE_NAMING = ("path", "format", "split", "max_records", "thinking", "join_parts")
+_OWN_SETTINGS = ("thinking", "join_parts")
+"""A source's settings recorded only where they change the samples (None otherwise)."""
 
 
 def _naming(src: SourceConfig, data_thinking: bool) -> dict[str, Any]:

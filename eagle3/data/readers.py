@@ -66,7 +66,6 @@ class SourceStats:
         }
 
 
-
 def sniff_format(path: Path) -> str:
     """`hf` for a folder, `json` for a top-level array, `jsonl` otherwise (see the module docstring)."""
     if path.is_dir():
@@ -79,7 +78,6 @@ def sniff_format(path: Path) -> str:
         return "jsonl"
     raise ValueError(f"{path}: cannot tell the format (expected a JSON array '[' or JSONL objects '{{'), "
                      f"file starts with {head[:40]!r}; set format explicitly")
-
 
 
 _PART_ID = re.compile(r"(.+)_(\d+)")
@@ -111,6 +109,12 @@ def join_parts(records: Iterable[tuple[int, Any]], stats: SourceStats) -> Iterat
             held = (index, dict(record), part[0], part[1] + len(record[part[2]]), part[2])
     if held is not None:
         yield held[0], held[1]
+
+
+def conversation_id(record_id: str) -> str:
+    """ShareGPT V3's conversation id of a record `<id>_<k>` (the id itself when it has no `_<k>`)."""
+    m = _PART_ID.fullmatch(record_id)
+    return m.group(1) if m else record_id
 
 
 def _split_part(record: Any) -> tuple[str, int, str] | None:
