@@ -12,7 +12,9 @@ suffix decoding where arctic-inference's suffix tree imports in vLLM's interpret
 when it cannot). The table gives tokens per target forward (the figure that compares methods: n-gram's τ counts only the
 steps that found a match) and τ for each, and head / n-gram. The built-in evaluator runs first (it renders the
 prompts and checks the head is lossless against plain greedy decoding, and gives its own n-gram figures on the
-same turns; its report is written under the run's eval folder).
+same turns; its report is written under the run's eval folder). `--engine-only` skips it (`eval.builtin=false`):
+vLLM answers each dialogue's earlier turns plainly to render the next, then decodes every turn with each method;
+all of MT-bench, HumanEval and code-edit take minutes instead of about an hour per set on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--suffix", default=str(REPO / ".vllm-suffix"),
                    help="arctic-inference's suffix tree built by scripts/setup_suffix_decoding.sh")
+    p.add_argument("--engine-only", action="store_true",
+                   help="vLLM alone (eval.builtin=false): no built-in run, no HF greedy reference")
     p.add_argument("--out", default=None, help="where the run's report goes (default: <checkpoint>/../../bench-vs-ngram)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
@@ -74,18 +78,22 @@ def main() -> int:
     cfg = load_config(a.config, [*a.overrides, f"output_dir={out}", f"eval.checkpoint={a.checkpoint}",
                                  f"eval.prompt_sets={json.dumps(a.sets)}", f"eval.max_prompts={a.max_prompts}",
                                  f"eval.max_new_tokens={a.max_new_tokens}", "eval.engine=vllm", "eval.ngram=true",
-                                 "eval.temperature=0"])
+                                 "eval.temperature=0", f"eval.builtin={str(not a.engine_only).lower()}"])
     report = run(cfg)
     vllm = report["engines"]["vllm"]
-    methods = {"head": vllm["groups"], "ngram": vllm["ngram_groups"]}
+    if a.engine_only:  # the card's own rows are vLLM's: the head's figures and n-gram's beside them
+        methods = {"head": {r["set"]: r for r in report["card"]},
+                   "ngram": {r["set"]: {"tau": r.get("ngram_tau"), "tokens_per_forward": r.get("ngram_tokens_per_forward")}
+                             for r in report["card"]}}
+    else:
+        methods = {"head": vllm["groups"], "ngram": vllm["ngram_groups"]}
     python = os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
     suffix_note = ("suffix decoding: arctic-inference does not import in vLLM's interpreter (no wheel on PyPI: "
                    "bash scripts/setup_suffix_decoding.sh builds its suffix tree)")
     if suffix_available(python, Path(a.suffix)):
         rendered = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())
         prompts = [x for name in report["sets"] for x in rendered[name]]
-        groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
-        sfx = run_vllm(cfg, None, prompts, groups=groups, method="suffix", check_greedy=False)
+        sfx = run_vllm(cfg, None, prompts, groups=vllm["prompt_groups"], method="suffix", check_greedy=False)
         g = sfx.pop("groups", {})
         methods["suffix"] = g | {name: pooled_groups(g, name) for name in report["sets"]}
         suffix_note = "suffix decoding: vLLM's method=suffix (arctic-inference)"

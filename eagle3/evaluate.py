@@ -360,28 +360,58 @@ def write_report(report: dict[str, Any], eval_dir: Path) -> None:
 
 
 def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
-    """`eval.builtin: false`: SGLang decodes every turn with the head; no target is loaded in this process."""
+    """`eval.builtin: false`: the engine decodes every turn with the head, no target is loaded in this process (a
+    target too big for it, or a quick card: vLLM decodes all of MT-bench in minutes where the built-in takes an
+    hour on a CPU)."""
     from eagle3.data.templates import load_tokenizer
-    from eagle3.engines.sglang_eval import run_sglang_dialogues
 
     folder = resolve_checkpoint(cfg)
-    log.info("eval in SGLang only: target %s (TP=%d), draft %s", cfg.target.path, cfg.target.sglang.tp_size, folder)
+    engine = cfg.eval.engine
+    log.info("eval in %s only: target %s, draft %s", engine, cfg.target.path, folder)
     render = PromptRenderer(load_tokenizer(cfg.target), cfg)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
     render.check_tools(sets)
-    result, rendered = run_sglang_dialogues(cfg, sets, render, folder)
+    result, rendered = ENGINE_ONLY[engine](cfg, sets, render, folder)
     report: dict[str, Any] = {
-        "engine": "sglang",
+        "engine": engine,
         "builtin": False,
-        "target": {"path": cfg.target.path, "dtype": cfg.target.dtype, "tp_size": cfg.target.sglang.tp_size},
+        "target": {"path": cfg.target.path, "dtype": cfg.target.dtype} | (
+            {"tp_size": cfg.target.sglang.tp_size} if engine == "sglang" else {}),
         "draft": str(folder),
         "settings": {**asdict(settings_from(cfg.eval)), "seed": cfg.eval.seed, "max_prompts": cfg.eval.max_prompts},
-        "definitions": {"tau": "SGLang's (completion_tokens - 1) / spec_verify_ct: accepted + bonus tokens per "
-                               "verify step, the prefill's token excluded (sglang_accept_length includes it)"},
+        "definitions": {"tau": ENGINE_TAU[engine]},
         "sets": result.pop("sets"),
-        "engines": {"sglang": result},
+        "engines": {engine: result},
     }
     return report, rendered
+
+
+def _sglang_dialogues(cfg: Config, sets: list[PromptSet], render: PromptRenderer, folder: Path
+                      ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    from eagle3.engines.sglang_eval import run_sglang_dialogues
+
+    return run_sglang_dialogues(cfg, sets, render, folder)
+
+
+def _vllm_dialogues(cfg: Config, sets: list[PromptSet], render: PromptRenderer, folder: Path
+                    ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    from eagle3.engines.vllm_eval import run_vllm_dialogues
+
+    return run_vllm_dialogues(cfg, sets, render, folder)
+
+
+ENGINE_ONLY = {"sglang": _sglang_dialogues, "vllm": _vllm_dialogues}
+"""eval.engine -> every turn decoded in that engine alone (`eval.builtin: false`)."""
+ENGINE_TAU = {
+    "sglang": "SGLang's (completion_tokens - 1) / spec_verify_ct: accepted + bonus tokens per verify step, the "
+              "prefill's token excluded (sglang_accept_length includes it)",
+    "vllm": "vLLM's 1 + num_accepted_tokens / num_drafts: accepted + bonus tokens per draft; tokens_per_forward = "
+            "generated / (generated - accepted), every target forward counted",
+}
+"""What τ means in an engine-only report."""
+if set(ENGINE_ONLY) != set(ENGINE_TAU) or {"builtin", *ENGINE_ONLY} != set(get_args(EvalEngine)):
+    raise RuntimeError(f"eval.engine's choices {get_args(EvalEngine)} and the engine-only runners {tuple(ENGINE_ONLY)} "
+                       "differ")
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -421,7 +451,7 @@ def vllm_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[lis
         if outs is not None and result.get("outputs") is not None:
             ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, result["outputs"], strict=True))
         result["ngram"] = ng
-    return {**result, "builtin_tau": _pooled_tau(report)}
+    return {**result, "builtin_tau": _pooled_tau(report), "prompt_groups": groups}
 
 
 def sglang_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path

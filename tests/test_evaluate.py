@@ -559,6 +559,59 @@ def test_sglang_alone_reports_categories_that_add_up_and_survives_a_turn_that_en
     assert r["categories"]["writing"]["tau"] == pytest.approx(6 / 2)
 
 
+def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ngram_per_category(tmp_path, monkeypatch):
+    """`eval.builtin: false` with vLLM: the second turn is rendered after vLLM's plain answer to the first (one
+    run per turn index), every method replays the same rendered prompts, and a set's and a category's τ and tokens
+    per forward pool their groups' counters (n-gram's beside the head's)."""
+    from eagle3.engines import vllm_eval
+    from eagle3.prompts import Prompt, PromptSet
+
+    cfg = _setup(tmp_path, engine="vllm", builtin=False)
+    calls: list[tuple[str, list[list[int]], list[str] | None]] = []
+    counters = {  # per group: (drafts, accepted per position, generated) for the head and for n-gram
+        "eagle3": {"cats/coding": (4, [3, 1, 0], 9), "cats/writing": (2, [2, 2, 2], 8)},
+        "ngram": {"cats/coding": (1, [1, 1, 1], 9), "cats/writing": (0, [0, 0, 0], 8)},
+    }
+
+    def run_vllm(cfg, draft_folder, prompts, groups=None, method="eagle3", check_greedy=True):
+        calls.append((method, prompts, groups))
+        if method == "plain":
+            return {"outputs": [[40 + i, 2] for i in range(len(prompts))]}
+        assert not check_greedy and draft_folder == (tmp_path if method == "eagle3" else None)
+        found = {}
+        for g, (drafts, per_pos, generated) in counters[method].items():
+            totals = {"num_drafts": drafts, "num_draft_tokens": 3 * drafts, "num_accepted_tokens": sum(per_pos)}
+            found[g] = vllm_eval._rates(totals, per_pos, generated)
+        return {"tau": 0.0, "groups": found, "outputs": [[1]] * len(prompts)}
+
+    monkeypatch.setattr(vllm_eval, "run_vllm", run_vllm)
+    monkeypatch.setattr(vllm_eval, "stop_token_ids", lambda target: [2])
+
+    class Render:
+        def __call__(self, history, tools=None):
+            return [len(t.content) for t in history]  # one id per turn: the text's length
+
+        def answer(self, tokens, eos):
+            return "x" * tokens[0]  # the plain answer 40 renders as a 40-character assistant turn
+
+    ps = PromptSet("cats", [Prompt("a", ["Write a loop", "Now in C"], category="coding"),
+                            Prompt("b", ["Write a poem"], category="writing")])
+    out, rendered = vllm_eval.run_vllm_dialogues(cfg, [ps], Render(), tmp_path)
+    assert [c[0] for c in calls] == ["plain", "eagle3", "ngram"]
+    assert calls[0][1] == [[12]]  # only the first turn of the two-turn prompt needed an answer
+    assert rendered["cats"] == [[12], [12, 40, 8], [12]]  # turn 2 follows vLLM's 40-token answer
+    assert calls[1][1] == calls[2][1] == rendered["cats"]
+    assert out["prompt_groups"] == calls[1][2] == ["cats/coding", "cats/coding", "cats/writing"]
+    r = out["sets"]["cats"]
+    assert r["turns"] == 3 and r["prompts"] == 2
+    assert r["tau"] == pytest.approx(1 + (4 + 6) / 6) and r["tokens_per_forward"] == pytest.approx(17 / (17 - 10))
+    assert r["acceptance_rate"] == pytest.approx([5 / 6, 3 / 6, 2 / 6])
+    assert r["ngram"] == {"tau": pytest.approx(1 + 3 / 1), "tokens_per_forward": pytest.approx(17 / (17 - 3))}
+    coding = r["categories"]["coding"]
+    assert coding["turns"] == 2 and coding["tau"] == pytest.approx(1 + 4 / 4)
+    assert coding["ngram"]["tokens_per_forward"] == pytest.approx(9 / (9 - 3))
+
+
 @pytest.mark.parametrize("device,route", [("cpu", "/server_info"), ("cpu", "/get_server_info"),
                                           ("cuda", "/server_info")])
 def test_sglang_on_a_cpu_flags_its_sampled_tau(device, route):

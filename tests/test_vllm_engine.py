@@ -189,6 +189,29 @@ def test_tiny_target_in_real_vllm(tmp_path, vllm_python):
         assert bad["acceptance_rate"][0] <= v["acceptance_rate"][0] - 0.3, (wrong, bad, v["acceptance_rate"])
 
 
+def test_tiny_target_in_vllm_alone(tmp_path, vllm_python):
+    """`eval.builtin: false` with vLLM: no target in this process; the second turn is rendered after vLLM's own
+    answer to the first; the head (exact at position 0 when fed the right layer) and vLLM's n-gram drafting decode
+    the same prompts to the same greedy text, and the card gets τ, tokens per forward and n-gram's per category."""
+    from eagle3.evaluate import run
+
+    cfg = _tiny_setup(tmp_path)
+    prompts = tmp_path / "dialogue.jsonl"
+    prompts.write_text('{"turns": ["Hello there", "And again?"], "category": "chat"}\n'
+                       '{"prompt": "abc abc abc", "category": "copy"}\n')
+    cfg.eval.prompt_sets, cfg.eval.builtin = [str(prompts)], False
+    report = run(cfg)
+    r, v = report["sets"]["dialogue"], report["engines"]["vllm"]
+    _check_counters(v, cfg.eval.num_steps)
+    assert report["builtin"] is False and r["turns"] == 3 and set(r["categories"]) == {"chat", "copy"}
+    assert r["acceptance_rate"][0] >= 0.85 and r["tokens_per_forward"] > 1.5, r
+    assert r["ngram"]["tokens_per_forward"] >= 1.0 and v["ngram"]["same_outputs_as_head"] == 3, v["ngram"]
+    first, second, _ = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())["dialogue"]
+    assert second[:len(first)] == first and len(second) > len(first) + 4  # the answer and the new question
+    rows = {row["set"]: row for row in report["card"]}
+    assert rows["dialogue/copy"]["ngram_tokens_per_forward"] == r["categories"]["copy"]["ngram"]["tokens_per_forward"]
+
+
 def test_sampled_acceptance_in_real_vllm_matches_builtin(tmp_path, vllm_python):
     """Temperature > 0, drafts by argmax (eval.draft_sampling=greedy, vLLM's default draft_sample_method): both
     engines accept a draft x with the target's probability p(x) at the temperature and resample the rest, so their

