@@ -26,10 +26,12 @@ def test_recipe_configs_open_with_their_command_and_validate():
     """The recipe YAMLs validate, and they and the scripts open with the exact command that runs them."""
     for name, script, sets in (("smollm2-135m.yaml", "run.sh", ["mt-bench"]),
                                ("smollm2-135m-quickstart.yaml", "quickstart.sh", ["mt-bench"]),
-                               ("smollm2-135m-agentic.yaml", "agentic.sh", ["mt-bench", "bfcl"])):
+                               ("smollm2-135m-agentic.yaml", "agentic.sh", ["mt-bench", "bfcl"]),
+                               ("smollm2-135m-code.yaml", "code.sh", ["mt-bench", "humaneval", "code-edit"])):
         path = REPO / "configs" / name
         first = path.read_text().splitlines()[0]
-        assert first.startswith(f"# bash recipes/smollm2-135m/{script}"), first
+        prefix = "# VLLM_PYTHON=.venv-vllm/bin/python " if script == "code.sh" else "# "
+        assert first.startswith(f"{prefix}bash recipes/smollm2-135m/{script}"), first
         cfg = load_config(path)
         assert cfg.target.path == "bundled:smollm2-135m-instruct"
         assert cfg.eval.prompt_sets == sets
@@ -37,9 +39,12 @@ def test_recipe_configs_open_with_their_command_and_validate():
     openings = {script: f"# bash recipes/smollm2-135m/{script}" for script in ("quickstart.sh", "run.sh", "ablations.sh",
                                                                                  "agentic.sh")}
     openings["self_distill.sh"] = "# VLLM_PYTHON=/work/vllm-venv/bin/python bash recipes/smollm2-135m/self_distill.sh"
-    assert sorted(p.name for p in RECIPE.glob("*.sh")) == sorted(openings)
+    openings["code.sh"] = "# VLLM_PYTHON=.venv-vllm/bin/python bash recipes/smollm2-135m/code.sh"
+    assert sorted(p.name for p in RECIPE.glob("*.sh")) == sorted([*openings, "vllm_server.sh"])
     for script, opening in openings.items():
         assert (RECIPE / script).read_text().splitlines()[1].startswith(opening), script
+    # the one sourced file opens with how it is used
+    assert (RECIPE / "vllm_server.sh").read_text().startswith("# source recipes/smollm2-135m/vllm_server.sh; ")
 
 
 @pytest.mark.slow
@@ -137,3 +142,53 @@ def test_agentic_recipe_tiny_budget_end_to_end(tmp_path: Path):
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert show.returncode == 0, show.stderr[-3000:]
     assert "<tools>" in show.stdout and "[[" in show.stdout and "]]" in show.stdout, show.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_code_recipe_tiny_budget_end_to_end(tmp_path: Path):
+    """recipes/smollm2-135m/code.sh as its first line runs it, at a tiny budget: SmolLM2 answers 3 ShareGPT code
+    conversations (sampled) through a real vLLM server and 2 BFCL tool prompts in process, the weighted mixture
+    reaches the prepared data and prepare's summary (tokens per source), and the card gives n-gram drafting beside
+    the head on MT-bench, HumanEval and code-edit.
+
+        EAGLE3_VLLM_PYTHON=.venv-vllm/bin/python pytest -q -m "slow and vllm" tests/test_recipe_smollm2.py
+    """
+    from test_vllm_engine import _find_vllm_python
+
+    vllm_python = _find_vllm_python()
+    if vllm_python is None:
+        pytest.skip("no vLLM: run scripts/setup_vllm_cpu.sh or set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python")
+    out = tmp_path / "run"
+    overrides = [
+        f"output_dir={out}", "target.dtype=float32",
+        f"data.sources=[{{path: {out}/regenerated-code.jsonl, weight: 3}}, {{path: {out}/regenerated-tools.jsonl, "
+        "weight: 1}, {path: bundled:sharegpt-code, max_records: 6, weight: 2}, {path: bundled:sharegpt, "
+        "max_records: 10, weight: 3}]",
+        "data.eval_size=2", "draft.vocab_size=2048", "extract.shard_samples=16", "train.max_steps=4",
+        "train.batch_tokens=1024", "train.eval_every=2", "train.save_every=2", "train.log_every=1",
+        "train.eval_max_samples=2", "eval.max_prompts=1", "eval.max_new_tokens=8", "regenerate.max_tokens=24",
+        "regenerate.batch_size=4",
+    ]
+    proc = run_recipe("code.sh", overrides, tmp_path, timeout=1500, CODE_PROMPTS="3", TOOL_PROMPTS="2",
+                      STAGES="prepare extract train eval", VLLM_PYTHON=vllm_python,
+                      VLLM_CPU_KVCACHE_SPACE="1")
+    logs = proc.stdout + proc.stderr
+    code = [json.loads(line) for line in (out / "regenerated-code.jsonl").read_text().splitlines()]
+    tools = [json.loads(line) for line in (out / "regenerated-tools.jsonl").read_text().splitlines()]
+    assert len(code) == 3 and len(tools) == 2 and all(r["tools"] for r in tools)
+    assert "regenerate: 3 regenerated" in logs and "regenerate: 2 regenerated" in logs
+    assert "regenerate: starting vLLM" in logs
+    from eagle3.data.prepared import load_prepared
+
+    prepared = load_prepared(out / "prepared")
+    sources = {r["source"] for ds in (prepared.train, prepared.eval) for r in ds}
+    assert sources == {"regenerated-code", "regenerated-tools", "sharegpt-code", "sharegpt"}, sources
+    for name in ("regenerated-code", "regenerated-tools", "sharegpt-code", "sharegpt"):
+        assert any(line.strip().startswith(f"{name}: ") and "; weight " in line for line in logs.splitlines()), name
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert set(report["sets"]) == {"mt-bench", "humaneval", "code-edit"}
+    for name, r in report["sets"].items():
+        assert r["greedy_mismatches"] == 0 and r["ngram"]["tokens_per_forward"] >= 1.0, (name, r)
+    rows = {r["set"]: r for r in report["card"]}
+    assert rows["code-edit"]["ngram_tokens_per_forward"] == report["sets"]["code-edit"]["ngram"]["tokens_per_forward"]
