@@ -64,7 +64,8 @@ def main() -> int:
     p.add_argument("--max-prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--suffix", default=str(REPO / ".vllm-suffix"),
-                   help="arctic-inference's suffix tree built by scripts/setup_suffix_decoding.sh")
+                   help="arctic-inference's suffix tree built by scripts/setup_suffix_decoding.sh (a folder that "
+                        "does not exist, e.g. none: no suffix run, unless vLLM's interpreter imports it by itself)")
     p.add_argument("--engine-only", action="store_true",
                    help="vLLM alone (eval.builtin=false): no built-in run, no HF greedy reference")
     p.add_argument("--out", default=None, help="where the run's report goes (default: <checkpoint>/../../bench-vs-ngram)")
