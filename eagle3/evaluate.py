@@ -436,7 +436,7 @@ def vllm_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[lis
     """The built-in's rendered prompts inside vLLM, one group per set and category so vLLM's τ fills the same card
     (prompts without a category form the group `set/`, so a set's row is always its groups pooled); with
     eval.ngram, vLLM's own n-gram drafting on the same prompts (the card's vLLM n-gram column)."""
-    from eagle3.engines.vllm_eval import pooled_groups, run_vllm
+    from eagle3.engines.vllm_eval import ngram_beside, pooled_groups, run_vllm
 
     prompts = [p for ps in rendered.values() for p in ps]
     groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
@@ -444,13 +444,8 @@ def vllm_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[lis
     found = result.setdefault("groups", {})
     found |= {name: pooled_groups(found, name) for name in report["sets"]}
     if cfg.eval.ngram:
-        ng = run_vllm(cfg, None, prompts, groups=groups, method="ngram", check_greedy=False)
-        ng_groups = ng.pop("groups", {})
+        ng_groups, result["ngram"] = ngram_beside(cfg, prompts, groups, result)
         result["ngram_groups"] = ng_groups | {name: pooled_groups(ng_groups, name) for name in report["sets"]}
-        outs = ng.pop("outputs", None)
-        if outs is not None and result.get("outputs") is not None:
-            ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, result["outputs"], strict=True))
-        result["ngram"] = ng
     return {**result, "builtin_tau": _pooled_tau(report), "prompt_groups": groups}
 
 

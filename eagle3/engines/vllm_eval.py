@@ -331,11 +331,7 @@ def run_vllm_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: 
     head = result.pop("groups", {})
     ngram: dict[str, Any] = {}
     if cfg.eval.ngram:
-        ng = run_vllm(cfg, None, prompts, groups=groups, method="ngram", check_greedy=False)
-        ngram = ng.pop("groups", {})
-        if (outs := ng.pop("outputs", None)) is not None and result.get("outputs") is not None:
-            ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, result["outputs"], strict=True))
-        result["ngram"] = ng
+        ngram, result["ngram"] = ngram_beside(cfg, prompts, groups, result)
     report_sets: dict[str, Any] = {}
     for ps in sets:
         turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
@@ -346,6 +342,17 @@ def run_vllm_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: 
             {"categories": dict(sorted(cats.items()))} if cats else {})
     result.update(prompt_groups=groups, stop_token_ids=stop)
     return {"sets": report_sets, **result}, rendered
+
+
+def ngram_beside(cfg: Config, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """vLLM's n-gram drafting on the prompts the head decoded: (its figures per group, its run's result with how
+    many of its outputs equal the head's: both are greedy, so all of them unless a bf16 near-tie flips one)."""
+    ng = run_vllm(cfg, None, prompts, groups=groups, method="ngram", check_greedy=False)
+    found = ng.pop("groups", {})
+    if (outs := ng.pop("outputs", None)) is not None and head.get("outputs") is not None:
+        ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
+    return found, ng
 
 
 def _with_ngram(head: dict[str, Any], ngram: dict[str, Any] | None) -> dict[str, Any]:
