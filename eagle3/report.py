@@ -257,6 +257,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                 f"tokens/forward={r.get('tokens_per_forward', float('nan')):.2f} "
                 f"tokens/s spec={tps.get('spec', float('nan')):.1f} baseline={tps.get('baseline', float('nan')):.1f} "
                 f"speedup={r.get('speedup', float('nan')):.2f}x over {r.get('turns')} turns")
+        if ng := r.get("ngram"):  # printed here too: a one-row card (the quickstart's) is not printed
+            line += (f"; n-gram drafting on the same turns: tokens/forward={_num(ng.get('tokens_per_forward')):.2f} "
+                     f"τ={_num(ng.get('tau')):.3f}")
         if r.get("out_of_vocab") is not None:
             line += (f"; {100 * r['out_of_vocab']:.2f}% of plain decoding's tokens are outside the draft vocab "
                      f"({100 * r['out_of_vocab_in_prompt']:.2f}% also in the prompt)")

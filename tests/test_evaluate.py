@@ -664,6 +664,18 @@ def test_a_set_of_one_category_gets_no_category_row():
     assert any("mt per category: writing" in line for line in summary_lines(two))
 
 
+def test_the_summary_line_gives_ngram_drafting_beside_the_head():
+    """The quickstart's card has one row and is not printed: the set's own summary line carries n-gram's figures,
+    so a user sees where a method that needs no training beats the head."""
+    from eagle3.report import summary_lines
+
+    r = {"turns": 4, "tau": 1.2, "acceptance_rate": [0.2], "tokens_per_forward": 1.19, "speedup": 0.9,
+         "ngram": {"tau": 2.806, "tokens_per_forward": 1.339}}
+    (line,) = summary_lines({"sets": {"mt": r}})
+    assert "tokens/forward=1.19" in line and "n-gram drafting on the same turns: tokens/forward=1.34 τ=2.806" in line
+    assert "n-gram" not in summary_lines({"sets": {"mt": {k: v for k, v in r.items() if k != "ngram"}}})[0]
+
+
 def test_a_turn_past_the_targets_context_window_is_left_out_and_counted(tmp_path, capsys):
     """Past its window the target decodes from positions it was never trained at (SmolLM2: 8,192; a long history
     may render longer than its characters promise): such a turn is not a turn to judge a head by. It is left out of
