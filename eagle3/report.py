@@ -283,6 +283,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             line += f" (SGLang's own accept length, prefill token included: {r['sglang_accept_length']:.3f})"
         if r.get("builtin_tau") is not None:
             line += f" (built-in τ on the same prompts: {r['builtin_tau']:.3f})"
+        if isinstance(ng := r.get("ngram"), dict) and ng.get("tau") is not None:
+            line += (f"; its n-gram drafting: tokens/forward={_num(ng.get('tokens_per_forward')):.2f} "
+                     f"τ={_num(ng['tau']):.3f}")
         if r.get("untrusted"):
             line += f"; UNTRUSTED: {r['untrusted']}"
         lines.append(line)

@@ -674,6 +674,9 @@ def test_the_summary_line_gives_ngram_drafting_beside_the_head():
     (line,) = summary_lines({"sets": {"mt": r}})
     assert "tokens/forward=1.19" in line and "n-gram drafting on the same turns: tokens/forward=1.34 τ=2.806" in line
     assert "n-gram" not in summary_lines({"sets": {"mt": {k: v for k, v in r.items() if k != "ngram"}}})[0]
+    engine = {"tau": 1.6, "builtin_tau": 1.61, "ngram": {"tau": 3.061, "tokens_per_forward": 1.461}}
+    assert summary_lines({"sets": {"mt": r}, "engines": {"vllm": engine}})[-1] == (
+        "vllm: τ=1.600 (built-in τ on the same prompts: 1.610); its n-gram drafting: tokens/forward=1.46 τ=3.061")
 
 
 def test_a_turn_past_the_targets_context_window_is_left_out_and_counted(tmp_path, capsys):
