@@ -40,11 +40,11 @@ def test_recipe_configs_open_with_their_command_and_validate():
                                                                                  "agentic.sh")}
     openings["self_distill.sh"] = "# VLLM_PYTHON=/work/vllm-venv/bin/python bash recipes/smollm2-135m/self_distill.sh"
     openings["code.sh"] = "# VLLM_PYTHON=.venv-vllm/bin/python bash recipes/smollm2-135m/code.sh"
-    assert sorted(p.name for p in RECIPE.glob("*.sh")) == sorted([*openings, "vllm_server.sh"])
+    assert sorted(p.name for p in RECIPE.glob("*.sh")) == sorted([*openings, "common.sh"])
     for script, opening in openings.items():
         assert (RECIPE / script).read_text().splitlines()[1].startswith(opening), script
     # the one sourced file opens with how it is used
-    assert (RECIPE / "vllm_server.sh").read_text().startswith("# source recipes/smollm2-135m/vllm_server.sh; ")
+    assert (RECIPE / "common.sh").read_text().startswith("# source recipes/smollm2-135m/common.sh ")
 
 
 @pytest.mark.slow

@@ -15,16 +15,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 CONFIG=configs/smollm2-135m-agentic.yaml
-OUT=$(python -c 'import sys; from eagle3.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).output_dir)' \
-      "$CONFIG" "$@")
+source recipes/smollm2-135m/common.sh
+OUT=$(output_dir "$CONFIG" "$@")
 mkdir -p "$OUT/logs"
-log() { echo "[$(date +%H:%M:%S)] $*"; }
 
 # The mixture reads the regenerated answers from the source whose file is named regenerated.jsonl: regenerate writes
 # exactly there (whatever output_dir is), answering the tool prompts whatever data.sources the overrides give the
 # later stages. A run whose data.sources has no such file (the ShareGPT-only comparison) regenerates nothing.
-REGEN=$(python -c 'import sys; from eagle3.config import load_config; print(next((s.path for s in load_config(sys.argv[1], sys.argv[2:]).data.sources if s.path.endswith("/regenerated.jsonl")), ""))' \
-        "$CONFIG" "$@")
+REGEN=$(source_path /regenerated.jsonl "$CONFIG" "$@")
 if [ -n "$REGEN" ]; then
     log "regenerate: SmolLM2 answers ${TOOL_PROMPTS:-300} BFCL live tool prompts with chatml-tools -> $REGEN"
     eagle3 regenerate --config "$CONFIG" "$@" "data.sources=[{path: bundled:bfcl-live, max_records: ${TOOL_PROMPTS:-300}}]" \

@@ -18,22 +18,15 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 CONFIG=configs/smollm2-135m-code.yaml
-OUT=$(python -c 'import sys; from eagle3.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).output_dir)' \
-      "$CONFIG" "$@")
+source recipes/smollm2-135m/common.sh
+OUT=$(output_dir "$CONFIG" "$@")
 mkdir -p "$OUT/logs"
-log() { echo "[$(date +%H:%M:%S)] $*"; }
 # The mixture reads the answers from the sources whose files are named regenerated-code.jsonl and
 # regenerated-tools.jsonl: regenerate writes exactly there, whatever output_dir is.
-regen_path() {  # regen_path SUFFIX [key=value ...]
-    local suffix=$1; shift
-    python -c 'import sys; from eagle3.config import load_config; print(next((s.path for s in load_config(sys.argv[2], sys.argv[3:]).data.sources if s.path.endswith(sys.argv[1])), ""))' \
-        "$suffix" "$CONFIG" "$@"
-}
-CODE=$(regen_path /regenerated-code.jsonl "$@")
-TOOLS=$(regen_path /regenerated-tools.jsonl "$@")
+CODE=$(source_path /regenerated-code.jsonl "$CONFIG" "$@")
+TOOLS=$(source_path /regenerated-tools.jsonl "$CONFIG" "$@")
 
 if [ -n "$CODE" ]; then
-    source recipes/smollm2-135m/vllm_server.sh
     serve_smollm2 "$OUT/logs/vllm-server.log"
     log "regenerate: SmolLM2 answers ${CODE_PROMPTS:-400} ShareGPT code conversations -> $CODE"
     eagle3 regenerate --config "$CONFIG" "$@" "${BACKEND[@]}" \

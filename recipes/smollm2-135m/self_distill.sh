@@ -18,14 +18,12 @@ cd "$(dirname "$0")/../.."
 
 CONFIG="${CONFIG:-configs/smollm2-135m.yaml}"
 SAMPLES=data.max_samples=240   # the study's conversations, for every stage (yours win when you pass another)
-OUT=$(python -c 'import sys; from eagle3.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).output_dir)' \
-      "$CONFIG" output_dir=runs/smollm2-135m-sd "$SAMPLES" "$@")
+source recipes/smollm2-135m/common.sh
+OUT=$(output_dir "$CONFIG" output_dir=runs/smollm2-135m-sd "$SAMPLES" "$@")
 REGEN="$OUT/regenerated.jsonl"
 OV=("output_dir=$OUT" "$SAMPLES" "data.sources=[{path: $REGEN}]" train.max_steps=294 "$@")
 mkdir -p "$OUT/logs"
-log() { echo "[$(date +%H:%M:%S)] $*"; }
 
-source recipes/smollm2-135m/vllm_server.sh
 serve_smollm2 "$OUT/logs/vllm-server.log"
 
 # Answers are capped at 512 tokens: data.max_length is 512, so prepare would cut anything longer.

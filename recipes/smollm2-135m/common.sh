@@ -1,22 +1,38 @@
-# source recipes/smollm2-135m/vllm_server.sh; serve_smollm2 <log file>     (used by self_distill.sh and code.sh)
-#
-# Starts SmolLM2-135M-Instruct behind vLLM's OpenAI-compatible server on a free loopback port ($VLLM_PYTHON: a
-# python with vllm, bash scripts/setup_vllm_cpu.sh makes one) and sets BACKEND to the regenerate overrides that use
-# it (~170 generated tokens/s on a 2-core CPU, 6x the in-process HF backend: BENCHMARKS.md "Regeneration"). The
+# source recipes/smollm2-135m/common.sh     (the pieces agentic.sh, code.sh and self_distill.sh share)
+
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+
+# output_dir CONFIG [key=value ...]: the run's output_dir, the config validated with the overrides (a typo fails here,
+# before any stage runs).
+output_dir() {
+    python -c 'import sys; from eagle3.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).output_dir)' "$@"
+}
+
+# source_path SUFFIX CONFIG [key=value ...]: the path of the config's data source whose file ends with SUFFIX (empty
+# when none): the recipes regenerate exactly where the mixture reads, whatever output_dir and data.sources say.
+source_path() {
+    local suffix=$1; shift
+    python -c 'import sys; from eagle3.config import load_config; print(next((s.path for s in load_config(sys.argv[2], sys.argv[3:]).data.sources if s.path.endswith(sys.argv[1])), ""))' \
+        "$suffix" "$@"
+}
+
+# serve_smollm2 <log file> starts SmolLM2-135M-Instruct behind vLLM's OpenAI-compatible server on a free loopback
+# port ($VLLM_PYTHON: a python with vllm, bash scripts/setup_vllm_cpu.sh makes one) and sets BACKEND to the regenerate
+# overrides that use it (~170 generated tokens/s on a 2-core CPU, 6x the in-process HF backend: BENCHMARKS.md "Regeneration"). The
 # server stops when the calling script exits, or at stop_smollm2. Without $VLLM_PYTHON, BACKEND is the HF backend.
 # enforce-eager: vllm-cpu's compiled mode decoded wrong greedy text on this CPU. The context (2048) bounds the
 # prompts: a conversation whose first prompt is longer fails and is listed in <output>.failed.jsonl.
 serve_smollm2() {
     local server_log=$1
     if [ -z "${VLLM_PYTHON:-}" ]; then
-        echo "[$(date +%H:%M:%S)] regenerate: VLLM_PYTHON not set, using the in-process HF backend (slow on a CPU)"
+        log "regenerate: VLLM_PYTHON not set, using the in-process HF backend (slow on a CPU)"
         BACKEND=(regenerate.backend=hf)
         return
     fi
     local model port
     model=$(python -c 'from eagle3.bundled import resolve_target_path as r; print(r("bundled:smollm2-135m-instruct"))')
     port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    echo "[$(date +%H:%M:%S)] regenerate: starting vLLM on 127.0.0.1:$port (log: $server_log)"
+    log "regenerate: starting vLLM on 127.0.0.1:$port (log: $server_log)"
     VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
         --model "$model" --served-model-name smollm2 --host 127.0.0.1 --port "$port" --dtype bfloat16 \
         --max-model-len 2048 --enforce-eager >"$server_log" 2>&1 &
