@@ -304,6 +304,11 @@ class TrainConfig(Section):
     """Training-time-test unroll depth (EAGLE: 7; Kimi drafters used 3-4)."""
     step_decay: float = Field(0.8, gt=0, le=1)
     """Loss weight of TTT step j is step_decay**j."""
+    copy_weight: float = Field(1.0, gt=0)
+    """Loss weight of the positions where prompt lookup (vLLM's n-gram rule, n 2-4) on the text so far proposes the
+    target's next token (eagle3.objective.copy_positions): above 1 pushes the head toward copying from its context,
+    where answers re-emit the prompt (code edits); 1 weighs every position alike. Measured: BENCHMARKS.md "Code and
+    edits"."""
     mask_out_of_vocab: bool = True
     """Drop positions whose target argmax is outside the draft vocab (EAGLE's rule)."""
     loss_chunk_rows: int = Field(4096, ge=1)

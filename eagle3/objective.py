@@ -10,6 +10,11 @@ with the target's full-vocab argmax: eagle3.cache, eagle3.online).
 Planning needs only the loss mask and the target's argmax (eagle3.rows), so an accumulation group knows the loss's
 denominators (the scored positions of the whole group on all ranks) before its first backward. Under sequence
 parallelism (eagle3.sequence_parallel) each rank plans and computes its share of the batch's positions.
+
+`train.copy_weight` weighs the positions where copying from the context is right (`copy_positions`): prompt lookup
+beats a head on answers that re-emit their prompt (BENCHMARKS.md "Code and edits"), and this is the loss's lever
+toward copying. The weight scales the teacher's distribution at those positions, which scales the soft
+cross-entropy and its gradient there exactly (sum_v w p_v (lse - z_v) = w CE), so the fused loss is untouched.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ class Objective:
         own, start = None, 0
         if self.sp is not None:
             batch, own, start = self.sp.shard(batch, self.train.ttt_steps)
+        if self.train.copy_weight != 1.0:  # before sharding: a lookup needs the whole context before a position
+            copy = copy_positions(batch["input_ids"], batch["target_argmax"])
+            batch = {**batch, "position_weight": 1.0 + (self.train.copy_weight - 1.0) * copy.float()}
         draft_argmax = self.teacher.to_draft_host[batch["target_argmax"]]
         return PlannedBatch(batch, plan_rows(batch["loss_mask"], draft_argmax, self.train.ttt_steps,
                                              self.train.mask_out_of_vocab, own, start))
@@ -62,6 +70,8 @@ class Objective:
         rows = planned.rows.to(self.device)
         argmax = batch["target_argmax"]
         probs = self.teacher.probs(batch["final"].flatten(0, 1)[rows.teacher_pos])
+        if "position_weight" in batch:
+            probs.mul_(batch["position_weight"].flatten()[rows.teacher_pos, None])
         head = SoftCE(probs, rows, self.train.step_decay, denominators, self.train.loss_chunk_rows)
         out = model(batch["aux"], batch["input_ids"], rows, head=head, over=self.sp,
                     checkpoint=self.train.activation_checkpointing)
@@ -72,3 +82,26 @@ class Objective:
         """The batch on the device, fp8 states (eagle3.cache.codec) dequantised there to the target's dtype: a GPU
         copies half the bytes and the host never holds a dequantised copy."""
         return dense({k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, self.teacher.dtype)
+
+
+def copy_positions(input_ids: Tensor, target_argmax: Tensor, min_n: int = 2, max_n: int = 4) -> Tensor:
+    """[B, T] bool: the positions p where prompt lookup on the tokens up to p proposes the target's argmax at p, by
+    vLLM's rule (eagle3.specdec.ngram_proposal: the longest n-gram ending at p that occurred earlier, its earliest
+    occurrence, the token that followed it), for every position of every row at once."""
+    b, t = input_ids.shape
+    decided = torch.zeros(b, t, dtype=torch.bool)
+    hit = torch.zeros(b, t, dtype=torch.bool)
+    for n in range(max_n, min_n - 1, -1):
+        if t <= n:
+            continue
+        ends = torch.arange(n - 1, t)  # n-gram i of a row ends at position n - 1 + i
+        grams = torch.cat([torch.arange(b)[:, None, None].expand(b, t - n + 1, 1), input_ids.unfold(1, n, 1)], -1)
+        _, same = torch.unique(grams.reshape(-1, n + 1), dim=0, return_inverse=True)  # the row is part of the key
+        first = torch.full((int(same.max()) + 1,), t).scatter_reduce(0, same, ends.repeat(b), "amin")
+        earliest = first[same].view(b, -1)  # where this n-gram first ended in its row
+        match = earliest < ends  # it occurred before p
+        proposed = input_ids.gather(1, (earliest + 1).clamp(max=t - 1))
+        new = match & ~decided[:, n - 1:]  # a longer n-gram decides first
+        hit[:, n - 1:] |= new & (proposed == target_argmax[:, n - 1:])
+        decided[:, n - 1:] |= match
+    return hit
