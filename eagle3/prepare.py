@@ -301,16 +301,7 @@ def run(cfg: Config) -> dict[str, Any]:
         return reused
     _check_replaceable(out)
 
-    convs, src_stats, origin = read_all(cfg.data)
-    if not convs:
-        raise ValueError(f"data.sources: no usable conversation in {[s.path for s in cfg.data.sources]}")
-    random.Random(cfg.data.seed).shuffle(convs)
-    used = convs[: cfg.data.max_samples] if cfg.data.max_samples else convs
-    rstats: Counter[str] = Counter()
-    thinking = [cfg.data.sources[origin[c.id]].thinking for c in used]
-    thinking = [cfg.data.thinking if t is None else t for t in thinking]
-    eval_s, train_s, render_s = _render_and_split(used, cfg, tokenizer, tpl, rstats, thinking)
-
+    read, eval_s, train_s = _read_and_render(cfg, tokenizer, tpl)
     train_ids, train_mask = _flat(train_s)
     eval_ids, eval_mask = _flat(eval_s)
     top = max(int(train_ids.max(initial=0)), int(eval_ids.max(initial=0)))
@@ -322,14 +313,11 @@ def run(cfg: Config) -> dict[str, Any]:
     n_loss = int(train_mask.sum() + eval_mask.sum())
     n_tok = len(train_ids) + len(eval_ids)
     summary: dict[str, Any] = {
-        "sources": [s.summary() for s in src_stats],
-        "records_read": sum(s.records_read for s in src_stats),
-        "conversations": len(convs),
-        "used": len(used),
+        **{k: read[k] for k in ("sources", "records_read", "conversations", "used")},
         "max_samples": cfg.data.max_samples,
         "chat_template": tpl.name,
         "thinking": cfg.data.thinking,
-        "render": dict(sorted(rstats.items())),
+        "render": read["render"],
         "train_samples": len(train_s),
         "eval_samples": len(eval_s),
         "train_tokens": len(train_ids),
@@ -344,11 +332,30 @@ def run(cfg: Config) -> dict[str, Any]:
         "vocab_coverage": vocab.coverage,
         "eval_vocab_coverage": vocab.coverage_of(eval_ids, eval_mask),
         "seconds": time.monotonic() - t0,
-        "conversations_per_s": len(used) / render_s if render_s > 0 else 0.0,
+        "conversations_per_s": read["used"] / read["render_s"] if read["render_s"] > 0 else 0.0,
     }
     _write(out, _meta(cfg, fp, fp_in, tokenizer, tpl, vsize, vocab, summary), train_s, eval_s, vocab)
     _print_summary(out, summary)
     return summary
+
+
+def _read_and_render(cfg: Config, tokenizer: Any, tpl: Any) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
+    """(what reading and rendering did, for the summary; eval samples; train samples): every source read, the
+    conversations shuffled with data.seed, the first data.max_samples rendered and split."""
+    convs, src_stats, origin = read_all(cfg.data)
+    if not convs:
+        raise ValueError(f"data.sources: no usable conversation in {[s.path for s in cfg.data.sources]}")
+    random.Random(cfg.data.seed).shuffle(convs)
+    used = convs[: cfg.data.max_samples] if cfg.data.max_samples else convs
+    rstats: Counter[str] = Counter()
+    thinking = [cfg.data.sources[origin[c.id]].thinking for c in used]
+    thinking = [cfg.data.thinking if t is None else t for t in thinking]
+    eval_s, train_s, render_s = _render_and_split(used, cfg, tokenizer, tpl, rstats, thinking)
+    read = {"sources": [s.summary() for s in src_stats], "records_read": sum(s.records_read for s in src_stats),
+            "conversations": len(convs), "used": len(used), "render": dict(sorted(rstats.items())),
+            "render_s": render_s}
+    return read, eval_s, train_s
+
 
 
 def _say_weights(out: Path, reused: dict[str, Any], weights: dict[str, float] | None) -> None:

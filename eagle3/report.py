@@ -46,53 +46,10 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     fig, axes = plt.subplots(1, 3 + extra, figsize=(15 + 5 * extra, 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
-    ax = axes[0]
-    taus = [_num(sets[n].get("tau")) for n in names]
-    bars = ax.bar(names, taus, color=colors[: len(names)])
-    for b, t in zip(bars, taus, strict=True):
-        if not math.isnan(t):
-            ax.annotate(f"{t:.2f}", (b.get_x() + b.get_width() / 2, t), ha="center", va="bottom", fontsize=10)
     ceiling = s.get("num_steps", 0) + 1
-    if ceiling > 1:
-        ax.axhline(ceiling, color="gray", ls="--", lw=1)
-        ax.text(-0.4, ceiling, f" max {ceiling}", va="bottom", color="gray", fontsize=9)
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_ylim(0, max([ceiling, *[t for t in taus if not math.isnan(t)]]) * 1.15 or 1)
-    ax.set_ylabel("τ: tokens per verify step")
-    ax.set_title("Mean acceptance length τ")
-
-    ax = axes[1]
-    for i, n in enumerate(names):
-        rate = sets[n].get("acceptance_rate") or []
-        if rate:
-            ax.plot(range(1, len(rate) + 1), [100 * r for r in rate], marker="o", color=colors[i % len(colors)],
-                    label=n)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("verify steps accepting ≥ this many (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title("Acceptance rate per draft position")
-    if ceiling > 1:
-        ax.set_xticks(range(1, ceiling))
-    if ax.get_legend_handles_labels()[0]:  # none where no set has a verify step (every turn ended at once)
-        ax.legend(fontsize=9)
-
-    ax = axes[2]
-    width = 0.38
-    xs = list(range(len(names)))
-    base = [_num(sets[n].get("tokens_per_s", {}).get("baseline")) for n in names]
-    spec = [_num(sets[n].get("tokens_per_s", {}).get("spec")) for n in names]
-    ax.bar([x - width / 2 for x in xs], base, width, label="without speculation", color="#999999")
-    ax.bar([x + width / 2 for x in xs], spec, width, label="EAGLE-3", color=colors[0])
-    for x, b, sp in zip(xs, base, spec, strict=True):
-        if b and not math.isnan(b) and not math.isnan(sp):
-            ax.annotate(f"{sp / b:.2f}×", (x + width / 2, sp), ha="center", va="bottom", fontsize=10)
-    ax.set_xticks(xs, names)
-    top = max([v for v in base + spec if not math.isnan(v)] or [1.0])
-    ax.set_ylim(0, top * 1.3)
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"Decoding speed ({report.get('device', 'cpu')})")
-    ax.legend(fontsize=9, loc="upper center", ncol=2)
-
+    _tau_panel(axes[0], sets, names, colors, ceiling)
+    _acceptance_panel(axes[1], sets, names, colors, ceiling)
+    _speed_panel(axes[2], sets, names, colors, str(report.get("device", "cpu")))
     if with_categories:
         _categories_panel(axes[3], sets, with_categories, colors)
     if with_buckets:
@@ -110,6 +67,56 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _tau_panel(ax: Any, sets: dict[str, dict[str, Any]], names: list[str], colors: list[str], ceiling: int) -> None:
+    taus = [_num(sets[n].get("tau")) for n in names]
+    bars = ax.bar(names, taus, color=colors[: len(names)])
+    for b, t in zip(bars, taus, strict=True):
+        if not math.isnan(t):
+            ax.annotate(f"{t:.2f}", (b.get_x() + b.get_width() / 2, t), ha="center", va="bottom", fontsize=10)
+    if ceiling > 1:
+        ax.axhline(ceiling, color="gray", ls="--", lw=1)
+        ax.text(-0.4, ceiling, f" max {ceiling}", va="bottom", color="gray", fontsize=9)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_ylim(0, max([ceiling, *[t for t in taus if not math.isnan(t)]]) * 1.15 or 1)
+    ax.set_ylabel("τ: tokens per verify step")
+    ax.set_title("Mean acceptance length τ")
+
+
+def _acceptance_panel(ax: Any, sets: dict[str, dict[str, Any]], names: list[str], colors: list[str],
+                      ceiling: int) -> None:
+    for i, n in enumerate(names):
+        rate = sets[n].get("acceptance_rate") or []
+        if rate:
+            ax.plot(range(1, len(rate) + 1), [100 * r for r in rate], marker="o", color=colors[i % len(colors)],
+                    label=n)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("verify steps accepting ≥ this many (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("Acceptance rate per draft position")
+    if ceiling > 1:
+        ax.set_xticks(range(1, ceiling))
+    if ax.get_legend_handles_labels()[0]:  # none where no set has a verify step (every turn ended at once)
+        ax.legend(fontsize=9)
+
+
+def _speed_panel(ax: Any, sets: dict[str, dict[str, Any]], names: list[str], colors: list[str], device: str) -> None:
+    width = 0.38
+    xs = list(range(len(names)))
+    base = [_num(sets[n].get("tokens_per_s", {}).get("baseline")) for n in names]
+    spec = [_num(sets[n].get("tokens_per_s", {}).get("spec")) for n in names]
+    ax.bar([x - width / 2 for x in xs], base, width, label="without speculation", color="#999999")
+    ax.bar([x + width / 2 for x in xs], spec, width, label="EAGLE-3", color=colors[0])
+    for x, b, sp in zip(xs, base, spec, strict=True):
+        if b and not math.isnan(b) and not math.isnan(sp):
+            ax.annotate(f"{sp / b:.2f}×", (x + width / 2, sp), ha="center", va="bottom", fontsize=10)
+    ax.set_xticks(xs, names)
+    top = max([v for v in base + spec if not math.isnan(v)] or [1.0])
+    ax.set_ylim(0, top * 1.3)
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"Decoding speed ({device})")
+    ax.legend(fontsize=9, loc="upper center", ncol=2)
 
 
 def _categories_panel(ax: Any, sets: dict[str, dict[str, Any]], names: list[str], colors: list[str]) -> None:

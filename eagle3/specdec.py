@@ -302,6 +302,57 @@ class DraftTree:
         return m
 
 
+@dataclass
+class _Candidates:
+    """A round's draft candidates in creation order (parents before children); parent -1 is the root."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    """Cumulative draft log-prob from the root."""
+    proposals: list[torch.Tensor | None] = field(default_factory=list)
+    kv_row: dict[int, int] = field(default_factory=dict)
+    """Candidate -> its row in the draft's KV cache, once fed."""
+
+    def add(self, token: int, parent: int, depth: int, score: float, proposal: torch.Tensor | None) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(depth)
+        self.scores.append(score)
+        self.proposals.append(proposal)
+        return len(self.tokens) - 1
+
+    def feed(self, frontier: list[int], rows: int, real: int) -> torch.Tensor:
+        """bool [1, k, rows + k]: the frontier's attention over the committed context (the first `real` rows), its
+        fed ancestors and itself, appended as KV rows rows..rows+k-1 (recorded)."""
+        k = len(frontier)
+        mask = torch.zeros(1, k, rows + k, dtype=torch.bool)
+        mask[0, :, :real] = True
+        for r, node in enumerate(frontier):
+            mask[0, r, rows + r] = True
+            a = self.parents[node]
+            while a >= 0:
+                mask[0, r, self.kv_row[a]] = True
+                a = self.parents[a]
+            self.kv_row[node] = rows + r
+        return mask
+
+    def kept(self, root: int, n: int) -> DraftTree:
+        """The best n candidates under the root. A stable sort on the score ranks every parent before its
+        children (a child's log-prob score is <= its parent's and its index is larger), so the tree stays closed."""
+        order = torch.sort(torch.tensor(self.scores), descending=True, stable=True).indices[:n]
+        kept = sorted(order.tolist())
+        remap = {-1: 0} | {c: i + 1 for i, c in enumerate(kept)}
+        tree = DraftTree([root], [-1], [0], [None])
+        for c in kept:
+            tree.tokens.append(self.tokens[c])
+            tree.parents.append(remap[self.parents[c]])
+            tree.depths.append(self.depths[c])
+            tree.proposals.append(self.proposals[c])
+        return tree
+
+
 class SpeculativeDecoder:
     """EAGLE-3 decoding with an HF target (`HFTargetDecoder`) and a draft head; see the module docstring."""
 
@@ -437,73 +488,41 @@ class SpeculativeDecoder:
         s = self.s
         sampled_chain = s.topk == 1 and s.temperature > 0 and s.draft_sampling == "probabilistic"
         real = kv[0].shape[2]
-        # Candidate arrays (creation order: parents before children). Parent index -1 = the root.
-        c_tok: list[int] = []
-        c_par: list[int] = []
-        c_depth: list[int] = []
-        c_score: list[float] = []
-        c_prop: list[torch.Tensor | None] = []
-        c_kv: dict[int, int] = {}  # candidate -> its KV row in the draft cache (once fed)
-
-        def expand(logits: torch.Tensor, parent: int, base: float, depth: int) -> list[int]:
-            if sampled_chain:
-                q = probs_at(logits, s.temperature)
-                d = torch.multinomial(q, 1, generator=generator)
-                picks = [(int(d.item()), float(torch.log(q[d]).item()), self._to_target_dist(q))]
-            else:
-                lp = torch.log_softmax(logits, dim=-1)
-                val, idx = torch.topk(lp, s.topk)
-                picks = [(int(i), float(v), None) for v, i in zip(val.tolist(), idx.tolist(), strict=True)]
-            new = []
-            for d_id, lp_v, prop in picks:
-                c_tok.append(int(self.draft.draft_to_target(torch.tensor([d_id], device=self.device)).item()))
-                c_par.append(parent)
-                c_depth.append(depth)
-                c_score.append(base + lp_v)
-                c_prop.append(prop)
-                new.append(len(c_tok) - 1)
-            return new
-
-        frontier = expand(logits_root, -1, 0.0, 1)
+        c = _Candidates()
+        frontier = self._expand(c, logits_root, -1, 1, sampled_chain, generator)
         parent_hidden = {-1: h_root}
         for step in range(1, s.num_steps):
-            k = len(frontier)
-            rows = kv[0].shape[2]
-            mask = torch.zeros(1, k, rows + k, dtype=torch.bool, device=self.device)
-            mask[0, :, :real] = True
-            for r, node in enumerate(frontier):
-                mask[0, r, rows + r] = True
-                a = c_par[node]
-                while a >= 0:
-                    mask[0, r, c_kv[a]] = True
-                    a = c_par[a]
-                c_kv[node] = rows + r
-            ids = torch.tensor([c_tok[f] for f in frontier], device=self.device)[None]
-            hid = torch.stack([parent_hidden[c_par[f]] for f in frontier])[None]
-            pos = torch.full((1, k), m - 1 + step, device=self.device)
+            mask = c.feed(frontier, kv[0].shape[2], real).to(self.device)
+            ids = torch.tensor([c.tokens[f] for f in frontier], device=self.device)[None]
+            hid = torch.stack([parent_hidden[c.parents[f]] for f in frontier])[None]
+            pos = torch.full((1, len(frontier)), m - 1 + step, device=self.device)
             out_h, out_logits, kv = self.draft.decode(ids, hid, pos, kv, mask)
             children: list[int] = []
             for r, node in enumerate(frontier):
                 parent_hidden[node] = out_h[0, r]
-                children += expand(out_logits[0, r].float(), node, c_score[node], step + 1)
+                children += self._expand(c, out_logits[0, r].float(), node, step + 1, sampled_chain, generator)
             if sampled_chain:
                 frontier = children
             else:
-                sc = torch.tensor([c_score[c] for c in children])
+                sc = torch.tensor([c.scores[ch] for ch in children])
                 order = torch.sort(sc, descending=True, stable=True).indices[: s.topk]
                 frontier = [children[i] for i in order.tolist()]
-        # Keep the best num_draft_tokens-1 candidates; a stable sort on the score ranks every parent before its
-        # children (a child's log-prob score is <= its parent's and its index is larger), so the tree stays closed.
-        order = torch.sort(torch.tensor(c_score), descending=True, stable=True).indices[: s.num_draft_tokens - 1]
-        kept = sorted(order.tolist())
-        remap = {-1: 0} | {c: i + 1 for i, c in enumerate(kept)}
-        tree = DraftTree([root], [-1], [0], [None])
-        for c in kept:
-            tree.tokens.append(c_tok[c])
-            tree.parents.append(remap[c_par[c]])
-            tree.depths.append(c_depth[c])
-            tree.proposals.append(c_prop[c])
-        return tree, kv
+        return c.kept(root, s.num_draft_tokens - 1), kv
+
+    def _expand(self, c: _Candidates, logits: torch.Tensor, parent: int, depth: int, sampled_chain: bool,
+                generator: torch.Generator | None) -> list[int]:
+        """Add a node's children to the candidates (its topk, or one sample in a sampled chain); their indices."""
+        base = c.scores[parent] if parent >= 0 else 0.0
+        if sampled_chain:
+            q = probs_at(logits, self.s.temperature)
+            d = torch.multinomial(q, 1, generator=generator)
+            picks = [(int(d.item()), float(torch.log(q[d]).item()), self._to_target_dist(q))]
+        else:
+            val, idx = torch.topk(torch.log_softmax(logits, dim=-1), self.s.topk)
+            picks = [(int(i), float(v), None) for v, i in zip(val.tolist(), idx.tolist(), strict=True)]
+        to_target = self.draft.draft_to_target
+        return [c.add(int(to_target(torch.tensor([d], device=self.device)).item()), parent, depth, base + lp, prop)
+                for d, lp, prop in picks]
 
     def _to_target_dist(self, q_draft: torch.Tensor) -> torch.Tensor:
         """A draft-vocab distribution as a target-vocab one (zero outside the draft vocab)."""

@@ -122,6 +122,14 @@ def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs:
                                           scale=scale)
 
 
+def _run_step(checkpoint: bool, fn: Callable[..., tuple[Tensor, Tensor, Tensor]], *args: Any
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    if checkpoint and torch.is_grad_enabled():
+        # The layer draws no random numbers: no RNG state to save and restore around the recompute.
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
+
+
 def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, rows: TTTPlan,
                     attention: Attention = "fast", over: LocalAttention = LOCAL,
                     checkpoint: bool = False) -> list[Tensor]:
@@ -165,12 +173,7 @@ def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, row
                      [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)])
         return draft.block(hidden, rows.unpack(j, out)), k, v
 
-    def run(fn: Callable[..., tuple[Tensor, Tensor, Tensor]], *args: Any) -> tuple[Tensor, Tensor, Tensor]:
-        if checkpoint and torch.is_grad_enabled():
-            # The layer draws no random numbers: no RNG state to save and restore around the recompute.
-            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-        return fn(*args)
-
+    run = partial(_run_step, checkpoint)
     with record_function("ttt_step_0"):  # named in a torch.profiler trace (benchmarks/bench_profile.py); free else
         hidden, k0, v0 = run(step_0, hidden0)
         states = [draft.norm(hidden[rows.score[0]])]

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MAX_LINE_NUMBERS = 10  # malformed JSONL line numbers kept for the summary
 
@@ -130,6 +130,35 @@ def _split_part(record: Any) -> tuple[str, int, str] | None:
 _WS = re.compile(r"[ \t\r\n]*")
 
 
+class _TextBuffer:
+    """UTF-8 text of a binary file, read chunk by chunk behind a parse position (iter_json_array)."""
+
+    def __init__(self, f: BinaryIO, stats: SourceStats, chunk_bytes: int):
+        self.f, self.stats, self.chunk_bytes = f, stats, chunk_bytes
+        self.incremental = codecs.getincrementaldecoder("utf-8")(errors="eagle3-count-replace")
+        self.buf, self.pos, self.want = "", 0, chunk_bytes
+        self.eof = not self.refill()
+
+    def refill(self) -> bool:
+        """Drop the parsed text, append the next `want` bytes' text; False at end of file."""
+        data = self.f.read(self.want)
+        before = _replaced[0]
+        text = self.incremental.decode(data, final=not data)
+        self.stats.utf8_replacements += _replaced[0] - before
+        self.buf = self.buf[self.pos:] + text
+        self.pos = 0
+        self.eof = not data
+        return bool(data)
+
+    def skip_space(self) -> None:
+        self.pos = _WS.match(self.buf, self.pos).end()
+
+    def rest(self) -> str:
+        """Everything not parsed, to the end of the file."""
+        rest = self.buf[self.pos:]
+        return rest if self.eof else rest + self.f.read().decode("utf-8", errors="replace")
+
+
 def iter_json_array(path: Path, stats: SourceStats, chunk_bytes: int = 4 << 20) -> Iterator[tuple[int, Any]]:
     """Stream the elements of a top-level JSON array; stop cleanly at a truncated or malformed tail.
 
@@ -137,63 +166,45 @@ def iter_json_array(path: Path, stats: SourceStats, chunk_bytes: int = 4 << 20) 
     that does not parse yet is retried with more text (reading geometrically larger chunks so a broken tail
     costs O(n), not O(n^2)). Whatever is left unparsed at end of file is the truncated tail."""
     decoder = json.JSONDecoder()
-    incremental = codecs.getincrementaldecoder("utf-8")(errors="eagle3-count-replace")
-    buf, pos, index, eof = "", 0, 0, False
-    want = chunk_bytes
+    index = 0
     with open(path, "rb") as f:
-
-        def refill(n: int) -> bool:
-            nonlocal buf, pos
-            data = f.read(n)
-            before = _replaced[0]
-            text = incremental.decode(data, final=not data)
-            stats.utf8_replacements += _replaced[0] - before
-            buf = buf[pos:] + text
-            pos = 0
-            return bool(data)
-
-        eof = not refill(want)
-        buf = buf.lstrip("\ufeff")
-        pos = _WS.match(buf, pos).end()
-        if not buf.startswith("[", pos):
+        t = _TextBuffer(f, stats, chunk_bytes)
+        t.buf = t.buf.lstrip("\ufeff")
+        t.skip_space()
+        if not t.buf.startswith("[", t.pos):
             raise ValueError(f"{path}: expected a JSON array starting with '['")
-        pos += 1
+        t.pos += 1
         expect_comma = False
         while True:
-            pos = _WS.match(buf, pos).end()
-            if pos >= len(buf):
-                if eof:
+            t.skip_space()
+            if t.pos >= len(t.buf):
+                if t.eof:
                     break
-                eof = not refill(want)
+                t.refill()
                 continue
-            ch = buf[pos]
+            ch = t.buf[t.pos]
             if ch == "]":
                 return
             if expect_comma:
                 if ch != ",":
                     break  # garbage between elements: stop and report the rest as dropped
-                pos += 1
+                t.pos += 1
                 expect_comma = False
                 continue
             try:
-                obj, end = decoder.raw_decode(buf, pos)
+                obj, end = decoder.raw_decode(t.buf, t.pos)
             except json.JSONDecodeError:
-                if eof:
+                if t.eof:
                     break
-                eof = not refill(want)
-                want *= 2  # a long element (or a broken tail): read more each time
+                t.refill()
+                t.want *= 2  # a long element (or a broken tail): read more each time
                 continue
             except (ValueError, RecursionError):
                 break  # parseable but unreadable (an int over 4300 digits, nesting too deep): stop, report the rest
-            want = chunk_bytes
-            pos = end
-            expect_comma = True
+            t.want, t.pos, expect_comma = chunk_bytes, end, True
             yield index, obj
             index += 1
-        # Whatever is left did not parse: the truncated (or malformed) tail.
-        rest = buf[pos:]
-        if not eof:
-            rest += f.read().decode("utf-8", errors="replace")
+        rest = t.rest()  # did not parse: the truncated (or malformed) tail
         stats.truncated_bytes = len(rest.encode("utf-8", errors="replace"))
         if rest.strip():
             stats.skipped["truncated_tail"] += 1

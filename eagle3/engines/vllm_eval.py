@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eagle3.config import Config, TargetConfig
+    from eagle3.config import Config, EvalConfig, TargetConfig
 
 log = logging.getLogger("eagle3")
 
@@ -224,21 +224,9 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
     At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
     the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
     from eagle3.bundled import resolve_target_path
-    from eagle3.export import export
 
-    if method == "plain":
-        out_dir, draft_args = None, ["--method", "plain"]
-    elif method == "eagle3":
-        if draft_folder is None:
-            raise ValueError("vLLM's eagle3 method needs the head to export")
-        out_dir: Path | None = export(draft_folder, cfg.export_dir / "vllm", to="vllm",
-                                      num_speculative_tokens=cfg.eval.num_steps,
-                                      target_family=cfg.target.layer_id_family)
-        draft_args = ["--draft", str(out_dir)]
-    else:
-        out_dir = None
-        draft_args = ["--method", method, "--prompt-lookup-min", str(cfg.eval.ngram_min), "--prompt-lookup-max",
-                      str(cfg.eval.ngram_max)] if method == "ngram" else ["--method", method]
+    out_dir, draft_args = _method_args(method, draft_folder, cfg.export_dir / "vllm", cfg.eval,
+                                       cfg.target.layer_id_family)
     python = python or os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
     stop = stop_token_ids(cfg.target)
     env = dict(os.environ)
@@ -264,6 +252,36 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
         raw = json.loads(result_file.read_text())
     if method == "plain":  # no drafts: only the answers (to render a dialogue's next turn)
         return {"method": method, "prompts": len(prompts), "outputs": raw["outputs"], "seconds": raw.get("seconds")}
+    result = _vllm_result(raw, method, out_dir, prompts, stop, cfg.eval.temperature)
+    if check_greedy and cfg.eval.temperature <= 0 and raw.get("outputs") is not None:
+        ref = hf_greedy(cfg.target, prompts, cfg.eval.max_new_tokens, stop)
+        result.update(compare_greedy(raw["outputs"], ref, stop))
+    return result
+
+
+def _method_args(method: str, draft_folder: Path | None, export_to: Path, ev: EvalConfig, family: str
+                 ) -> tuple[Path | None, list[str]]:
+    """(the head exported for vLLM to `export_to`, or None; the child's drafting arguments) of one method."""
+    from eagle3.export import export
+
+    if method == "plain":
+        out_dir, draft_args = None, ["--method", "plain"]
+    elif method == "eagle3":
+        if draft_folder is None:
+            raise ValueError("vLLM's eagle3 method needs the head to export")
+        out_dir = export(draft_folder, export_to, to="vllm", num_speculative_tokens=ev.num_steps,
+                         target_family=family)
+        draft_args = ["--draft", str(out_dir)]
+    else:
+        out_dir = None
+        draft_args = ["--method", method, "--prompt-lookup-min", str(ev.ngram_min), "--prompt-lookup-max",
+                      str(ev.ngram_max)] if method == "ngram" else ["--method", method]
+    return out_dir, draft_args
+
+
+def _vllm_result(raw: dict[str, Any], method: str, out_dir: Path | None, prompts: list[list[int]], stop: list[int],
+                 temperature: float) -> dict[str, Any]:
+    """The child's counters as the evaluator's result: τ, acceptance, tokens per target forward, per group."""
     result = parse_vllm_metrics(raw["metrics"])
     generated = raw.get("generated_tokens")
     if generated is not None:
@@ -282,12 +300,9 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
     if raw.get("sampling_repair"):
         result["sampling_repair"] = raw["sampling_repair"]
         log.info("vLLM: %s", raw["sampling_repair"])
-    if cfg.eval.temperature > 0 and raw.get("platform") == "cpu" and not raw.get("sampling_ok"):
+    if temperature > 0 and raw.get("platform") == "cpu" and not raw.get("sampling_ok"):
         result["untrusted"] = CPU_SAMPLING
-        log.warning("vLLM's acceptance at temperature %s: %s", cfg.eval.temperature, CPU_SAMPLING)
-    if check_greedy and cfg.eval.temperature <= 0 and raw.get("outputs") is not None:
-        ref = hf_greedy(cfg.target, prompts, cfg.eval.max_new_tokens, stop)
-        result.update(compare_greedy(raw["outputs"], ref, stop))
+        log.warning("vLLM's acceptance at temperature %s: %s", temperature, CPU_SAMPLING)
     return result
 
 
@@ -371,6 +386,38 @@ def _child(argv: list[str] | None = None) -> int:
     except ImportError:  # older layouts
         TokensPrompt = dict  # noqa: N806
 
+    a = _child_args(argv)
+    import vllm  # type: ignore[import-not-found]
+
+    prompts = json.loads(Path(a.prompts).read_text())
+    repair, sampling_ok = _repair_cpu_expand(not a.keep_vllm_sampler) if a.temperature > 0 else (None, True)
+    llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
+              max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
+              speculative_config=_speculative_config(a))
+    stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
+                            stop_token_ids=stop or None)
+    requests = [TokensPrompt(prompt_token_ids=x) for x in prompts]
+    groups = json.loads(Path(a.groups).read_text()) if a.groups else [""] * len(prompts)
+    t0 = time.perf_counter()
+    outs, snapshots = _generate_by_group(llm, requests, params, groups)
+    seconds = time.perf_counter() - t0
+    records = snapshots[-1]["metrics"] if snapshots else _metrics(llm)
+    Path(a.out).write_text(json.dumps({
+        "metrics": records, "seconds": seconds, "vllm_version": getattr(vllm, "__version__", None),
+        "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "prompt_tokens": [len(ids) if (ids := getattr(o, "prompt_token_ids", None)) is not None else None
+                          for o in outs],
+        "platform": _platform(),
+        "sampling_repair": repair,
+        "sampling_ok": sampling_ok,
+        "group_metrics": snapshots if a.groups else None,
+    }))
+    return 0
+
+
+def _child_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="vLLM EAGLE-3 acceptance check (started by eagle3)")
     p.add_argument("--target", required=True)
     p.add_argument("--draft", help="the exported head (method eagle3)")
@@ -389,51 +436,33 @@ def _child(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", help="JSON list: a group name per prompt; each group runs in turn, metrics after each")
     p.add_argument("--keep-vllm-sampler", action="store_true",
                    help="do not repair the CPU backend's sampled verification (to see what _repair_cpu_expand fixes)")
-    a = p.parse_args(argv)
-    import vllm  # type: ignore[import-not-found]
+    return p.parse_args(argv)
 
-    prompts = json.loads(Path(a.prompts).read_text())
-    repair, sampling_ok = _repair_cpu_expand(not a.keep_vllm_sampler) if a.temperature > 0 else (None, True)
-    llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
-              max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
-              speculative_config=_speculative_config(a))
-    stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
-    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
-                            stop_token_ids=stop or None)
-    def metrics() -> list[dict[str, Any]]:
-        records = []
-        for m in llm.get_metrics():
-            if hasattr(m, "values"):
-                records.append({"name": m.name, "values": list(m.values)})
-            elif hasattr(m, "value"):
-                records.append({"name": m.name, "value": m.value})
-        return records
 
-    requests = [TokensPrompt(prompt_token_ids=x) for x in prompts]
-    groups = json.loads(Path(a.groups).read_text()) if a.groups else [""] * len(prompts)
-    outs: list[Any] = [None] * len(prompts)
+def _metrics(llm: Any) -> list[dict[str, Any]]:
+    """vLLM's counters and histograms so far, as plain records."""
+    records = []
+    for m in llm.get_metrics():
+        if hasattr(m, "values"):
+            records.append({"name": m.name, "values": list(m.values)})
+        elif hasattr(m, "value"):
+            records.append({"name": m.name, "value": m.value})
+    return records
+
+
+def _generate_by_group(llm: Any, requests: list[Any], params: Any, groups: list[str]
+                       ) -> tuple[list[Any], list[dict[str, Any]]]:
+    """(outputs in prompt order, the counters after each group): the groups run in turn, in order of first
+    appearance, so each one's acceptance is the difference of two snapshots."""
+    outs: list[Any] = [None] * len(requests)
     snapshots = []
-    t0 = time.perf_counter()
-    for g in dict.fromkeys(groups):  # in order of first appearance
+    for g in dict.fromkeys(groups):
         idx = [i for i, x in enumerate(groups) if x == g]
         for i, o in zip(idx, llm.generate([requests[i] for i in idx], params), strict=True):
             outs[i] = o
-        snapshots.append({"group": g, "metrics": metrics(),
+        snapshots.append({"group": g, "metrics": _metrics(llm),
                           "generated": sum(len(outs[i].outputs[0].token_ids) for i in idx)})
-    seconds = time.perf_counter() - t0
-    records = snapshots[-1]["metrics"] if snapshots else metrics()
-    Path(a.out).write_text(json.dumps({
-        "metrics": records, "seconds": seconds, "vllm_version": getattr(vllm, "__version__", None),
-        "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-        "outputs": [list(o.outputs[0].token_ids) for o in outs],
-        "prompt_tokens": [len(ids) if (ids := getattr(o, "prompt_token_ids", None)) is not None else None
-                          for o in outs],
-        "platform": _platform(),
-        "sampling_repair": repair,
-        "sampling_ok": sampling_ok,
-        "group_metrics": snapshots if a.groups else None,
-    }))
-    return 0
+    return outs, snapshots
 
 
 def _speculative_config(a: argparse.Namespace) -> dict[str, Any] | None:
