@@ -8,15 +8,14 @@ before hours of work start. Errors name the dotted path of the offending key and
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3.config_text import ConfigError, apply_overrides, parse_yaml, validation_message
 from eagle3.layer_ids import ArchFamily, default_layer_ids, validate_layer_ids
-from eagle3.logs import UserError
 from eagle3.paths import RunPaths
 
 Storage = Literal["exact", "fp8", "fp8-aux"]
@@ -25,10 +24,6 @@ DraftArch = Literal["llama", "mla"]
 """draft.arch: the head's decoder layer (eagle3.model: ATTENTIONS, ARCH_DIMS)."""
 EvalEngine = Literal["builtin", "vllm", "sglang"]
 """eval.engine: who decodes speculatively (eagle3.evaluate)."""
-
-
-class ConfigError(UserError, ValueError):
-    """A config problem, already phrased for the user (dotted path + what is allowed)."""
 
 
 class Section(BaseModel):
@@ -539,143 +534,6 @@ class Config(Section):
 
 
 # --------------------------------------------------------------------------------------------------- loading
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that rejects duplicate keys (PyYAML silently keeps the last one)."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict[Any, yaml.Node] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            line = key_node.start_mark.line + 1
-            first = seen[key].start_mark.line + 1
-            raise ConfigError(f"duplicate key {key!r} at line {line} (first set at line {first}); keep one")
-        seen[key] = key_node
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def parse_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-_YAML11_WORDS = {"yes", "no", "on", "off", "y", "n"}
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides; the value is parsed as YAML (`3e-4`, `[2, 15, 27]`, `null`, `true`)."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected dotted key=value, e.g. train.lr=3e-4")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise ConfigError(f"override {item!r}: empty key segment")
-        if raw.strip().lower() in _YAML11_WORDS:
-            value: Any = raw.strip()  # `mixed_precision=no` means the word, not False
-        else:
-            try:
-                value = yaml.safe_load(raw) if raw.strip() else ""
-            except yaml.YAMLError:
-                value = raw
-        node = data
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
-            node = child
-        node[parts[-1]] = value
-    return data
-
-
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
-    """The field names allowed at the section that holds `loc` (for unknown-key messages)."""
-    model: Any = Config
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return None
-        ann = field.annotation
-        args = getattr(ann, "__args__", ()) or ()
-        candidates = [ann, *args]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if model is None:
-            return None
-    return sorted(getattr(model, "model_fields", {}))
-
-
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid config ({err.error_count()} problem{'s' if err.error_count() > 1 else ''})"]
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        path = ".".join(str(p) for p in loc) or "<root>"
-        if e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(loc) or []
-            guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            hint = f" (did you mean {'.'.join(str(p) for p in loc[:-1] + (guess[0],))!r}?)" if guess else ""
-            lines.append(f"  {path}: unknown key{hint}; allowed here: {', '.join(allowed)}")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            got = e.get("input")
-            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"  {path}: {msg}{got_s}")
-    return "\n".join(lines)
-
-
-def target_num_layers(target: TargetConfig) -> int | None:
-    """The target's depth without loading weights: from the config, a bundled model, or a local config.json."""
-    if target.num_layers is not None:
-        return target.num_layers
-    from eagle3.bundled import bundled_num_layers
-
-    n = bundled_num_layers(target.path)
-    if n is not None:
-        return n
-    from eagle3.targets.info import read_target_info
-
-    try:
-        return read_target_info(target.path).num_layers
-    except (OSError, ValueError):  # no folder here yet (a remote SGLang target), or an unreadable file
-        return None
-
-
-def target_context_window(target: TargetConfig) -> tuple[int, str] | None:
-    """(tokens, where it was read) of the longest sequence the engines serve the target at, without loading weights
-    (eagle3.rope.context_window of its config.json: max_position_embeddings, scaled for linear RoPE); None where
-    this machine cannot see the target's config (a remote SGLang target)."""
-    from eagle3.bundled import bundled_context_window
-
-    n = bundled_context_window(target.path)
-    if n is not None:
-        return n, target.path
-    from eagle3.rope import context_window
-    from eagle3.targets.info import read_target_info
-
-    try:
-        info = read_target_info(target.path)
-    except (OSError, ValueError):
-        return None
-    n = context_window(info.text)
-    return (n, str(info.folder / "config.json")) if n else None
-
-
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Load, override and validate the whole config; raise ConfigError with dotted paths on any problem."""
     source = str(path) if path else "<defaults>"
@@ -689,23 +547,31 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, source)) from None
-    n = target_num_layers(cfg.target)
+        raise ConfigError(validation_message(e, source, Config)) from None
+    _check_against_target(cfg, source)
+    from eagle3.precision import say_pending
+
+    say_pending()
+    return cfg
+
+
+def _check_against_target(cfg: Config, source: str) -> None:
+    """The layer ids against the target's depth and data.max_length against its context window, where this machine
+    can read them without loading weights (eagle3.targets.info): a wrong id fails here, not hours into extraction."""
+    from eagle3.targets.info import target_context_window, target_num_layers
+
+    n = target_num_layers(cfg.target.path, cfg.target.num_layers)
     if n is not None:
         try:
             cfg.layer_ids(n)
         except ValueError as e:
             raise ConfigError(f"{source}: invalid config\n  {e}") from None
-    window = target_context_window(cfg.target)
+    window = target_context_window(cfg.target.path)
     if window is not None and cfg.data.max_length > window[0]:
         raise ConfigError(
             f"{source}: invalid config\n  data.max_length: {cfg.data.max_length} tokens is beyond the target's context "
             f"window of {window[0]} tokens ({window[1]}): the target, and the engines serving the head, go no further; "
             f"set data.max_length to at most {window[0]}")
-    from eagle3.precision import say_pending
-
-    say_pending()
-    return cfg
 
 
 def dump_config(cfg: Config) -> str:

@@ -87,3 +87,13 @@ def test_the_length_guard_sees_a_long_function():
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     assert _long_functions(f"def f():\n{body}\n", "m.py") == [f"m.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
     assert _long_functions("def g():\n    return 1\n", "m.py") == []
+
+
+MAX_MODULE_LINES = 600
+"""A module a maintainer reads as one concern (issue 42); a longer one holds two."""
+
+
+def test_no_module_in_the_package_is_over_600_lines():
+    found = {str(p.relative_to(PKG)): n for p in sorted(PKG.rglob("*.py"))
+             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert found == {}

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.bundled import bundled_context_window, bundled_num_layers, resolve_target_path
 from eagle3.layer_ids import ArchFamily, arch_family
+from eagle3.rope import context_window
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,6 @@ class TargetInfo:
 def read_target_info(path: str | Path) -> TargetInfo:
     """The TargetInfo of a model folder or a `bundled:` name (`target.path`); FileNotFoundError when the folder
     has no config.json."""
-    from eagle3.bundled import resolve_target_path
-
     folder = resolve_target_path(str(path))
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -124,3 +124,32 @@ def weights_id(folder: str | Path, revision: str | None = None) -> str:
     if not files:
         raise FileNotFoundError(f"target.path: no weight files (*.safetensors) in {folder}")
     return h.hexdigest()[:16]
+
+
+def target_num_layers(path: str, num_layers: int | None = None) -> int | None:
+    """The target's depth without loading weights: `num_layers` (target.num_layers) where given, else a bundled
+    model's or a local config.json's; None where this machine cannot see it (a remote SGLang target)."""
+    if num_layers is not None:
+        return num_layers
+    n = bundled_num_layers(path)
+    if n is not None:
+        return n
+    try:
+        return read_target_info(path).num_layers
+    except (OSError, ValueError):  # no folder here yet (a remote SGLang target), or an unreadable file
+        return None
+
+
+def target_context_window(path: str) -> tuple[int, str] | None:
+    """(tokens, where it was read) of the longest sequence the engines serve the target at, without loading weights
+    (eagle3.rope.context_window of its config.json: max_position_embeddings, scaled for linear RoPE); None where
+    this machine cannot see the target's config (a remote SGLang target)."""
+    n = bundled_context_window(path)
+    if n is not None:
+        return n, path
+    try:
+        info = read_target_info(path)
+    except (OSError, ValueError):
+        return None
+    n = context_window(info.text)
+    return (n, str(info.folder / "config.json")) if n else None
