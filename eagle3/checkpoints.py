@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from eagle3.config import Config
+from eagle3.config import EvalConfig, TrainConfig
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.formats import CONFIG_NAME, save_draft
 from eagle3.fsutil import damaged_files, file_records, remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import UserError, disk_full_error
 from eagle3.model import SHAPE_FIELDS, Eagle3DraftConfig
+from eagle3.paths import RunPaths
 
 log = logging.getLogger("eagle3")
 
@@ -79,9 +80,10 @@ def _tmp_dir(final: Path) -> Path:
     return tmp
 
 
-def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-    """step_N/: accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json + vocab + draft/."""
-    ckpt_dir = cfg.checkpoint_dir
+def save_checkpoint(accelerator, model, state: TrainState, d2t: torch.Tensor, t2d: torch.Tensor, ckpt_dir: Path,
+                    keep: int) -> Path:
+    """step_N/: accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json + vocab + draft/; the
+    newest `keep` (train.keep_checkpoints) step folders are kept."""
     final = ckpt_dir / f"step_{state.step}"
     tmp = tmp_sibling(final, "ckpt")
     previous = list_checkpoints(ckpt_dir)
@@ -97,7 +99,7 @@ def save_checkpoint(accelerator, model, cfg: Config, state: TrainState, d2t: tor
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
             (tmp / CHECKSUMS).write_text(json.dumps(file_records(tmp, skip=(CHECKSUMS,)), indent=1) + "\n")
             replace_dir(tmp, final)
-            for _, old in list_checkpoints(ckpt_dir)[: -cfg.train.keep_checkpoints]:
+            for _, old in list_checkpoints(ckpt_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
             log.info("checkpoint: %s", final)
     except BaseException as e:
@@ -153,19 +155,19 @@ def save_best(accelerator, model, checkpoint_dir: Path) -> Path:
     return best
 
 
-def resume(accelerator: Any, model: Any, cfg: Config, d2t: torch.Tensor) -> TrainState:
+def resume(accelerator: Any, model: Any, paths: RunPaths, train: TrainConfig, d2t: torch.Tensor) -> TrainState:
     """Load the newest intact checkpoint into `model` and the accelerator's registered objects when `train.resume`
     and there is one (after checking it was trained with the same draft vocab and dimensions); the loop's state.
     A damaged checkpoint is named and skipped for the one before it; none intact is an error."""
     state = TrainState()
-    ckpts = list_checkpoints(cfg.checkpoint_dir)
+    ckpts = list_checkpoints(paths.checkpoint_dir)
     damaged: list[str] = []
-    for _, path in reversed(ckpts if cfg.train.resume else []):
+    for _, path in reversed(ckpts if train.resume else []):
         problems = checkpoint_problems(path)
         if not problems:
-            check_same_vocab(path, d2t, cfg.prepared_dir)
+            check_same_vocab(path, d2t, paths.prepared_dir)
             check_same_draft(path, accelerator.unwrap_model(model).config)
-            check_same_world(path, accelerator.num_processes, cfg.train.sequence_parallel)
+            check_same_world(path, accelerator.num_processes, train.sequence_parallel)
             try:
                 accelerator.load_state(str(path))
                 state = TrainState(**json.loads((path / STATE_FILE).read_text()))
@@ -178,10 +180,10 @@ def resume(accelerator: Any, model: Any, cfg: Config, d2t: torch.Tensor) -> Trai
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, state.step, state.epoch, state.batch_index)
         break
     if damaged and state.step == 0:
-        raise UserError(f"every checkpoint in {cfg.checkpoint_dir} is damaged ({' | '.join(damaged)}): move them "
+        raise UserError(f"every checkpoint in {paths.checkpoint_dir} is damaged ({' | '.join(damaged)}): move them "
                         "aside to start over, or set train.resume=false")
-    if accelerator.is_main_process and cfg.checkpoint_dir.is_dir():  # leftovers of a save that was killed
-        remove_stale_in(cfg.checkpoint_dir)
+    if accelerator.is_main_process and paths.checkpoint_dir.is_dir():  # leftovers of a save that was killed
+        remove_stale_in(paths.checkpoint_dir)
     return state
 
 
@@ -246,13 +248,13 @@ def resolve_draft_folder(checkpoint: str | Path) -> Path:
                           "draft/")
 
 
-def resolve_checkpoint(cfg: Config) -> Path:
+def resolve_checkpoint(ev: EvalConfig, paths: RunPaths) -> Path:
     """The draft to evaluate: eval.checkpoint, else the trainer's best head, else its newest step, else an SGLang
     export."""
-    if cfg.eval.checkpoint:
-        return resolve_draft_folder(cfg.eval.checkpoint)
-    d = cfg.checkpoint_dir
-    tried = [d / "best", *[p for _, p in _step_dirs(d)][::-1], cfg.export_dir / "sglang"]
+    if ev.checkpoint:
+        return resolve_draft_folder(ev.checkpoint)
+    d = paths.checkpoint_dir
+    tried = [d / "best", *[p for _, p in _step_dirs(d)][::-1], paths.export_dir / "sglang"]
     for cand in tried:
         if (cand / CONFIG_NAME).is_file() or (cand / "draft" / CONFIG_NAME).is_file():
             return resolve_draft_folder(cand)

@@ -96,6 +96,12 @@ class TargetConfig(Section):
             raise ValueError(f"expected three strictly increasing non-negative ids (low, mid, high), got {v}")
         return v
 
+    def layer_ids(self, num_layers: int) -> list[int]:
+        """The aux layer ids to use for a target of `num_layers` layers (validated)."""
+        ids = self.aux_layer_ids or default_layer_ids(num_layers)
+        validate_layer_ids(ids, num_layers, where="target.aux_layer_ids")
+        return ids
+
 
 # ------------------------------------------------------------------------------------------------------ data
 class SourceConfig(Section):
@@ -526,12 +532,6 @@ class Config(Section):
     def regenerated_path(self) -> Path:
         return self.paths.regenerated_path
 
-    def layer_ids(self, num_layers: int) -> list[int]:
-        """The aux layer ids to use for a target of `num_layers` layers (validated)."""
-        ids = self.target.aux_layer_ids or default_layer_ids(num_layers)
-        validate_layer_ids(ids, num_layers, where="target.aux_layer_ids")
-        return ids
-
 
 # --------------------------------------------------------------------------------------------------- loading
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -563,7 +563,7 @@ def _check_against_target(cfg: Config, source: str) -> None:
     n = target_num_layers(cfg.target.path, cfg.target.num_layers)
     if n is not None:
         try:
-            cfg.layer_ids(n)
+            cfg.target.layer_ids(n)
         except ValueError as e:
             raise ConfigError(f"{source}: invalid config\n  {e}") from None
     window = target_context_window(cfg.target.path)

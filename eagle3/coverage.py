@@ -43,7 +43,7 @@ def run(cfg: Config) -> dict[str, Any]:
     t2d = t2d_tensor.bool().numpy()
     model, tokenizer = load_target(cfg.target)
     num_layers = model.config.get_text_config().num_hidden_layers
-    target = HFTargetDecoder(model, cfg.layer_ids(num_layers))
+    target = HFTargetDecoder(model, cfg.target.layer_ids(num_layers))
     eos = set(eos_ids(tokenizer, model.generation_config))
     # plain greedy decoding needs no head: the decoder's draft is never called by generate_baseline
     dec = SpeculativeDecoder(target, None, replace(settings_from(cfg.eval), temperature=0.0), eos)  # type: ignore[arg-type]

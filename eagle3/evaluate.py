@@ -283,7 +283,7 @@ def metrics(spec: AcceptanceStats, base: AcceptanceStats, num_positions: int) ->
 
 def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]], Path]:
     """The built-in evaluation; returns (report, rendered prompts per set, draft folder)."""
-    folder = resolve_checkpoint(cfg)
+    folder = resolve_checkpoint(cfg.eval, cfg.paths)
     log.info("eval: target %s (%s, %s), draft %s", cfg.target.path, cfg.target.dtype, cfg.target.device, folder)
     model, tokenizer = load_target(cfg.target)
     draft = draft_for_target(folder, model, cfg)
@@ -365,7 +365,7 @@ def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[in
     hour on a CPU)."""
     from eagle3.data.templates import load_tokenizer
 
-    folder = resolve_checkpoint(cfg)
+    folder = resolve_checkpoint(cfg.eval, cfg.paths)
     engine = cfg.eval.engine
     log.info("eval in %s only: target %s, draft %s", engine, cfg.target.path, folder)
     render = PromptRenderer(load_tokenizer(cfg.target), cfg)

@@ -18,7 +18,6 @@ from eagle3.cache.codec import CacheError
 from eagle3.cache.layout import read_meta
 from eagle3.layer_ids import ArchFamily
 from eagle3.paths import RunPaths
-from eagle3.tracking import LOSS_LOG
 
 CARD_NAME = "README.md"
 
@@ -138,7 +137,7 @@ def _data_lines(paths: RunPaths | None, cache: dict[str, Any] | None) -> list[st
 
 
 def _training_lines(paths: RunPaths | None) -> list[str]:
-    trained = _training(paths.output_dir / LOSS_LOG) if paths else None
+    trained = _training(paths.loss_log) if paths else None
     if not trained:
         return ["- no training log next to the checkpoint: not recorded here"]
     best = trained["best"]

@@ -6,6 +6,8 @@
     <output_dir>/eval/                report.json, report.png
     <output_dir>/export/              sglang/, vllm/
     <output_dir>/regenerated.jsonl    regenerate.output moves it
+    <output_dir>/train_log.jsonl      one line per training step and eval (eagle3.tracking)
+    <output_dir>/tracking/            tensorboard's event files, mlflow's local store
 
 A stage built from a config takes `cfg.paths`; a tool that has only a run folder (the model card of an exported
 checkpoint) takes `RunPaths.under(run)`, the default layout.
@@ -26,6 +28,14 @@ class RunPaths:
     eval_dir: Path
     export_dir: Path
     regenerated_path: Path
+
+    @property
+    def loss_log(self) -> Path:
+        return self.output_dir / "train_log.jsonl"
+
+    @property
+    def tracking_dir(self) -> Path:
+        return self.output_dir / "tracking"
 
     @classmethod
     def under(cls, output_dir: str | Path, prepared_dir: str | Path | None = None, cache_dir: str | Path | None = None,

@@ -2,7 +2,8 @@
 per eval), a tracker through accelerate's own API (`tracking.backend`: wandb with an offline fallback, tensorboard,
 mlflow; tracking never stops training), and the log lines.
 
-    tracker = Tracker(accelerator, cfg)      # every rank builds one; off the main process each call does nothing
+    tracker = Tracker(accelerator, cfg.tracking, cfg.paths, cfg.model_dump(mode="json"))  # on every rank; off the
+                                             # main process each call does nothing
     tracker.info("train: %d steps", n)
     tracker.record({"step": 1, "loss": 2.5})  # train_log.jsonl
     tracker.log({"train/loss": 2.5}, step=1)  # the tracker
@@ -14,25 +15,23 @@ import importlib.util
 import json
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
-from eagle3.config import Config
+from eagle3.config import TrackingConfig
 from eagle3.logs import UserError
+from eagle3.paths import RunPaths
 
 log = logging.getLogger("eagle3")
-
-LOSS_LOG = "train_log.jsonl"
-
 
 class Tracker:
     """Rank 0's side effects of a training run behind one object, so the loop needs no `if main` guards."""
 
-    def __init__(self, accelerator: Any, cfg: Config):
+    def __init__(self, accelerator: Any, tracking: TrackingConfig, paths: RunPaths, hparams: dict[str, Any]):
+        """hparams: the whole config as JSON-able values, recorded with the run."""
         self.accelerator = accelerator
         self.main = bool(accelerator.is_main_process)
-        self.path = Path(cfg.output_dir) / LOSS_LOG
-        init_tracking(accelerator, cfg)
+        self.path = paths.loss_log
+        init_tracking(accelerator, tracking, paths, hparams)
         if self.main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -51,17 +50,15 @@ class Tracker:
 
 PACKAGES = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",)}
 """The packages each backend can write through (accelerate's tensorboard tracker takes either)."""
-TRACKING_DIR = "tracking"
-"""Under output_dir: tensorboard's event files (`<project>/`), mlflow's local store."""
 
 
-def accelerator_tracking(cfg: Config) -> dict[str, Any]:
+def accelerator_tracking(tracking: TrackingConfig, paths: RunPaths) -> dict[str, Any]:
     """Accelerator(...) keywords for tracking.backend: `log_with` and the project folders. A backend whose package
     is missing is refused here, before the run loads anything."""
     from accelerate.utils import ProjectConfiguration
 
-    backend = cfg.tracking.backend
-    project = ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / TRACKING_DIR))
+    backend = tracking.backend
+    project = ProjectConfiguration(project_dir=str(paths.output_dir), logging_dir=str(paths.tracking_dir))
     if backend == "none":
         return {"log_with": None, "project_config": project}
     if not any(importlib.util.find_spec(p) for p in PACKAGES[backend]):
@@ -70,22 +67,22 @@ def accelerator_tracking(cfg: Config) -> dict[str, Any]:
     return {"log_with": backend, "project_config": project}
 
 
-def init_tracking(accelerator, cfg: Config) -> None:
+def init_tracking(accelerator, tracking: TrackingConfig, paths: RunPaths, hparams: dict[str, Any]) -> None:
     """The tracker through accelerate on the main process; wandb falls back to offline; never stops training."""
-    if cfg.tracking.backend == "none":
+    if tracking.backend == "none":
         return
-    if cfg.tracking.backend != "wandb":
+    if tracking.backend != "wandb":
         try:
             # tensorboard's hparams and mlflow's params take scalars only: the config flattened to dotted keys
-            kwargs = {"mlflow": {"run_name": cfg.tracking.run_name}} if cfg.tracking.run_name else {}
-            accelerator.init_trackers(cfg.tracking.project, config=flat_config(cfg), init_kwargs=kwargs)
+            kwargs = {"mlflow": {"run_name": tracking.run_name}} if tracking.run_name else {}
+            accelerator.init_trackers(tracking.project, config=flat_config(hparams), init_kwargs=kwargs)
         except Exception as e:  # noqa: BLE001 - tracking must never stop training
-            log.warning("%s init failed: %s; training continues without tracking", cfg.tracking.backend, e)
+            log.warning("%s init failed: %s; training continues without tracking", tracking.backend, e)
             accelerator.log_with = []
             accelerator.trackers = []
         return
-    kwargs = {"wandb": {k: v for k, v in {"name": cfg.tracking.run_name, "entity": cfg.tracking.entity,
-                                          "dir": cfg.output_dir}.items() if v}}
+    kwargs = {"wandb": {k: v for k, v in {"name": tracking.run_name, "entity": tracking.entity,
+                                          "dir": str(paths.output_dir)}.items() if v}}
     attempts = ["as configured", "offline"]
     if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun") and not _wandb_reachable():
         log.warning("wandb: %s is not reachable; logging offline", os.environ.get("WANDB_BASE_URL", "api.wandb.ai"))
@@ -104,7 +101,7 @@ def init_tracking(accelerator, cfg: Config) -> None:
             except Exception:  # noqa: BLE001 - best effort
                 pass
         try:
-            accelerator.init_trackers(cfg.tracking.project, config=cfg.model_dump(mode="json"), init_kwargs=kwargs)
+            accelerator.init_trackers(tracking.project, config=hparams, init_kwargs=kwargs)
             if attempt == "offline":
                 log.warning("wandb: online init failed; logging offline (sync later with `wandb sync`)")
             return
@@ -130,8 +127,9 @@ def _wandb_reachable(timeout_s: float = 5.0) -> bool:
         return False
 
 
-def flat_config(cfg: Config) -> dict[str, str | int | float | bool]:
-    """The whole config as `{"train.lr": 0.001, ...}`: scalars as they are, lists and None as their text."""
+def flat_config(hparams: dict[str, Any]) -> dict[str, str | int | float | bool]:
+    """The config (as JSON values) as `{"train.lr": 0.001, ...}`: scalars as they are, lists and None as their
+    text."""
     out: dict[str, str | int | float | bool] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -141,5 +139,5 @@ def flat_config(cfg: Config) -> dict[str, str | int | float | bool]:
         else:
             out[prefix] = value if isinstance(value, str | int | float | bool) else json.dumps(value)
 
-    walk("", cfg.model_dump(mode="json"))
+    walk("", hparams)
     return out

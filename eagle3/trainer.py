@@ -67,7 +67,7 @@ def make_accelerator(cfg: Config):
         mixed_precision=resolve_mixed_precision(cfg.train),
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[ddp],
-        **accelerator_tracking(cfg),
+        **accelerator_tracking(cfg.tracking, cfg.paths),
     )
 
 
@@ -337,9 +337,9 @@ def set_up(cfg: Config) -> Session:
     model, optimizer = accelerator.prepare(draft, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
-    state = resume(accelerator, model, cfg, d2t)
+    state = resume(accelerator, model, cfg.paths, tc, d2t)
     state.world_size, state.sequence_parallel = this_process().world, tc.sequence_parallel
-    tracker = Tracker(accelerator, cfg)
+    tracker = Tracker(accelerator, cfg.tracking, cfg.paths, cfg.model_dump(mode="json"))
     tracker.info("train: %d samples, %d steps (%d per epoch), %d process(es)%s, mixed precision %s, padding %.1f%%",
                  len(train_ds), total_steps, steps_per_epoch, this_process().world,
                  describe(sp, this_process().world), accelerator.mixed_precision, 100 * first.padding_share)
@@ -455,7 +455,7 @@ def after_step(s: Session, metrics: dict[str, Any]) -> None:
             save_best(s.accelerator, s.model, s.cfg.checkpoint_dir)
         metrics["eval"] = ev
     if state.step % tc.save_every == 0 or last:
-        save_checkpoint(s.accelerator, s.model, s.cfg, state, s.d2t, s.t2d)
+        save_checkpoint(s.accelerator, s.model, state, s.d2t, s.t2d, s.cfg.checkpoint_dir, s.cfg.train.keep_checkpoints)
 
 
 def finish(s: Session) -> None:

@@ -206,8 +206,8 @@ def run_then_crash_after_checkpoint(monkeypatch, cfg, step: int) -> None:
 
     real_save = trainer.save_checkpoint
 
-    def save_then_die(accelerator, model, cfg, state, *a):
-        path = real_save(accelerator, model, cfg, state, *a)
+    def save_then_die(accelerator, model, state, *a):
+        path = real_save(accelerator, model, state, *a)
         if state.step == step:
             raise KeyboardInterrupt(f"simulated kill right after the step-{step} checkpoint")
         return path

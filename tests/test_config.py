@@ -94,7 +94,7 @@ def test_depth_read_from_local_config_json_including_text_config(tmp_path: Path)
     cfg = load_config(None, [f"target.path={model}"])
     from eagle3.targets.info import target_num_layers
 
-    assert target_num_layers(cfg.target.path, cfg.target.num_layers) == 61 and cfg.layer_ids(61) == [2, 30, 58]
+    assert target_num_layers(cfg.target.path, cfg.target.num_layers) == 61 and cfg.target.layer_ids(61) == [2, 30, 58]
     with pytest.raises(ConfigError):
         load_config(None, [f"target.path={model}", "target.aux_layer_ids=[2, 30, 61]"])
 

@@ -33,10 +33,10 @@ RUNNER = textwrap.dedent("""
     from eagle3.logs import setup_logging
 
     real_save = trainer.save_checkpoint
-    def save_and_dump(accelerator, model, cfg, state, *a):
-        path = real_save(accelerator, model, cfg, state, *a)
+    def save_and_dump(accelerator, model, state, d2t, t2d, ckpt_dir, keep):
+        path = real_save(accelerator, model, state, d2t, t2d, ckpt_dir, keep)
         sd = accelerator.unwrap_model(model).state_dict()
-        torch.save(sd, f"{cfg.output_dir}/rank{accelerator.process_index}-of-{accelerator.num_processes}"
+        torch.save(sd, f"{ckpt_dir.parent}/rank{accelerator.process_index}-of-{accelerator.num_processes}"
                        f"-step{state.step}.pt")
         return path
     trainer.save_checkpoint = save_and_dump

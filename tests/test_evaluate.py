@@ -86,7 +86,7 @@ def _setup(tmp_path: Path, **eval_overrides) -> Config:
         setattr(cfg.eval, k, v)
     dc = Eagle3DraftConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            intermediate_size=128, vocab_size=VOCAB, draft_vocab_size=128, target_hidden_size=64,
-                           aux_layer_ids=cfg.layer_ids(4),
+                           aux_layer_ids=cfg.target.layer_ids(4),
                            target={"path": str(target), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                    "num_layers": 4})
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def test_run_writes_report_and_is_lossless(tmp_path, shape, capsys):
         assert r["tokens_per_s"]["spec"] > 0 and r["tokens_per_s"]["baseline"] > 0
     assert saved["sets"]["prompts"]["turns"] == 3  # the two-turn prompt counts twice
     assert saved["sets"]["eval-split"]["turns"] == 2
-    assert saved["aux_layer_ids"] == cfg.layer_ids(4) and saved["settings"]["topk"] == topk
+    assert saved["aux_layer_ids"] == cfg.target.layer_ids(4) and saved["settings"]["topk"] == topk
     assert report["sets"]["prompts"]["tau"] == saved["sets"]["prompts"]["tau"]
     out = capsys.readouterr().out
     assert "prompts: τ=" in out and "eval-split: τ=" in out
@@ -172,20 +172,20 @@ def test_checkpoint_resolution(tmp_path):
 
     cfg = _setup(tmp_path)
     ck = cfg.checkpoint_dir
-    assert resolve_checkpoint(cfg) == ck / "best"
+    assert resolve_checkpoint(cfg.eval, cfg.paths) == ck / "best"
     for step in (3, 12):
         shutil.copytree(ck / "best", ck / f"step_{step}" / "draft")
     shutil.rmtree(ck / "best")
-    assert resolve_checkpoint(cfg) == ck / "step_12" / "draft"  # newest step, numerically
+    assert resolve_checkpoint(cfg.eval, cfg.paths) == ck / "step_12" / "draft"  # newest step, numerically
     cfg.eval.checkpoint = str(ck / "step_3")
-    assert resolve_checkpoint(cfg) == ck / "step_3" / "draft"
+    assert resolve_checkpoint(cfg.eval, cfg.paths) == ck / "step_3" / "draft"
     cfg.eval.checkpoint = str(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="does not exist"):
-        resolve_checkpoint(cfg)
+        resolve_checkpoint(cfg.eval, cfg.paths)
     cfg.eval.checkpoint = None
     cfg.output_dir = str(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="no draft to evaluate"):
-        resolve_checkpoint(cfg)
+        resolve_checkpoint(cfg.eval, cfg.paths)
 
 
 def test_draft_trained_on_other_ids_is_refused(tmp_path):

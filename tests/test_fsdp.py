@@ -54,8 +54,8 @@ RUNNER = textwrap.dedent("""
 
     crash_at = int(os.environ.get("CRASH_AFTER_CHECKPOINT", "0"))
     real_save = trainer.save_checkpoint
-    def save(accelerator, model, cfg, state, *a):
-        path = real_save(accelerator, model, cfg, state, *a)
+    def save(accelerator, model, state, *a):
+        path = real_save(accelerator, model, state, *a)
         if state.step == crash_at:
             raise SystemExit(f"simulated crash after the step-{crash_at} checkpoint")
         return path

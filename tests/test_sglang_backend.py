@@ -206,7 +206,7 @@ def test_kimi_and_smollm2_layer_id_spellings():
     assert to_engine_ids(kimi, "vllm", "deepseek") == [2, 30, 58]
     assert to_engine_ids([2, 15, 27], "sglang", "llama") == [1, 14, 26]
     cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")
-    assert cfg.target.aux_layer_ids == kimi and cfg.layer_ids(61) == kimi
+    assert cfg.target.aux_layer_ids == kimi and cfg.target.layer_ids(61) == kimi
     assert cfg.target.backend == "sglang" and cfg.target.sglang.tp_size == 8
 
 

@@ -28,7 +28,7 @@ def test_hooks_equal_output_hidden_states(targets, tmp_path, kind):
     cfg = tiny_target_cfg(targets[kind], tmp_path, tmp_path, batch_tokens=64, max_batch_size=4)
     t = HFTarget(cfg)
     L = t.num_layers
-    assert t.layer_ids == cfg.layer_ids(L)
+    assert t.layer_ids == cfg.target.layer_ids(L)
     seqs = _seqs()
     batched = t.capture(seqs)
     for s, c in zip(seqs, batched, strict=True):

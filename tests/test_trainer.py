@@ -110,7 +110,7 @@ def test_train_end_to_end_checkpoints_best_and_metrics(tiny_cache, tmp_path):
     for f in ("model.safetensors", "optimizer.bin", "vocab.safetensors", "draft/config.json"):
         assert (ck / "step_8" / f).exists(), f
     best = load_draft(ck / "best")
-    assert best.config.draft_vocab_size == 64 and best.config.aux_layer_ids == cfg.layer_ids(8)
+    assert best.config.draft_vocab_size == 64 and best.config.aux_layer_ids == cfg.target.layer_ids(8)
     assert torch.equal(best.t2d[:64], torch.ones(64, dtype=torch.bool))
     log = read_log(tmp_path / "run")
     assert sorted(log) == list(range(1, 9))

@@ -25,7 +25,7 @@ class Faulty:
     def __init__(self, cfg, fault: str):
         self.fault = fault
         shifted = cfg.model_copy(deep=True)
-        ids = cfg.layer_ids(HFTarget(cfg).num_layers)
+        ids = cfg.target.layer_ids(HFTarget(cfg).num_layers)
         if fault == "shift":  # an engine whose id k means "output of layer k" = eagle3 id k+1
             shifted.target.aux_layer_ids = [i + 1 for i in ids]
         self.inner = HFTarget(shifted)
@@ -70,7 +70,7 @@ def test_catches_off_by_one_layers(world, tmp_path, capsys):
     cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path)
     assert verify(cfg, "backend", 2, backend=Faulty(cfg, "shift")) == 1
     out = capsys.readouterr().out
-    ids = cfg.layer_ids(8)
+    ids = cfg.target.layer_ids(8)
     assert f"matches id {ids[0] + 1}" in out and "off by one" in out
     assert "output of layer k" in out and "FAIL: aux layers off by one" in out
 
@@ -97,7 +97,7 @@ def test_a_few_wrong_tokens_fail_although_the_mean_passes(world, tmp_path, capsy
     cfg = tiny_target_cfg(world["llama"], prepared, tmp_path)
     assert verify(cfg, "backend", 2, backend=Faulty(cfg, "one-token")) == 1
     out = capsys.readouterr().out
-    ids = cfg.layer_ids(8)
+    ids = cfg.target.layer_ids(8)
     line = next(x for x in out.splitlines() if f"aux[1] id {ids[1]}" in x)
     mean = float(line.split("cosine ")[1].split()[0])
     assert mean >= 0.99 and "token 18: cosine 0.7000 < 0.999 (the mean passes)" in line, out

@@ -58,7 +58,7 @@ def expected_fingerprint(cfg: Config, prepared_meta: dict[str, Any] | None = Non
         "num_layers": num_layers,
         "hidden_size": info.hidden_size,
         "dtype": cfg.target.dtype,
-        "layer_ids": cfg.layer_ids(num_layers),
+        "layer_ids": cfg.target.layer_ids(num_layers),
         "layer_id_convention": LAYER_ID_CONVENTION,
         # The samples, not the draft vocab: states do not depend on it.
         "prepared_fingerprint": prepared_meta.get("samples_fingerprint"),

@@ -170,7 +170,7 @@ class HFTarget:
         self.num_layers = len(self.layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.config.vocab_size)
-        self.layer_ids = cfg.layer_ids(self.num_layers)
+        self.layer_ids = cfg.target.layer_ids(self.num_layers)
         self.batch_tokens = cfg.extract.batch_tokens
         self.max_batch_size = cfg.extract.max_batch_size
         self.device = next(self.model.parameters()).device

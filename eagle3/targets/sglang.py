@@ -230,7 +230,7 @@ class SGLangTarget:
         self.hidden_size = self.info.hidden_size
         self.vocab_size = self.info.vocab_size
         self.family: ArchFamily = self.info.family
-        self.layer_ids = cfg.layer_ids(self.num_layers)
+        self.layer_ids = cfg.target.layer_ids(self.num_layers)
         self.dtype: torch.dtype = DTYPES[cfg.target.dtype]
         self.timeout_s = s.timeout_s
         url, self.dump_dir = server_address(s, this_process().local_rank)
@@ -426,7 +426,7 @@ def serve(cfg: Config, port: int | None, host: str, dry_run: bool, local_rank: i
 
         port = (urlparse(url).port if url else None) or DEFAULT_PORT
     info = _target_info(cfg.target)
-    layer_ids = cfg.layer_ids(cfg.target.num_layers or info.num_layers)
+    layer_ids = cfg.target.layer_ids(cfg.target.num_layers or info.num_layers)
     python = sglang_python()
     cmd = [python, "-m", "sglang.launch_server", *capture_flags(cfg, str(info.folder)), "--host", host,
            "--port", str(port)]
