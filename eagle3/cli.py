@@ -121,7 +121,8 @@ def cmd_cache_upgrade(args: argparse.Namespace) -> int:
     from eagle3.targets.argmax import ArgmaxHead
 
     cfg = _cfg(args)
-    n = upgrade(args.dir, ArgmaxHead.for_backend(None, cfg.target, cfg.extract.teacher_chunk), expected_fingerprint(cfg))
+    n = upgrade(args.dir, ArgmaxHead.for_backend(None, cfg.target, cfg.extract.teacher_chunk),
+                expected_fingerprint(cfg.target, cfg.extract.storage, cfg.prepared_dir))
     print(f"upgraded {args.dir}: {n} shard(s) rewritten with the target's argmax and checksums")
     return print_info(args.dir)
 

@@ -163,8 +163,8 @@ def plan(cfg: Config) -> Work:
         cfg.target.device = f"cuda:{place.local_rank}"
     cache_dir = cfg.cache_dir
     prepared = load_prepared(cfg.prepared_dir)
-    check_prepared(cfg, prepared.meta, "extract")
-    fp = expected_fingerprint(cfg, prepared.meta)
+    check_prepared(cfg.data, cfg.draft, cfg.target, cfg.prepared_dir, prepared.meta, "extract")
+    fp = expected_fingerprint(cfg.target, cfg.extract.storage, prepared.meta)
     layout = {"world_size": world, "shard_samples": cfg.extract.shard_samples, "max_samples": cfg.extract.max_samples}
     open_cache(cache_dir, fp, layout, rank)
     data = {"train": prepared.train, "eval": prepared.eval}

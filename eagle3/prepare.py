@@ -292,7 +292,7 @@ def run(cfg: Config) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.target)
     tpl = resolve_template(cfg.data.chat_template, tokenizer)
     vsize = target_vocab_size(cfg.target, tokenizer)
-    fp_in = fingerprint_inputs(cfg, tokenizer, tpl, vsize)
+    fp_in = fingerprint_inputs(cfg.data, cfg.draft, tokenizer, tpl, vsize)
     fp = fingerprint(fp_in)
     weights = source_weights(cfg.data.sources)  # two weighted sources with one name: refused before any work
     reused = _reusable(out, fp, fp_in)

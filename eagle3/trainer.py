@@ -94,7 +94,7 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
         raise FileNotFoundError(f"no hidden-state cache at {cfg.cache_dir}: run `eagle3 extract --config ...` first "
                                 "(or set extract.mode=online)")
     # Refuse a cache extracted from another target / dtype / layer ids / prepared data before any work.
-    check_fingerprint(cfg.cache_dir, expected_fingerprint(cfg))
+    check_fingerprint(cfg.cache_dir, expected_fingerprint(cfg.target, cfg.extract.storage, cfg.prepared_dir))
     if cfg.train.verify_cache:
         verify_before_training(cfg.cache_dir)
     train = HiddenStateDataset(cfg.cache_dir, "train")
@@ -307,7 +307,8 @@ def set_up(cfg: Config) -> Session:
     accelerator = make_accelerator(cfg)
     set_seed(cfg.train.seed)
     tc = cfg.train
-    check_prepared(cfg, read_prepared_meta(cfg.prepared_dir), "train")
+    check_prepared(cfg.data, cfg.draft, cfg.target, cfg.prepared_dir, read_prepared_meta(cfg.prepared_dir),
+                   "train")
     if problem := sglang_spelling_problem(cfg.target):
         log.warning(problem)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")

@@ -40,7 +40,7 @@ def test_offline_cache_equals_backend_states(world, tmp_path, kind, dtype):
     cfg.target.dtype = dtype
     out = run(cfg)
     assert out["samples"] == 13 and out["shards"] == 3 + 1
-    ds = HiddenStateDataset(cfg.cache_dir, "train", expected=expected_fingerprint(cfg))
+    ds = HiddenStateDataset(cfg.cache_dir, "train", expected=expected_fingerprint(cfg.target, cfg.extract.storage, cfg.prepared_dir))
     prepared = load_prepared(world["prepared"])
     assert sorted(ds[i]["sample_id"] for i in range(len(ds))) == sorted(prepared.train["id"])
     assert len(HiddenStateDataset(cfg.cache_dir, "eval")) == 3

@@ -247,33 +247,34 @@ def test_fingerprints_follow_thinking_join_parts_and_vocab_from_never_the_weight
     meta = load_prepared(first.prepared_dir).meta
     caplog.set_level(logging.WARNING, "eagle3")
     reweighted = cfg(5, 1)
-    assert prepared.fingerprint(prepared.fingerprint_inputs(reweighted, *_target(reweighted))) == meta["fingerprint"]
+    assert prepared.fingerprint(prepared.fingerprint_inputs(reweighted.data, reweighted.draft, *_target(reweighted))) == meta["fingerprint"]
     prepare.run(reweighted)  # reused, not rebuilt: same folder, same files
     assert load_prepared(first.prepared_dir).meta["created"] == meta["created"]
     assert "counted with source weights {'a': 1.0, 'b': 1.0}, this config has {'a': 5.0, 'b': 1.0}" in caplog.text
     for stage in ("extract", "train"):
-        prepared.check_prepared(reweighted, meta, stage)  # nothing to re-prepare
-    assert expected_fingerprint(reweighted, meta) == expected_fingerprint(first, meta)  # nor to re-extract
+        prepared.check_prepared(reweighted.data, reweighted.draft, reweighted.target, reweighted.prepared_dir, meta, stage)  # nothing to re-prepare
+    assert (expected_fingerprint(reweighted.target, reweighted.extract.storage, meta)
+            == expected_fingerprint(first.target, first.extract.storage, meta))  # nor to re-extract
 
     thinking = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, thinking: true}}, {{path: {b}, weight: 1}}]")
-    assert prepared.fingerprint(prepared.fingerprint_inputs(thinking, *_target(thinking))) != meta["fingerprint"]
+    assert prepared.fingerprint(prepared.fingerprint_inputs(thinking.data, thinking.draft, *_target(thinking))) != meta["fingerprint"]
     with pytest.raises(PreparedError, match=r"data.sources: prepared with "):
-        prepared.check_prepared(thinking, meta, "extract")
+        prepared.check_prepared(thinking.data, thinking.draft, thinking.target, thinking.prepared_dir, meta, "extract")
     same = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, thinking: false}}, {{path: {b}, weight: 1}}]")
-    prepared.check_prepared(same, meta, "train")  # data.thinking's own value: the rendering is the same
+    prepared.check_prepared(same.data, same.draft, same.target, same.prepared_dir, meta, "train")  # data.thinking's own value: the rendering is the same
     joined = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, join_parts: true}}, {{path: {b}, weight: 1}}]")
-    assert prepared.fingerprint(prepared.fingerprint_inputs(joined, *_target(joined))) != meta["fingerprint"]
+    assert prepared.fingerprint(prepared.fingerprint_inputs(joined.data, joined.draft, *_target(joined))) != meta["fingerprint"]
     with pytest.raises(PreparedError, match=r"data.sources: prepared with .*this config has .*\"join_parts\": true"):
-        prepared.check_prepared(joined, meta, "extract")  # other records joined: other samples
+        prepared.check_prepared(joined.data, joined.draft, joined.target, joined.prepared_dir, meta, "extract")  # other records joined: other samples
     unjoined = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, join_parts: false}}, {{path: {b}, weight: 1}}]")
-    prepared.check_prepared(unjoined, meta, "train")  # the default, said: the same samples
+    prepared.check_prepared(unjoined.data, unjoined.draft, unjoined.target, unjoined.prepared_dir, meta, "train")  # the default, said: the same samples
 
     prompts = cfg(1, 1, "draft.vocab_from=answers+prompts")
-    fp_in = prepared.fingerprint_inputs(prompts, *_target(prompts))
+    fp_in = prepared.fingerprint_inputs(prompts.data, prompts.draft, *_target(prompts))
     assert prepared.fingerprint(fp_in) != meta["fingerprint"]
-    prepared.check_prepared(prompts, meta, "extract")  # the states do not depend on the vocab...
+    prepared.check_prepared(prompts.data, prompts.draft, prompts.target, prompts.prepared_dir, meta, "extract")  # the states do not depend on the vocab...
     with pytest.raises(PreparedError, match="draft.vocab_from"):
-        prepared.check_prepared(prompts, meta, "train")  # ...the head does
+        prepared.check_prepared(prompts.data, prompts.draft, prompts.target, prompts.prepared_dir, meta, "train")  # ...the head does
     prepare.run(prompts)
     assert load_prepared(prompts.prepared_dir).meta["samples_fingerprint"] == meta["samples_fingerprint"]
 

@@ -77,6 +77,7 @@ def test_a_cache_of_another_dtype_is_refused(cpu, tmp_path):
     cpu("amx_bf16")
     b = load_config(None, [f"target.path={target}"])
     meta = {"fingerprint": "p", "max_length": 2048}
-    fa, fb = expected_fingerprint(a, meta), expected_fingerprint(b, meta)
+    fa = expected_fingerprint(a.target, a.extract.storage, meta)
+    fb = expected_fingerprint(b.target, b.extract.storage, meta)
     assert (fa["dtype"], fb["dtype"]) == ("float32", "bfloat16")
     assert any("dtype" in d for d in fingerprint_diff(fa, fb))

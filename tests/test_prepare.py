@@ -216,7 +216,7 @@ def test_cache_fingerprint_follows_the_samples_not_the_draft_vocab(tmp_path: Pat
         cfg = _cfg(tmp_path, target, *extra, f"output_dir={tmp_path / name}")  # one source file for all
         prepare.run(cfg)
         metas[name] = (cfg, load_prepared(cfg.prepared_dir).meta)
-    fps = {n: expected_fingerprint(c, m)["prepared_fingerprint"] for n, (c, m) in metas.items()}
+    fps = {n: expected_fingerprint(c.target, c.extract.storage, m)["prepared_fingerprint"] for n, (c, m) in metas.items()}
     assert metas["v40"][1]["fingerprint"] != metas["v64"][1]["fingerprint"]  # the prepared folders differ...
     assert fps["v40"] == fps["v64"]  # ...but their samples, hence the caches they need, do not
     assert fps["len96"] != fps["v40"]

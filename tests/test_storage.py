@@ -112,8 +112,9 @@ def caches(world, tmp_path_factory):
 def test_fp8_items_dequantise_close_to_the_exact_cache(caches):
     exact = HiddenStateDataset(caches["exact"].cache_dir, "train")
     for storage in ("fp8", "fp8-aux"):
-        ds = HiddenStateDataset(caches[storage].cache_dir, "train",
-                                expected=expected_fingerprint(caches[storage]))
+        c = caches[storage]
+        ds = HiddenStateDataset(c.cache_dir, "train",
+                                expected=expected_fingerprint(c.target, c.extract.storage, c.prepared_dir))
         assert ds.storage == storage and len(ds) == len(exact)
         for i in range(len(ds)):
             a, raw = exact[i], ds[i]
@@ -170,7 +171,7 @@ def test_sizes_and_cache_info(caches, capsys):
 def test_storages_are_never_mixed(caches, tmp_path):
     exact, fp8 = caches["exact"], caches["fp8"]
     with pytest.raises(CacheError, match=r"storage \(extract.storage\) 'fp8' but the config asks for 'exact'"):
-        check_fingerprint(fp8.cache_dir, expected_fingerprint(exact))
+        check_fingerprint(fp8.cache_dir, expected_fingerprint(exact.target, exact.extract.storage, exact.prepared_dir))
     with pytest.raises(CacheError, match="storage"):
         extract(_cfg(_world_of(exact), fp8.cache_dir.parent, storage="exact"))  # resume with another storage
     # an fp8 shard copied into an exact cache is refused by every reader

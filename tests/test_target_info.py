@@ -41,7 +41,7 @@ def test_tied_and_missing_fields(tmp_path):
 def test_the_fingerprint_records_the_wrappers_architectures(tmp_path):
     cfg = Config()
     cfg.target.path = str(kimi_wrapped(tmp_path / "kimi"))
-    fp = expected_fingerprint(cfg, {"samples_fingerprint": "p", "max_length": 64})
+    fp = expected_fingerprint(cfg.target, cfg.extract.storage, {"samples_fingerprint": "p", "max_length": 64})
     assert fp["architectures"] == json.loads((tmp_path / "kimi" / "config.json").read_text())["architectures"]
     assert (fp["num_layers"], fp["hidden_size"]) == (4, 64)
 

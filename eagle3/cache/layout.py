@@ -21,7 +21,7 @@ from eagle3.layer_ids import LAYER_ID_CONVENTION
 from eagle3.targets.info import read_target_info, weights_id
 
 if TYPE_CHECKING:
-    from eagle3.config import Config
+    from eagle3.config import Storage, TargetConfig
 
 log = logging.getLogger("eagle3")
 
@@ -37,33 +37,35 @@ _LABELS = {
 
 
 # ------------------------------------------------------------------------------------------------ fingerprint
-def expected_fingerprint(cfg: Config, prepared_meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a cache for `cfg` must have been extracted with; computed from config.json and the weight file
-    listing, without loading the model (the trainer calls this before training)."""
+def expected_fingerprint(target: TargetConfig, storage: Storage, prepared: dict[str, Any] | Path) -> dict[str, Any]:
+    """What a cache of `target`'s states for the prepared data (its meta.json, or the folder holding it) must have
+    been extracted with; computed from config.json and the weight file listing, without loading the model (the
+    trainer calls this before training)."""
     from eagle3.bundled import resolve_target_path
 
-    folder = resolve_target_path(cfg.target.path)
+    folder = resolve_target_path(target.path)
     info = read_target_info(folder)
     num_layers = info.num_layers
-    if prepared_meta is None:  # the samples the states belong to: never guessed (a missing file is an error)
+    if isinstance(prepared, Path):  # the samples the states belong to: never guessed (a missing file is an error)
         from eagle3.data.prepared import read_prepared_meta
 
-        prepared_meta = read_prepared_meta(cfg.prepared_dir, check_files=False)
+        prepared = read_prepared_meta(prepared, check_files=False)
+    prepared_meta = prepared
     return {
         "format": FORMAT_VERSION,
-        "target_path": cfg.target.path,
-        "revision": cfg.target.revision,
-        "weights_id": weights_id(folder, cfg.target.revision),
+        "target_path": target.path,
+        "revision": target.revision,
+        "weights_id": weights_id(folder, target.revision),
         "architectures": info.architectures,
         "num_layers": num_layers,
         "hidden_size": info.hidden_size,
-        "dtype": cfg.target.dtype,
-        "layer_ids": cfg.target.layer_ids(num_layers),
+        "dtype": target.dtype,
+        "layer_ids": target.layer_ids(num_layers),
         "layer_id_convention": LAYER_ID_CONVENTION,
         # The samples, not the draft vocab: states do not depend on it.
         "prepared_fingerprint": prepared_meta.get("samples_fingerprint"),
         "max_length": prepared_meta["max_length"],
-        "storage": cfg.extract.storage,
+        "storage": storage,
     }
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.config import Config, SourceConfig, TargetConfig
+from eagle3.config import DataConfig, DraftConfig, SourceConfig, TargetConfig
 from eagle3.data.sources import resolve_source_path
 from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, resolve_template
 from eagle3.fsutil import damaged_files
@@ -150,20 +150,20 @@ def target_vocab_size(target: TargetConfig, tokenizer: Any) -> int:
     return size if isinstance(size, int) and size > 0 else len(tokenizer)
 
 
-def fingerprint_inputs(cfg: Config, tokenizer: Any, tpl: ChatTemplate, vocab_size: int) -> dict[str, Any]:
-    return {**_settings(cfg), "sources": [source_identity(s, cfg.data.thinking) for s in cfg.data.sources],
+def fingerprint_inputs(data: DataConfig, draft: DraftConfig, tokenizer: Any, tpl: ChatTemplate, vocab_size: int
+                       ) -> dict[str, Any]:
+    return {**_settings(data, draft), "sources": [source_identity(s, data.thinking) for s in data.sources],
             **_target_part(tokenizer, tpl, vocab_size)}
 
 
-def _settings(cfg: Config) -> dict[str, Any]:
+def _settings(d: DataConfig, draft: DraftConfig) -> dict[str, Any]:
     """The fingerprint inputs the config alone decides."""
-    d = cfg.data
     return {"version": PREPARE_VERSION, "thinking": d.thinking, "system_prompt": d.system_prompt,
             "max_length": d.max_length, "overlength": d.overlength, "max_samples": d.max_samples,
-            "eval_size": d.eval_size, "seed": d.seed, "draft_vocab_size": cfg.draft.vocab_size,
+            "eval_size": d.eval_size, "seed": d.seed, "draft_vocab_size": draft.vocab_size,
             # only when not the default: folders prepared before the key existed keep their fingerprint
             **({"min_length": d.min_length} if d.min_length else {}),
-            **({"vocab_from": cfg.draft.vocab_from} if cfg.draft.vocab_from != "answers" else {})}
+            **({"vocab_from": draft.vocab_from} if draft.vocab_from != "answers" else {})}
 
 
 VOCAB_KEYS = ("draft_vocab_size", "vocab_from")
@@ -208,7 +208,8 @@ def _config_part(fp_in: dict[str, Any]) -> dict[str, Any]:
     return {**fp_in, "sources": [{k: s.get(k) for k in _SOURCE_NAMING} for s in fp_in.get("sources", [])]}
 
 
-def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
+def check_prepared(data: DataConfig, draft: DraftConfig, target: TargetConfig, prepared_dir: Path,
+                   meta: dict[str, Any], stage: str) -> None:
     """Refuse a config that changed the data since `prepare` made it (data.max_length, the template, the sources,
     draft.vocab_size for training, ...): `extract` and `train` would otherwise run on the old data. Names each key
     with both values and the command that re-prepares. A folder `prepare` did not write (no recorded inputs) has
@@ -217,11 +218,11 @@ def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
     if then is None:
         return
     # The sources as the config names them, never read: the raw data need not be on a training machine.
-    now = {**_settings(cfg), "sources": [_naming(src, cfg.data.thinking) for src in cfg.data.sources]}
+    now = {**_settings(data, draft), "sources": [_naming(src, data.thinking) for src in data.sources]}
     try:
-        tokenizer = load_tokenizer(cfg.target)
-        now |= _target_part(tokenizer, resolve_template(cfg.data.chat_template, tokenizer),
-                            target_vocab_size(cfg.target, tokenizer))
+        tokenizer = load_tokenizer(target)
+        now |= _target_part(tokenizer, resolve_template(data.chat_template, tokenizer),
+                            target_vocab_size(target, tokenizer))
     except (OSError, ValueError, RuntimeError, TemplateError):
         pass  # no tokenizer with the target (a test's bare weights): its keys are not compared
     then = _config_part(then)
@@ -231,7 +232,7 @@ def check_prepared(cfg: Config, meta: dict[str, Any], stage: str) -> None:
         return
     lines = "\n".join(f"  {_CONFIG_KEYS.get(k, k)}: prepared with {_short(then.get(k))}, this config has "
                       f"{_short(now.get(k))}" for k in changed)
-    raise PreparedError(f"the prepared data in {cfg.prepared_dir} was made from another config than this one:\n"
+    raise PreparedError(f"the prepared data in {prepared_dir} was made from another config than this one:\n"
                         f"{lines}\nRe-run `eagle3 prepare --config ...` with this config before `eagle3 {stage}` "
                         "(or set the keys back).")
 

@@ -292,7 +292,7 @@ def test_new_weights_in_the_same_folder_are_refused(world, tmp_path):
     cfgd["target"] = {**cfgd["target"], "path": str(target)}
     cfgd["extract"] = {**cfgd["extract"], "cache_dir": str(tmp_path / "cache"), "max_samples": 4}
     cfg = load_config(write_cfg(tmp_path / "cfg.yaml", cfgd))
-    before = expected_fingerprint(cfg)
+    before = expected_fingerprint(cfg.target, cfg.extract.storage, cfg.prepared_dir)
     from eagle3.extract import run as extract
 
     extract(cfg)
@@ -300,7 +300,7 @@ def test_new_weights_in_the_same_folder_are_refused(world, tmp_path):
     tiny_llama(tmp_path / "tuned", vocab=320, hidden=64, layers=8, seed=5)
     shutil.copy(tmp_path / "tuned" / "model.safetensors", target / "model.safetensors")
     assert (target / "model.safetensors").stat().st_size == size
-    assert expected_fingerprint(cfg)["weights_id"] != before["weights_id"]
+    assert expected_fingerprint(cfg.target, cfg.extract.storage, cfg.prepared_dir)["weights_id"] != before["weights_id"]
     with pytest.raises(CacheError, match="target weights id") as e:
         train(cfg)
     assert user_message(e.value) is not None
