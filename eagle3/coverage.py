@@ -47,7 +47,7 @@ def run(cfg: Config) -> dict[str, Any]:
     eos = set(eos_ids(tokenizer, model.generation_config))
     # plain greedy decoding needs no head: the decoder's draft is never called by generate_baseline
     dec = SpeculativeDecoder(target, None, replace(settings_from(cfg.eval), temperature=0.0), eos)  # type: ignore[arg-type]
-    render = PromptRenderer(tokenizer, cfg)
+    render = PromptRenderer(tokenizer, cfg.data)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
     render.check_tools(sets)
     result: dict[str, Any] = {}

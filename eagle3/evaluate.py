@@ -31,8 +31,9 @@ import torch
 
 from eagle3 import threads
 from eagle3.checkpoints import resolve_checkpoint
-from eagle3.config import Config, EvalConfig, EvalEngine
+from eagle3.config import Config, DataConfig, EvalConfig, EvalEngine
 from eagle3.data.vocab import OutOfVocab
+from eagle3.engines import EngineRun
 from eagle3.logs import Progress, UserError, setup_logging
 from eagle3.prompts import PromptSet, load_prompt_set
 from eagle3.rope import context_window
@@ -44,7 +45,7 @@ log = logging.getLogger("eagle3")
 
 
 # ------------------------------------------------------------------------------------------------- loading
-def draft_for_target(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
+def draft_for_target(folder: Path, target: torch.nn.Module, aux_layer_ids: list[int] | None) -> Any:
     """The head (any format eagle3.formats reads), on the target's device and dtype, with the target's
     embeddings; ids checked against the target. A published head that names no ids gets the engines' default
     ids for this target (what SGLang and vLLM capture for it)."""
@@ -65,8 +66,8 @@ def draft_for_target(folder: Path, target: torch.nn.Module, cfg: Config) -> Any:
     if not c.aux_layer_ids:
         raise ValueError(f"{folder}: the head does not record its aux layer ids")
     validate_layer_ids(c.aux_layer_ids, tc.num_hidden_layers, where=f"{folder} aux_layer_ids")
-    if cfg.target.aux_layer_ids and list(cfg.target.aux_layer_ids) != list(c.aux_layer_ids):
-        raise ValueError(f"target.aux_layer_ids={cfg.target.aux_layer_ids} but the head {folder} was trained on "
+    if aux_layer_ids and list(aux_layer_ids) != list(c.aux_layer_ids):
+        raise ValueError(f"target.aux_layer_ids={aux_layer_ids} but the head {folder} was trained on "
                          f"ids {c.aux_layer_ids} (eagle3 convention); evaluate it with its own ids")
     return draft
 
@@ -81,13 +82,13 @@ def settings_from(e: EvalConfig) -> SpecSettings:
 class PromptRenderer:
     """Turns (tools included) -> token ids with the target's chat template (eagle3.data.templates.render_prompt)."""
 
-    def __init__(self, tokenizer: Any, cfg: Config):
-        self.tokenizer, self.cfg = tokenizer, cfg
+    def __init__(self, tokenizer: Any, data: DataConfig):
+        self.tokenizer, self.data = tokenizer, data
 
     def __call__(self, history: list[Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
         from eagle3.data.templates import render_prompt
 
-        d = self.cfg.data
+        d = self.data
         return render_prompt(history, self.tokenizer, d.chat_template, d.thinking, d.system_prompt, tools)
 
     def check_tools(self, sets: list[PromptSet]) -> None:
@@ -96,7 +97,7 @@ class PromptRenderer:
         from eagle3.data.templates import check_renders_tools, resolve_template
 
         prompts = [p for ps in sets for p in ps.prompts]
-        tpl = resolve_template(self.cfg.data.chat_template, self.tokenizer)
+        tpl = resolve_template(self.data.chat_template, self.tokenizer)
         check_renders_tools(self.tokenizer, tpl, sum(p.has_tools for p in prompts), len(prompts), "prompts")
 
     def answer(self, tokens: list[int], eos: set[int]) -> str:
@@ -286,13 +287,13 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     folder = resolve_checkpoint(cfg.eval, cfg.paths)
     log.info("eval: target %s (%s, %s), draft %s", cfg.target.path, cfg.target.dtype, cfg.target.device, folder)
     model, tokenizer = load_target(cfg.target)
-    draft = draft_for_target(folder, model, cfg)
+    draft = draft_for_target(folder, model, cfg.target.aux_layer_ids)
     ids = list(draft.config.aux_layer_ids)
     target = HFTargetDecoder(model, ids)
     settings = settings_from(cfg.eval)
     eos = set(eos_ids(tokenizer, model.generation_config))
     dec = SpeculativeDecoder(target, draft, settings, eos)
-    render = PromptRenderer(tokenizer, cfg)
+    render = PromptRenderer(tokenizer, cfg.data)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
     render.check_tools(sets)
     # Warm-up (first-call allocations would otherwise be billed to whichever method runs first).
@@ -368,10 +369,10 @@ def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[in
     folder = resolve_checkpoint(cfg.eval, cfg.paths)
     engine = cfg.eval.engine
     log.info("eval in %s only: target %s, draft %s", engine, cfg.target.path, folder)
-    render = PromptRenderer(load_tokenizer(cfg.target), cfg)
+    render = PromptRenderer(load_tokenizer(cfg.target), cfg.data)
     sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
     render.check_tools(sets)
-    result, rendered = ENGINE_ONLY[engine](cfg, sets, render, folder)
+    result, rendered = ENGINE_ONLY[engine](EngineRun.of(cfg), sets, render, folder)
     report: dict[str, Any] = {
         "engine": engine,
         "builtin": False,
@@ -386,18 +387,18 @@ def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[in
     return report, rendered
 
 
-def _sglang_dialogues(cfg: Config, sets: list[PromptSet], render: PromptRenderer, folder: Path
+def _sglang_dialogues(run: EngineRun, sets: list[PromptSet], render: PromptRenderer, folder: Path
                       ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
     from eagle3.engines.sglang_eval import run_sglang_dialogues
 
-    return run_sglang_dialogues(cfg, sets, render, folder)
+    return run_sglang_dialogues(run, sets, render, folder)
 
 
-def _vllm_dialogues(cfg: Config, sets: list[PromptSet], render: PromptRenderer, folder: Path
+def _vllm_dialogues(run: EngineRun, sets: list[PromptSet], render: PromptRenderer, folder: Path
                     ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
     from eagle3.engines.vllm_eval import run_vllm_dialogues
 
-    return run_vllm_dialogues(cfg, sets, render, folder)
+    return run_vllm_dialogues(run, sets, render, folder)
 
 
 ENGINE_ONLY = {"sglang": _sglang_dialogues, "vllm": _vllm_dialogues}
@@ -424,14 +425,15 @@ def run(cfg: Config) -> dict[str, Any]:
         return report
     report, rendered, folder = run_builtin(cfg)
     if cfg.eval.engine != "builtin":
-        report["engines"] = {cfg.eval.engine: ENGINE_CHECKS[cfg.eval.engine](cfg, report, rendered, folder)}
+        check = ENGINE_CHECKS[cfg.eval.engine]
+        report["engines"] = {cfg.eval.engine: check(EngineRun.of(cfg), report, rendered, folder)}
     write_report(report, cfg.eval_dir)
     (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
-    refuse_clear_divergences(report, cfg)
+    refuse_clear_divergences(report, cfg.eval, cfg.eval_dir)
     return report
 
 
-def vllm_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path
+def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path
                ) -> dict[str, Any]:
     """The built-in's rendered prompts inside vLLM, one group per set and category so vLLM's τ fills the same card
     (prompts without a category form the group `set/`, so a set's row is always its groups pooled); with
@@ -440,45 +442,45 @@ def vllm_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[lis
 
     prompts = [p for ps in rendered.values() for p in ps]
     groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
-    result = run_vllm(cfg, folder, prompts, groups=groups)
+    result = run_vllm(run, folder, prompts, groups=groups)
     found = result.setdefault("groups", {})
     found |= {name: pooled_groups(found, name) for name in report["sets"]}
-    if cfg.eval.ngram:
-        ng_groups, result["ngram"] = ngram_beside(cfg, prompts, groups, result)
+    if run.eval.ngram:
+        ng_groups, result["ngram"] = ngram_beside(run, prompts, groups, result)
         result["ngram_groups"] = ng_groups | {name: pooled_groups(ng_groups, name) for name in report["sets"]}
     return {**result, "builtin_tau": _pooled_tau(report), "prompt_groups": groups}
 
 
-def sglang_check(cfg: Config, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path
+def sglang_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path
                  ) -> dict[str, Any]:
     """The built-in's rendered prompts through an SGLang server with the head."""
     from eagle3.engines.sglang_eval import run_sglang
 
-    result = run_sglang(cfg, [p for ps in rendered.values() for p in ps], folder)
+    result = run_sglang(run, [p for ps in rendered.values() for p in ps], folder)
     # SGLang counts emitted tokens: the built-in's last step of a turn, cut at max_new_tokens or eos, must count
     # only what it emitted too
     return {**result, "builtin_tau": _emitted_tau(report)}
 
 
-EngineCheck = Callable[[Config, dict[str, Any], dict[str, list[list[int]]], Path], dict[str, Any]]
+EngineCheck = Callable[[EngineRun, dict[str, Any], dict[str, list[list[int]]], Path], dict[str, Any]]
 ENGINE_CHECKS: dict[str, EngineCheck] = {"vllm": vllm_check, "sglang": sglang_check}
 """eval.engine -> the same prompts inside that engine after the built-in run (`builtin` needs none)."""
 if {"builtin", *ENGINE_CHECKS} != set(get_args(EvalEngine)):
     raise RuntimeError(f"eval.engine's choices {get_args(EvalEngine)} and the engine checks {tuple(ENGINE_CHECKS)} differ")
 
 
-def refuse_clear_divergences(report: dict[str, Any], cfg: Config) -> None:
+def refuse_clear_divergences(report: dict[str, Any], ev: EvalConfig, eval_dir: Path) -> None:
     """After the report is written: a divergence at a clear margin is a bug in the evaluator or the head's
     format, never rounding, so the run fails (eagle3.divergence) unless the user asked to continue."""
 
     clear = [d for r in report["sets"].values() for d in r.get("divergences", []) if not d["near_tie"]]
-    if not clear or cfg.eval.allow_divergence:
+    if not clear or ev.allow_divergence:
         return
     first = clear[0]
     raise UserError(f"{len(clear)} turn(s) of speculative decoding part from plain greedy decoding at a clear "
                     f"margin (first: {first['prompt']} turn {first['turn']}, generated token {first['position']}, "
                     f"top-2 gap {first['gap']:.3g} > rounding bound {first['bound']:.3g}): not rounding, a bug in "
-                    f"the evaluator or the head's format. Every one is in {cfg.eval_dir / 'report.json'} "
+                    f"the evaluator or the head's format. Every one is in {eval_dir / 'report.json'} "
                     "(`divergences`); eval.allow_divergence=true keeps the exit status 0.")
 
 

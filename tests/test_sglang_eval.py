@@ -133,7 +133,7 @@ def prompt_tokens(cfg: Config) -> set[int]:
     from eagle3.evaluate import PromptRenderer
     from eagle3.prompts import load_prompt_set
 
-    render = PromptRenderer(load_tokenizer(cfg.target), cfg)
+    render = PromptRenderer(load_tokenizer(cfg.target), cfg.data)
     return {t for name in cfg.eval.prompt_sets for p in load_prompt_set(name).prompts for text in p.turns
             for t in render([Turn("user", text)])}
 

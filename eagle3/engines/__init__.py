@@ -2,13 +2,32 @@
 
 `vllm_eval` runs vLLM offline (in a subprocess, possibly in vLLM's own virtualenv) and reads its spec-decode
 counters; `sglang_eval` asks a running SGLang server. Both replay the exact prompts the built-in evaluator used.
+Each takes an `EngineRun`: the three things of a run an engine needs (the target it serves, the eval settings, the
+run's folders), so both share one call shape and neither sees the data, draft or training sections.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eagle3.config import Config, EvalConfig, TargetConfig
+    from eagle3.paths import RunPaths
 
 log = logging.getLogger("eagle3")
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    target: TargetConfig
+    eval: EvalConfig
+    paths: RunPaths
+
+    @classmethod
+    def of(cls, cfg: Config) -> EngineRun:
+        return cls(cfg.target, cfg.eval, cfg.paths)
 
 
 def prompt_agreement(engine: str, sent: list[int], seen: list[int | None]) -> dict[str, int]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eagle3.config import Config
+    from eagle3.engines import EngineRun
 
 log = logging.getLogger("eagle3")
 
@@ -74,20 +74,21 @@ CPU_GREEDY = (
 """Why SGLang's τ at temperature > 0 is flagged when the server runs on a CPU."""
 
 
-def sampling_caveat(url: str, cfg: Config) -> str | None:
+def sampling_caveat(url: str, run: EngineRun) -> str | None:
     """Why the server's τ at the eval's temperature is not the sampled one, or None. Read from the server's own
     `device` (its /server_info), so a server the user started is judged as it runs, not as the config says."""
     from eagle3.targets.sglang_server import server_info
 
-    if cfg.eval.temperature <= 0:
+    temperature = run.eval.temperature
+    if temperature <= 0:
         return None
-    info = server_info(url, timeout=cfg.target.sglang.timeout_s)
+    info = server_info(url, timeout=run.target.sglang.timeout_s)
     if info is None:
         log.warning("SGLang at %s: no /server_info, so whether it samples at temperature %s is not checked",
-                    url, cfg.eval.temperature)
+                    url, temperature)
         return None
     if str(info.get("device", "")).lower() == "cpu":
-        log.warning("SGLang's acceptance at temperature %s: %s", cfg.eval.temperature, CPU_GREEDY)
+        log.warning("SGLang's acceptance at temperature %s: %s", temperature, CPU_GREEDY)
         return CPU_GREEDY
     return None
 
@@ -99,42 +100,42 @@ def turn_steps(meta: dict[str, Any]) -> dict[str, Any]:
     return {"verify_steps": steps, "tau": (int(meta["completion_tokens"]) - 1) / steps if steps else None}
 
 
-def eagle3_flags(cfg: Config, target_path: str, draft: Path) -> list[str]:
+def eagle3_flags(run: EngineRun, target_path: str, draft: Path) -> list[str]:
     """`sglang.launch_server` flags that serve the target with the head as its EAGLE-3 draft."""
     from eagle3.targets.sglang import target_flags
 
-    e = cfg.eval
-    return target_flags(cfg.target, target_path, [
+    e = run.eval
+    return target_flags(run.target, target_path, [
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
         "--speculative-num-steps", str(e.num_steps), "--speculative-eagle-topk", str(e.topk),
         "--speculative-num-draft-tokens", str(e.num_draft_tokens), "--skip-server-warmup"])
 
 
-def sglang_draft(cfg: Config, folder: Path) -> Path:
+def sglang_draft(run: EngineRun, folder: Path) -> Path:
     """The head as SGLang loads it: `folder` itself when it is an SGLang export, else a fresh export of it."""
     from eagle3.export import export
 
     conf = folder / "config.json"
     if conf.is_file() and (json.loads(conf.read_text()).get("eagle3_export") or {}).get("engine") == "sglang":
         return folder
-    return export(folder, cfg.export_dir / "sglang", to="sglang", dtype=cfg.target.dtype,
-                  num_speculative_tokens=cfg.eval.num_steps, target_family=cfg.target.layer_id_family)
+    return export(folder, run.paths.export_dir / "sglang", to="sglang", dtype=run.target.dtype,
+                  num_speculative_tokens=run.eval.num_steps, target_family=run.target.layer_id_family)
 
 
-def generate(url: str, ids: list[int], cfg: Config, stop: list[int]) -> dict[str, Any]:
+def generate(url: str, ids: list[int], run: EngineRun, stop: list[int]) -> dict[str, Any]:
     """One greedy (or seeded sampled) `/generate` for token ids, stopping where the built-in evaluator stops."""
     from eagle3.targets.sglang_server import http_json
 
-    params: dict[str, Any] = {"temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
-                              "stop_token_ids": stop}
-    if cfg.eval.temperature > 0:
-        params["sampling_seed"] = cfg.eval.seed
+    e = run.eval
+    params: dict[str, Any] = {"temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "stop_token_ids": stop}
+    if e.temperature > 0:
+        params["sampling_seed"] = e.seed
     return http_json("POST", url.rstrip("/") + "/generate", {"input_ids": ids, "sampling_params": params},
-                     timeout=cfg.target.sglang.timeout_s)
+                     timeout=run.target.sglang.timeout_s)
 
 
 @contextmanager
-def serving(cfg: Config, draft_folder: Path | None) -> Iterator[tuple[str, Path | None]]:
+def serving(run: EngineRun, draft_folder: Path | None) -> Iterator[tuple[str, Path | None]]:
     """(url, served draft): the server at `target.sglang.url`, or one started here with the head and stopped after."""
     from eagle3.bundled import resolve_target_path
     from eagle3.process import this_process
@@ -142,33 +143,33 @@ def serving(cfg: Config, draft_folder: Path | None) -> Iterator[tuple[str, Path 
     from eagle3.targets.sglang_dump import ENV_DUMP_DIR
     from eagle3.targets.sglang_server import SGLangServer
 
-    url, _ = server_address(cfg.target.sglang, this_process().local_rank)
+    url, _ = server_address(run.target.sglang, this_process().local_rank)
     if url:
         yield url, None
         return
     if draft_folder is None:
         raise ValueError("--engine sglang without target.sglang.url needs the head to serve (eval.checkpoint)")
-    draft = sglang_draft(cfg, draft_folder)
+    draft = sglang_draft(run, draft_folder)
     os.environ.pop(ENV_DUMP_DIR, None)  # a capture plugin switched on would dump every prefill of the eval
-    log_file = Path(cfg.output_dir) / "logs" / f"sglang-eagle3-{os.getpid()}.log"
-    with SGLangServer(eagle3_flags(cfg, resolve_target_path(cfg.target.path), draft), {}, log_file,
-                      cfg.target.sglang.startup_timeout_s, what="SGLang with the EAGLE-3 head") as server:
+    log_file = run.paths.output_dir / "logs" / f"sglang-eagle3-{os.getpid()}.log"
+    with SGLangServer(eagle3_flags(run, resolve_target_path(run.target.path), draft), {}, log_file,
+                      run.target.sglang.startup_timeout_s, what="SGLang with the EAGLE-3 head") as server:
         yield server.url, draft
 
 
-def run_sglang(cfg: Config, prompts: list[list[int]], draft_folder: Path | None = None) -> dict[str, Any]:
+def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | None = None) -> dict[str, Any]:
     """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order."""
     from eagle3.engines import prompt_agreement
     from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
 
-    stop = stop_token_ids(cfg.target)
+    stop = stop_token_ids(run.target)
     outs = []
-    with serving(cfg, draft_folder) as (url, draft), Progress(len(prompts), "sglang", unit="prompt") as progress:
+    with serving(run, draft_folder) as (url, draft), Progress(len(prompts), "sglang", unit="prompt") as progress:
         for ids in prompts:
-            outs.append(generate(url, ids, cfg, stop))
+            outs.append(generate(url, ids, run, stop))
             progress.update(1)
-        caveat = sampling_caveat(url, cfg)
+        caveat = sampling_caveat(url, run)
     result = parse_sglang_meta([o.get("meta_info", {}) for o in outs])
     result.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop,
                   outputs=[o.get("output_ids") for o in outs])
@@ -179,8 +180,8 @@ def run_sglang(cfg: Config, prompts: list[list[int]], draft_folder: Path | None 
     return result
 
 
-def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: Path) -> tuple[dict[str, Any],
-                                                                                               dict[str, list]]:
+def run_sglang_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folder: Path
+                         ) -> tuple[dict[str, Any], dict[str, list]]:
     """Engine only (`eval.builtin: false`): every turn of every prompt decoded by SGLang, a later turn rendered
     after SGLang's own answers (the built-in evaluator is not run: the target is too big for this process).
     Returns (τ per prompt set and pooled, rendered prompts per set)."""
@@ -189,12 +190,12 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
     from eagle3.logs import Progress
     from eagle3.report import by_category
 
-    stop = stop_token_ids(cfg.target)
+    stop = stop_token_ids(run.target)
     results: dict[str, Any] = {}
     rendered: dict[str, list] = {}
     metas: list[dict[str, Any]] = []
     total = sum(ps.num_turns for ps in sets)
-    with serving(cfg, draft_folder) as (url, draft), Progress(total, "sglang", unit="turn") as progress:
+    with serving(run, draft_folder) as (url, draft), Progress(total, "sglang", unit="turn") as progress:
         for ps in sets:
             set_metas, rendered[ps.name], per_turn = [], [], []
             for prompt in ps.prompts:
@@ -206,7 +207,7 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
                         if text is not None:
                             hist.append(Turn("user", text))
                         ids = render(hist, prompt.tools)
-                    out = generate(url, ids, cfg, stop)
+                    out = generate(url, ids, run, stop)
                     set_metas.append(out.get("meta_info", {}))
                     per_turn.append({"category": prompt.category, **turn_steps(set_metas[-1])})
                     rendered[ps.name].append(ids)
@@ -217,7 +218,7 @@ def run_sglang_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder
             if categories := by_category(per_turn):
                 results[ps.name]["categories"] = categories
             metas += set_metas
-        caveat = sampling_caveat(url, cfg)
+        caveat = sampling_caveat(url, run)
     pooled = parse_sglang_meta(metas)
     pooled.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop, sets=results)
     if caveat:

