@@ -118,7 +118,7 @@ def bench_dtype(samples: list[dict], dtype: str, batch_tokens: int, out: Path, m
     cfg.target.dtype = dtype
     cfg.target.aux_layer_ids = [2, 15, 27]
     cfg.extract.batch_tokens = batch_tokens
-    target = HFTarget(cfg)
+    target = HFTarget(cfg.target, cfg.extract)
     argmax = ArgmaxHead.for_backend(target, cfg.target, cfg.extract.teacher_chunk)
     bare = load_causal_lm(target.path, DTYPES[dtype])
     batches = plan_batches([len(s["input_ids"]) for s in samples], batch_tokens, cfg.extract.max_batch_size)

@@ -54,7 +54,7 @@ def one(a: argparse.Namespace) -> dict:
     cfg = tiny_target_cfg(root / "target", root / "prepared", root / "out", batch_tokens=t, preflight=False,
                           storage=a.storage)
     cfg.data.max_length = t
-    backend = HFTarget(cfg)
+    backend = HFTarget(cfg.target, cfg.extract)
     ids = torch.randint(3, a.vocab, (1, t))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS counter

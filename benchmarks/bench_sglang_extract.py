@@ -51,9 +51,9 @@ def main() -> None:
     batches = plan_batches([len(s) for s in seqs], cfg.extract.batch_tokens, cfg.extract.max_batch_size)
     hf_cfg = cfg.model_copy(deep=True)
     hf_cfg.target.backend = "hf"
-    hf = HFTarget(hf_cfg)
+    hf = HFTarget(hf_cfg.target, hf_cfg.extract)
     t0 = time.monotonic()
-    sg = SGLangTarget(cfg)
+    sg = SGLangTarget(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
     print(f"SGLang capture server up in {time.monotonic() - t0:.0f} s (preflight included)", flush=True)
     secs = {"sglang": 0.0, "hf": 0.0}
     tokens, worst = 0, 0.0

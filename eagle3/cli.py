@@ -148,7 +148,9 @@ def cmd_verify_extraction(args: argparse.Namespace) -> int:
 def cmd_sglang(args: argparse.Namespace) -> int:
     from eagle3.targets.sglang import serve
 
-    return serve(_cfg(args), args.port, args.host, dry_run=args.action == "command", local_rank=args.local_rank)
+    cfg = _cfg(args)
+    return serve(cfg.target, cfg.data.max_length, args.port, args.host, dry_run=args.action == "command",
+                 local_rank=args.local_rank)
 
 
 def _add_vocab(sub: Any) -> None:

@@ -190,7 +190,8 @@ def open_target(work: Work, backend: Any = None) -> Any:
     if backend is None:
         from eagle3.targets import make_backend
 
-        backend = make_backend(work.cfg)
+        cfg = work.cfg
+        backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
     _check_backend(backend, work.fp)
     if work.cfg.extract.preflight and work.jobs:
         first = work.jobs[0]

@@ -84,7 +84,7 @@ def open_datasets(cfg: Config) -> tuple[Any, Any]:
         from eagle3.targets import make_backend
 
         prepared = load_prepared(cfg.prepared_dir)
-        backend = make_backend(cfg)
+        backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
         argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.extract.teacher_chunk)
         evald = OnlineSource(backend, prepared.eval, cfg.extract.prefetch, argmax) if len(prepared.eval) else None
         return OnlineSource(backend, prepared.train, cfg.extract.prefetch, argmax), evald

@@ -44,7 +44,7 @@ def test_offline_cache_equals_backend_states(world, tmp_path, kind, dtype):
     prepared = load_prepared(world["prepared"])
     assert sorted(ds[i]["sample_id"] for i in range(len(ds))) == sorted(prepared.train["id"])
     assert len(HiddenStateDataset(cfg.cache_dir, "eval")) == 3
-    backend = HFTarget(cfg)
+    backend = HFTarget(cfg.target, cfg.extract)
     want_dtype = getattr(torch, dtype)
     for i in (0, 5, 9):
         item = ds[i]
@@ -196,7 +196,7 @@ def test_online_equals_offline(world, tmp_path, dtype, max_batch):
     prepared = load_prepared(world["prepared"])
     index_batches = [[7, 0, 3], [9], [1, 2, 4, 5, 6, 8]]  # the trainer's choice, unlike the extraction batches
     seen = 0
-    backend = HFTarget(cfg)
+    backend = HFTarget(cfg.target, cfg.extract)
     online = OnlineBatches(backend, prepared.train, index_batches, ArgmaxHead.for_backend(backend, cfg.target, cfg.extract.teacher_chunk), prefetch=2)
     where = {cache[i]["sample_id"]: i for i in range(len(cache))}
     for idx, items in zip(index_batches, online, strict=True):

@@ -100,7 +100,7 @@ def test_hf_capture_keeps_one_copy_of_the_states(tmp_path):
 
     target = tiny_llama(tmp_path / "t")
     cfg = tiny_target_cfg(target, make_prepared(tmp_path / "p", n=2, n_eval=1), tmp_path / "o")
-    backend = HFTarget(cfg)
+    backend = HFTarget(cfg.target, cfg.extract)
     seqs = [list(range(3, 40)), list(range(5, 20))]
     a, b = backend.capture(seqs)
     assert a.aux.untyped_storage().data_ptr() == b.aux.untyped_storage().data_ptr()
@@ -125,24 +125,24 @@ def test_the_capture_server_context_fits_max_length(tmp_path):
     target = _with_rope(tiny_llama(tmp_path / "t"), 4096)
     cfg = Config()
     cfg.target.path, cfg.target.backend, cfg.data.max_length = str(target), "sglang", 4000
-    flags = capture_flags(cfg, str(target))
+    flags = capture_flags(cfg.target, cfg.data.max_length, str(target))
     assert flags[flags.index("--context-length") + 1] == "4007"
     info = read_target_info(target)
-    assert capture_env(cfg, info) == {}
+    assert capture_env(cfg.target, cfg.data.max_length, info) == {}
     cfg.data.max_length = 4096  # the whole window: the reserve lies past it, never prefilled
-    assert capture_env(cfg, info) == {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
+    assert capture_env(cfg.target, cfg.data.max_length, info) == {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
     cfg.target.sglang.launch_args = ["--context-length", "5000"]
-    flags = capture_flags(cfg, str(target))
+    flags = capture_flags(cfg.target, cfg.data.max_length, str(target))
     assert flags.count("--context-length") == 1 and flags[-1] == "5000"
     cfg.target.sglang.launch_args = ["--context-length=4096"]
     with pytest.raises(ValueError, match="--context-length 4096 is too short for data.max_length 4096 .SGLang "
                                          "needs 4103"):
-        capture_flags(cfg, str(target))
+        capture_flags(cfg.target, cfg.data.max_length, str(target))
 
     assert longest_prompt({"max_req_input_len": 4097, "context_length": 9999}) == 4096
     assert longest_prompt({"context_length": 4103}) == 4096 and longest_prompt({}) is None
     cfg.target.sglang.launch_args = []
-    fake = SimpleNamespace(cfg=cfg, layer_ids=[2, 4, 6], num_layers=8, url="http://127.0.0.1:9", vocab_size=256,
+    fake = SimpleNamespace(target=cfg.target, max_length=cfg.data.max_length, layer_ids=[2, 4, 6], num_layers=8, url="http://127.0.0.1:9", vocab_size=256,
                            capture=lambda *a, **k: pytest.fail("the preflight probed a server too short for the data"))
     import eagle3.targets.sglang as sglang
 
@@ -172,7 +172,7 @@ def test_a_32k_sample_through_extraction_fp8_and_verify(tmp_path):
     prepared = make_prepared(tmp_path / "p", n=1, n_eval=1, min_len=n, max_len=n, max_length=n)
     cfg = tiny_target_cfg(target, prepared, tmp_path / "o", storage="fp8", batch_tokens=n, preflight=False)
     cfg.data.max_length, cfg.target.aux_layer_ids = n, [1, 2, 3]
-    backend = HFTarget(cfg)
+    backend = HFTarget(cfg.target, cfg.extract)
     out = extract(cfg, backend=backend)
     assert out["tokens"] == 2 * n
     ds = HiddenStateDataset(cfg.cache_dir, "train")

@@ -135,6 +135,11 @@ def llama(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("t") / "llama")
 
 
+def sglang_target(cfg: Config, **kw) -> SGLangTarget:
+    """The SGLang backend of a config, as eagle3.targets.make_backend builds it."""
+    return SGLangTarget(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs", **kw)
+
+
 def _cfg(model: Path, tmp_path: Path, url: str | None = None, **sglang) -> Config:
     cfg = Config(output_dir=str(tmp_path / "run"))
     cfg.target.path = str(model)
@@ -310,7 +315,7 @@ def test_the_plugin_is_declared_and_inert_without_its_environment(monkeypatch):
 def test_server_command_and_env(llama, tmp_path):
     cfg = _cfg(llama, tmp_path, tp_size=8, launch_args=["--mem-fraction-static", "0.85"])
     cfg.target.trust_remote_code = True
-    cmd = capture_flags(cfg, "/models/Kimi-K2.5")
+    cmd = capture_flags(cfg.target, cfg.data.max_length, "/models/Kimi-K2.5")
     joined = " ".join(cmd)
     for part in ("--model-path /models/Kimi-K2.5", "--tp-size 8", "--disable-radix-cache",
                  "--chunked-prefill-size -1", "--trust-remote-code", "--dtype float32", "--skip-server-warmup",
@@ -356,7 +361,7 @@ def test_capture_through_fake_server_equals_hf_backend(llama, tmp_path):
     ensure_dump_dir(dump)
     stale = write_dump(dump, torch.tensor([1, 2, 3]), torch.zeros(3, 192), torch.zeros(3, 64), IDS)
     with FakeSGLang(llama, dump, IDS) as fake:
-        t = SGLangTarget(_cfg(llama, tmp_path, fake.url))  # preflight runs (extract.preflight defaults on)
+        t = sglang_target(_cfg(llama, tmp_path, fake.url))  # preflight runs (extract.preflight defaults on)
         assert not stale.exists()  # cleaned on start
         assert (t.num_layers, t.hidden_size, t.vocab_size, t.family, t.layer_ids) == (8, 64, 256, "llama", IDS)
         seqs = _seqs() + [_seqs()[0]]
@@ -366,7 +371,7 @@ def test_capture_through_fake_server_equals_hf_backend(llama, tmp_path):
         t.close()
     hf_cfg = _cfg(llama, tmp_path)
     hf_cfg.target.backend = "hf"
-    ref = HFTarget(hf_cfg).capture(seqs)
+    ref = HFTarget(hf_cfg.target, hf_cfg.extract).capture(seqs)
     for s, g, r in zip(seqs, got, ref, strict=True):
         assert g.aux.shape == (len(s), 3 * 64) and g.final.shape == (len(s), 64)
         torch.testing.assert_close(g.aux, r.aux, rtol=1e-5, atol=1e-5)
@@ -381,7 +386,7 @@ def test_capture_through_fake_server_equals_hf_backend(llama, tmp_path):
 ])
 def test_dropped_tokens_are_refused_naming_the_sample(llama, tmp_path, mode, message):
     with FakeSGLang(llama, tmp_path / "dump", IDS, mode=mode) as fake:
-        t = SGLangTarget(_cfg(llama, tmp_path, fake.url), preflight=False)
+        t = sglang_target(_cfg(llama, tmp_path, fake.url), preflight=False)
         with pytest.raises(DumpError, match=message):
             t.capture(_seqs()[:1])
         t.close()
@@ -396,7 +401,7 @@ def test_dropped_tokens_are_refused_naming_the_sample(llama, tmp_path, mode, mes
 def test_preflight_refuses_a_server_that_would_split_or_sum_states_wrongly(llama, tmp_path, mode, message):
     with FakeSGLang(llama, tmp_path / "dump", IDS, mode=mode) as fake:
         with pytest.raises(RuntimeError, match=message):
-            SGLangTarget(_cfg(llama, tmp_path, fake.url))
+            sglang_target(_cfg(llama, tmp_path, fake.url))
 
 
 def test_one_server_per_process_of_a_node(llama, tmp_path, monkeypatch, capsys):
@@ -417,7 +422,7 @@ def test_one_server_per_process_of_a_node(llama, tmp_path, monkeypatch, capsys):
         with FakeSGLang(llama, tmp_path / "dump" / str(rank), IDS) as fake:
             monkeypatch.setenv("LOCAL_RANK", str(rank))
             cfg.target.sglang.url = [fake.url if i == rank else "http://127.0.0.1:9" for i in (0, 1)]
-            t = SGLangTarget(cfg)
+            t = sglang_target(cfg)
             dumps.append(t.dump_dir)
             assert len(t.capture(_seqs()[:1])) == 1
             t.close()
@@ -434,7 +439,7 @@ def test_one_server_per_process_of_a_node(llama, tmp_path, monkeypatch, capsys):
 def test_preflight_catches_a_server_that_writes_nothing(llama, tmp_path):
     with FakeSGLang(llama, tmp_path / "dump", IDS, mode="nodump") as fake:
         with pytest.raises(DumpError, match="preflight probe.*does not run eagle3's capture plugin"):
-            SGLangTarget(_cfg(llama, tmp_path, fake.url))
+            sglang_target(_cfg(llama, tmp_path, fake.url))
 
 
 def test_a_url_nobody_listens_at_fails_in_seconds_naming_the_key(llama, tmp_path):
@@ -451,7 +456,7 @@ def test_a_url_nobody_listens_at_fails_in_seconds_naming_the_key(llama, tmp_path
     t0 = time.monotonic()
     with pytest.raises(UserError, match=rf"nothing answers at target.sglang.url=http://127.0.0.1:{port} "
                                         r"\(connection refused for 10 s\): start the server first") as e:
-        SGLangTarget(_cfg(llama, tmp_path, f"http://127.0.0.1:{port}"))
+        sglang_target(_cfg(llama, tmp_path, f"http://127.0.0.1:{port}"))
     assert 9 < time.monotonic() - t0 < 30 and user_message(e.value) is not None  # one line, no traceback
 
 
@@ -465,7 +470,7 @@ def test_startup_timeout_is_the_configured_one(llama, tmp_path):
     with FakeSGLang(llama, tmp_path / "dump", IDS, mode="unhealthy") as fake:
         t0 = time.monotonic()
         with pytest.raises(UserError, match=r"not healthy after 3 s \(target.sglang.startup_timeout_s\)"):
-            SGLangTarget(_cfg(llama, tmp_path, fake.url, startup_timeout_s=3.0))
+            sglang_target(_cfg(llama, tmp_path, fake.url, startup_timeout_s=3.0))
         assert time.monotonic() - t0 < 15
 
 
@@ -498,11 +503,11 @@ def test_extract_run_writes_the_same_cache_as_the_hf_backend_and_resumes(llama, 
     cfg.target.sglang.dump_dir = str(tmp_path / "dump")
     with FakeSGLang(llama, tmp_path / "dump", IDS) as fake:
         cfg.target.sglang.url = fake.url
-        with SGLangTarget(cfg) as t:
+        with sglang_target(cfg) as t:
             assert run(cfg, backend=t)["samples"] == 8
     hf_cfg = tiny_target_cfg(llama, prepared, tmp_path / "hf")
     hf_cfg.target.aux_layer_ids = IDS
-    hf = HFTarget(hf_cfg)
+    hf = HFTarget(hf_cfg.target, hf_cfg.extract)
     for split in ("train", "eval"):
         ds = HiddenStateDataset(cfg.cache_dir, split)
         for i in range(len(ds)):
@@ -528,7 +533,7 @@ def test_launched_server_lifecycle(llama, tmp_path, monkeypatch):
     fake = _fake_sglang_package(tmp_path / "fake", _FAKE_SERVER_MAIN.format(tests=str(TESTS), model=str(llama)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), str(REPO)]))
     cfg = _cfg(llama, tmp_path)
-    t = SGLangTarget(cfg, startup_timeout_s=120)  # launches, waits for /health, runs the preflight probe
+    t = sglang_target(cfg, startup_timeout_s=120)  # launches, waits for /health, runs the preflight probe
     proc = t.server.proc
     assert t.log_file is not None and t.log_file.parent == tmp_path / "run" / "logs"
     assert t.server.cmd[1:3] == ["-m", "sglang.launch_server"]
@@ -543,7 +548,7 @@ def test_a_server_that_dies_at_startup_is_reported_with_its_log(llama, tmp_path,
     fake = _fake_sglang_package(tmp_path / "fake", "import sys\nprint('CUDA out of memory')\nsys.exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), str(REPO)]))
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 3 before it was healthy.*CUDA out of memory"):
-        SGLangTarget(_cfg(llama, tmp_path), startup_timeout_s=60)
+        sglang_target(_cfg(llama, tmp_path), startup_timeout_s=60)
     assert not (tmp_path / "dump").exists()
 
 
@@ -553,4 +558,4 @@ def test_a_python_without_the_plugin_is_refused_before_launch(llama, tmp_path, m
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     monkeypatch.setenv("EAGLE3_SGLANG_PYTHON", str(bare / "bin" / "python"))
     with pytest.raises(RuntimeError, match="does not have eagle3's capture plugin"):
-        SGLangTarget(_cfg(llama, tmp_path), startup_timeout_s=60)
+        sglang_target(_cfg(llama, tmp_path), startup_timeout_s=60)

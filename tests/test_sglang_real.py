@@ -175,7 +175,7 @@ def case(request, tmp_path_factory):
     prepare(cfg)
     _omp_bind(tp)
     env = server_env(cfg.target.sglang.dump_dir, IDS[family], "llama" if family == "llama" else "deepseek")
-    with SGLangServer(capture_flags(cfg, str(target)), env, root / "capture-server.log",
+    with SGLangServer(capture_flags(cfg.target, cfg.data.max_length, str(target)), env, root / "capture-server.log",
                       timeout_s=cfg.target.sglang.startup_timeout_s, what=f"{family} TP={tp}") as server:
         cfg.target.sglang.url = server.url
         yield {"family": family, "tp": tp, "root": root, "cfg": cfg, "server": server}
@@ -368,7 +368,7 @@ def test_two_servers_and_two_extraction_ranks_write_one_cache(tmp_path, sglang_e
                 os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = str(i)  # one core each
             cfg.target.sglang.url = ["http://unused:1", "http://unused:2"]
             _, dump = server_address(cfg.target.sglang, i)
-            servers.append(SGLangServer(capture_flags(cfg, str(target)), server_env(dump, IDS["llama"], "llama"),
+            servers.append(SGLangServer(capture_flags(cfg.target, cfg.data.max_length, str(target)), server_env(dump, IDS["llama"], "llama"),
                                         tmp_path / f"server{i}.log", timeout_s=900, what=f"server {i}").__enter__())
         one = cfg.model_copy(deep=True)
         one.target.sglang.url, one.extract.cache_dir = servers[0].url, str(tmp_path / "cache-one")

@@ -26,7 +26,7 @@ def _seqs(vocab: int = 256) -> list[list[int]]:
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
 def test_hooks_equal_output_hidden_states(targets, tmp_path, kind):
     cfg = tiny_target_cfg(targets[kind], tmp_path, tmp_path, batch_tokens=64, max_batch_size=4)
-    t = HFTarget(cfg)
+    t = HFTarget(cfg.target, cfg.extract)
     L = t.num_layers
     assert t.layer_ids == cfg.target.layer_ids(L)
     seqs = _seqs()
@@ -52,15 +52,16 @@ def test_hooks_equal_output_hidden_states(targets, tmp_path, kind):
 def test_bf16_capture_dtype(targets, tmp_path):
     cfg = tiny_target_cfg(targets["llama"], tmp_path, tmp_path)
     cfg.target.dtype = "bfloat16"
-    t = HFTarget(cfg)
+    t = HFTarget(cfg.target, cfg.extract)
     c = t.capture([[5, 6, 7, 8]])[0]
     assert c.aux.dtype == torch.bfloat16 and c.final.dtype == torch.bfloat16
     assert c.aux.shape == (4, 3 * 64)
 
 
 def test_kimi_wrapper_loads_through_text_config(targets, tmp_path):
-    kimi = HFTarget(tiny_target_cfg(targets["kimi"], tmp_path, tmp_path))
-    plain = HFTarget(tiny_target_cfg(targets["deepseek"], tmp_path, tmp_path))
+    kimi_cfg = tiny_target_cfg(targets["kimi"], tmp_path, tmp_path)
+    plain_cfg = tiny_target_cfg(targets["deepseek"], tmp_path, tmp_path)
+    kimi, plain = HFTarget(kimi_cfg.target, kimi_cfg.extract), HFTarget(plain_cfg.target, plain_cfg.extract)
     assert kimi.architectures == ["KimiK25ForConditionalGeneration"] and kimi.model_type == "kimi_k25"
     assert type(kimi.model).__name__ == "DeepseekV3ForCausalLM"
     assert kimi.num_layers == 4 and kimi.hidden_size == 64 and kimi.vocab_size == 256
@@ -76,7 +77,7 @@ def test_layer_ids_validated(targets, tmp_path):
     cfg = tiny_target_cfg(targets["llama"], tmp_path, tmp_path)
     cfg.target.aux_layer_ids = [1, 3, 8]  # 8 layers: ids 0..7
     with pytest.raises(ValueError, match="outside the target's depth"):
-        HFTarget(cfg)
+        HFTarget(cfg.target, cfg.extract)
 
 
 def test_plan_batches_budget_and_cover():
@@ -95,7 +96,8 @@ def test_concurrent_captures_on_one_backend(targets, tmp_path):
     them under it."""
     import threading
 
-    hf = HFTarget(tiny_target_cfg(targets["llama"], tmp_path, tmp_path))
+    llama_cfg = tiny_target_cfg(targets["llama"], tmp_path, tmp_path)
+    hf = HFTarget(llama_cfg.target, llama_cfg.extract)
     seqs = _seqs()
     want = [hf.capture([s])[0] for s in seqs]  # one at a time, as the threads ask
     errors: list[BaseException] = []

@@ -25,10 +25,10 @@ class Faulty:
     def __init__(self, cfg, fault: str):
         self.fault = fault
         shifted = cfg.model_copy(deep=True)
-        ids = cfg.target.layer_ids(HFTarget(cfg).num_layers)
+        ids = cfg.target.layer_ids(HFTarget(cfg.target, cfg.extract).num_layers)
         if fault == "shift":  # an engine whose id k means "output of layer k" = eagle3 id k+1
             shifted.target.aux_layer_ids = [i + 1 for i in ids]
-        self.inner = HFTarget(shifted)
+        self.inner = HFTarget(shifted.target, shifted.extract)
         self.name, self.layer_ids, self.dtype = "faulty", ids, self.inner.dtype
         self.num_layers, self.hidden_size, self.vocab_size = (self.inner.num_layers, self.inner.hidden_size,
                                                               self.inner.vocab_size)
@@ -129,7 +129,7 @@ class OtherHead(HFTarget):
 
 def test_catches_a_stored_argmax_from_another_lm_head(world, tmp_path, capsys):
     cfg = tiny_target_cfg(world["llama"], world["prepared"], tmp_path / "other-head")
-    extract(cfg, backend=OtherHead(cfg))
+    extract(cfg, backend=OtherHead(cfg.target, cfg.extract))
     assert verify(cfg, str(cfg.cache_dir), 2) == 1
     out = capsys.readouterr().out
     assert "stored ids are not the target lm_head's argmax" in out and "other weights?" in out

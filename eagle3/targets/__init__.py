@@ -2,7 +2,7 @@
 backends (`hf` in-process, `sglang` a capturing server).
 
     from eagle3.targets import make_backend
-    backend = make_backend(cfg)          # target.backend: hf | sglang
+    backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
 """
 
 from __future__ import annotations
@@ -10,16 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the package stays torch-free to import: eagle3.config reads targets.info
-    from eagle3.config import Config
+    from pathlib import Path
+
+    from eagle3.config import ExtractConfig, TargetConfig
     from eagle3.targets.base import TargetBackend
 
 
-def make_backend(cfg: Config) -> TargetBackend:
-    """The configured target backend: HF in-process (`target.backend: hf`) or an SGLang server."""
-    if cfg.target.backend == "hf":
+def make_backend(target: TargetConfig, extract: ExtractConfig, max_length: int, logs_dir: Path) -> TargetBackend:
+    """The configured target backend: HF in-process (`target.backend: hf`) or an SGLang server (started with room for
+    `max_length`-token prompts, data.max_length, its log in `logs_dir`)."""
+    if target.backend == "hf":
         from eagle3.targets.hf import HFTarget
 
-        return HFTarget(cfg)
+        return HFTarget(target, extract)
     from eagle3.targets.sglang import SGLangTarget
 
-    return SGLangTarget(cfg)
+    return SGLangTarget(target, extract, max_length, logs_dir)

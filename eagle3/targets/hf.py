@@ -25,7 +25,7 @@ from eagle3.targets.base import Captured
 from eagle3.targets.info import read_target_info
 
 if TYPE_CHECKING:
-    from eagle3.config import Config, TargetConfig
+    from eagle3.config import ExtractConfig, TargetConfig
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False,
@@ -156,12 +156,10 @@ class HFTarget:
 
     name = "hf"
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.path = resolve_target_path(cfg.target.path)
-        self.dtype = DTYPES[cfg.target.dtype]
-        self.model = load_causal_lm(self.path, self.dtype, cfg.target.device, cfg.target.trust_remote_code,
-                                    cfg.target.revision)
+    def __init__(self, target: TargetConfig, extract: ExtractConfig):
+        self.path = resolve_target_path(target.path)
+        self.dtype = DTYPES[target.dtype]
+        self.model = load_causal_lm(self.path, self.dtype, target.device, target.trust_remote_code, target.revision)
         self.config = self.model.config
         info = read_target_info(self.path)
         self.architectures: list[str] = info.architectures
@@ -170,9 +168,9 @@ class HFTarget:
         self.num_layers = len(self.layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.config.vocab_size)
-        self.layer_ids = cfg.target.layer_ids(self.num_layers)
-        self.batch_tokens = cfg.extract.batch_tokens
-        self.max_batch_size = cfg.extract.max_batch_size
+        self.layer_ids = target.layer_ids(self.num_layers)
+        self.batch_tokens = extract.batch_tokens
+        self.max_batch_size = extract.max_batch_size
         self.device = next(self.model.parameters()).device
         self.tap = LayerTap(self.layers, self.layer_ids, self.norm, copy_to="cpu")
         # One forward at a time: the hooks keep one set of states, and online training captures from two prefetch

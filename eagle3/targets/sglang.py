@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from eagle3.config import Config, SGLangSettings, TargetConfig
+from eagle3.config import ExtractConfig, SGLangSettings, TargetConfig
 from eagle3.layer_ids import ArchFamily, validate_layer_ids
 from eagle3.precision import DTYPES
 from eagle3.process import this_process
@@ -146,40 +146,40 @@ CONTEXT_MARGIN = 7
 `max_req_input_len` = min(context length, KV pool) - 6 (`tp_worker.py`), and `max_new_tokens` fits after it."""
 
 
-def capture_context(cfg: Config) -> int:
+def capture_context(target: TargetConfig, max_length: int) -> int:
     """The capture server's `--context-length`: room for a `data.max_length` prompt (CONTEXT_MARGIN), or the one
     `target.sglang.launch_args` gives, which must leave that room."""
-    need = cfg.data.max_length + CONTEXT_MARGIN
-    args = cfg.target.sglang.launch_args
+    need = max_length + CONTEXT_MARGIN
+    args = target.sglang.launch_args
     for i, a in enumerate(args):
         flag, _, value = a.partition("=")
         if flag == "--context-length":
             given = int(value or (args[i + 1] if i + 1 < len(args) else 0))
             if given < need:
                 raise ValueError(f"target.sglang.launch_args: --context-length {given} is too short for "
-                                 f"data.max_length {cfg.data.max_length} (SGLang needs {need}: each prompt plus "
+                                 f"data.max_length {max_length} (SGLang needs {need}: each prompt plus "
                                  f"{CONTEXT_MARGIN}); drop it, eagle3 sets it from data.max_length")
             return given
     return need
 
 
-def capture_env(cfg: Config, info: TargetInfo) -> dict[str, str]:
+def capture_env(target: TargetConfig, max_length: int, info: TargetInfo) -> dict[str, str]:
     """SGLang refuses a context longer than the model's window unless told otherwise; a `data.max_length` prompt at
     the very end of the window needs CONTEXT_MARGIN slots past it, never prefilled (`max_new_tokens: 1` stops after
     the prefill), so the capture server is told when that is all it is."""
     from eagle3.rope import context_window
 
     window = context_window(info.text)
-    if window is not None and cfg.data.max_length <= window < capture_context(cfg):
+    if window is not None and max_length <= window < capture_context(target, max_length):
         return {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
     return {}
 
 
-def capture_flags(cfg: Config, model_path: str) -> list[str]:
-    """The capture server's flags for this config (host and port apart)."""
-    context = capture_context(cfg)  # refuses a launch_args one that is too short
-    given = any(a.partition("=")[0] == "--context-length" for a in cfg.target.sglang.launch_args)
-    return target_flags(cfg.target, model_path, [
+def capture_flags(target: TargetConfig, max_length: int, model_path: str) -> list[str]:
+    """The capture server's flags for this target and data.max_length (host and port apart)."""
+    context = capture_context(target, max_length)  # refuses a launch_args one that is too short
+    given = any(a.partition("=")[0] == "--context-length" for a in target.sglang.launch_args)
+    return target_flags(target, model_path, [
         *([] if given else ["--context-length", str(context)]),  # a data.max_length prompt fits
         "--disable-radix-cache",          # a prefix hit would prefill (and dump) only the tail of a prompt
         "--chunked-prefill-size", "-1",   # a chunk would be dumped as a separate, partial prompt
@@ -221,17 +221,18 @@ class SGLangTarget:
     dump_grace_s = 5.0
     """How long to wait for a dump the server should already have written (filesystem visibility only)."""
 
-    def __init__(self, cfg: Config, *, preflight: bool | None = None, startup_timeout_s: float | None = None,
-                 info: TargetInfo | None = None):
-        s = cfg.target.sglang
-        self.cfg = cfg
-        self.info = info or _target_info(cfg.target)
-        self.num_layers = cfg.target.num_layers or self.info.num_layers
+    def __init__(self, target: TargetConfig, extract: ExtractConfig, max_length: int, logs_dir: Path, *,
+                 preflight: bool | None = None, startup_timeout_s: float | None = None, info: TargetInfo | None = None):
+        """max_length: data.max_length, the longest prompt it captures; logs_dir: where a server started here logs."""
+        s = target.sglang
+        self.target, self.max_length, self.logs_dir = target, max_length, logs_dir
+        self.info = info or _target_info(target)
+        self.num_layers = target.num_layers or self.info.num_layers
         self.hidden_size = self.info.hidden_size
         self.vocab_size = self.info.vocab_size
         self.family: ArchFamily = self.info.family
-        self.layer_ids = cfg.target.layer_ids(self.num_layers)
-        self.dtype: torch.dtype = DTYPES[cfg.target.dtype]
+        self.layer_ids = target.layer_ids(self.num_layers)
+        self.dtype: torch.dtype = DTYPES[target.dtype]
         self.timeout_s = s.timeout_s
         url, self.dump_dir = server_address(s, this_process().local_rank)
         self.server: SGLangServer | None = None
@@ -261,18 +262,19 @@ class SGLangTarget:
                 self.close()
                 raise
         clean_dump_dir(self.dump_dir)
-        if cfg.extract.preflight if preflight is None else preflight:
+        if extract.preflight if preflight is None else preflight:
             self.preflight()
 
     # -- lifecycle
     def _launch(self, startup_timeout_s: float) -> None:
         self._own_dump_dir = True  # our own server: the folder is ours alone, removed on close
         check_plugin(sglang_python())
-        self.log_file = Path(self.cfg.output_dir) / "logs" / f"sglang-capture-{os.getpid()}.log"
-        self.server = SGLangServer(capture_flags(self.cfg, str(self.info.folder)),
+        self.log_file = self.logs_dir / f"sglang-capture-{os.getpid()}.log"
+        self.server = SGLangServer(capture_flags(self.target, self.max_length, str(self.info.folder)),
                                    {**server_env(self.dump_dir, self.layer_ids, self.family),
-                                    **capture_env(self.cfg, self.info)}, self.log_file,
-                                   startup_timeout_s, what=f"the SGLang capture server (TP={self.cfg.target.sglang.tp_size})")
+                                    **capture_env(self.target, self.max_length, self.info)}, self.log_file,
+                                   startup_timeout_s,
+                                   what=f"the SGLang capture server (TP={self.target.sglang.tp_size})")
         self.url = self.server.url
 
     def close(self) -> None:
@@ -380,18 +382,18 @@ class SGLangTarget:
                 problems.append("FlashInfer all-reduce fusion is on (a layer's input is a partial sum over the TP "
                                 "ranks; start with --enforce-disable-flashinfer-allreduce-fusion)")
             longest = longest_prompt(info)
-            if longest is not None and longest < self.cfg.data.max_length:
+            if longest is not None and longest < self.max_length:
                 problems.append(f"it takes prompts of at most {longest} tokens, data.max_length is "
-                                f"{self.cfg.data.max_length} (start it with --context-length "
-                                f"{capture_context(self.cfg)} and a KV pool that holds as many tokens, or lower "
+                                f"{self.max_length} (start it with --context-length "
+                                f"{capture_context(self.target, self.max_length)} and a KV pool that holds as many tokens, or lower "
                                 "data.max_length)")
             if problems:
                 raise RuntimeError(f"preflight: the SGLang server at {self.url} would drop or split tokens: "
                                    + "; ".join(problems))
             tp = info.get("tp_size")
-            if tp is not None and int(tp) != self.cfg.target.sglang.tp_size:
+            if tp is not None and int(tp) != self.target.sglang.tp_size:
                 log.warning("preflight: the server runs TP=%s, target.sglang.tp_size is %d", tp,
-                            self.cfg.target.sglang.tp_size)
+                            self.target.sglang.tp_size)
         probe = sample or [(17 + 7919 * i) % self.vocab_size for i in range(24)]
         t0 = time.monotonic()
         # Twice: the second identical prompt would hit a radix cache that the flags above did not reveal.
@@ -414,23 +416,24 @@ def longest_prompt(info: dict[str, Any]) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
-def serve(cfg: Config, port: int | None, host: str, dry_run: bool, local_rank: int | None = None) -> int:
+def serve(target: TargetConfig, max_length: int, port: int | None, host: str, dry_run: bool,
+          local_rank: int | None = None) -> int:
     """`eagle3 sglang serve|command`: print the capture server's command line, then (serve) become that server.
 
     The port defaults to the one of `target.sglang.url` (its entry `local_rank` when it lists one server per
     process of a node), else 30000."""
-    s = cfg.target.sglang
+    s = target.sglang
     url, dump_dir = server_address(s, this_process().local_rank if local_rank is None else local_rank)
     if port is None:
         from urllib.parse import urlparse
 
         port = (urlparse(url).port if url else None) or DEFAULT_PORT
-    info = _target_info(cfg.target)
-    layer_ids = cfg.target.layer_ids(cfg.target.num_layers or info.num_layers)
+    info = _target_info(target)
+    layer_ids = target.layer_ids(target.num_layers or info.num_layers)
     python = sglang_python()
-    cmd = [python, "-m", "sglang.launch_server", *capture_flags(cfg, str(info.folder)), "--host", host,
+    cmd = [python, "-m", "sglang.launch_server", *capture_flags(target, max_length, str(info.folder)), "--host", host,
            "--port", str(port)]
-    env = {**server_env(dump_dir, layer_ids, info.family), **capture_env(cfg, info)}
+    env = {**server_env(dump_dir, layer_ids, info.family), **capture_env(target, max_length, info)}
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
     if dry_run:
         return 0
