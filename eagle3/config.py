@@ -548,28 +548,28 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(validation_message(e, source, Config)) from None
-    _check_against_target(cfg, source)
+    _check_against_target(cfg.target, cfg.data.max_length, source)
     from eagle3.precision import say_pending
 
     say_pending()
     return cfg
 
 
-def _check_against_target(cfg: Config, source: str) -> None:
+def _check_against_target(target: TargetConfig, max_length: int, source: str) -> None:
     """The layer ids against the target's depth and data.max_length against its context window, where this machine
     can read them without loading weights (eagle3.targets.info): a wrong id fails here, not hours into extraction."""
     from eagle3.targets.info import target_context_window, target_num_layers
 
-    n = target_num_layers(cfg.target.path, cfg.target.num_layers)
+    n = target_num_layers(target.path, target.num_layers)
     if n is not None:
         try:
-            cfg.target.layer_ids(n)
+            target.layer_ids(n)
         except ValueError as e:
             raise ConfigError(f"{source}: invalid config\n  {e}") from None
-    window = target_context_window(cfg.target.path)
-    if window is not None and cfg.data.max_length > window[0]:
+    window = target_context_window(target.path)
+    if window is not None and max_length > window[0]:
         raise ConfigError(
-            f"{source}: invalid config\n  data.max_length: {cfg.data.max_length} tokens is beyond the target's context "
+            f"{source}: invalid config\n  data.max_length: {max_length} tokens is beyond the target's context "
             f"window of {window[0]} tokens ({window[1]}): the target, and the engines serving the head, go no further; "
             f"set data.max_length to at most {window[0]}")
 

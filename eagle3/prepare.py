@@ -301,13 +301,13 @@ def run(cfg: Config) -> dict[str, Any]:
         return reused
     _check_replaceable(out)
 
-    read, eval_s, train_s = _read_and_render(cfg, tokenizer, tpl)
+    read, eval_s, train_s = _read_and_render(cfg.data, tokenizer, tpl)
     train_ids, train_mask = _flat(train_s)
     eval_ids, eval_mask = _flat(eval_s)
     top = max(int(train_ids.max(initial=0)), int(eval_ids.max(initial=0)))
     if top >= vsize:
         raise ValueError(f"token id {top} is outside the target vocab ({vsize}) of target.path={cfg.target.path!r}")
-    by_source = train_sources(cfg, train_s)
+    by_source = train_sources(cfg.data, cfg.train.seed, train_s)
     vocab = _count_vocab(cfg.draft, train_s, (train_ids, train_mask), vsize, by_source if weights else None)
 
     n_loss = int(train_mask.sum() + eval_mask.sum())
@@ -334,23 +334,24 @@ def run(cfg: Config) -> dict[str, Any]:
         "seconds": time.monotonic() - t0,
         "conversations_per_s": read["used"] / read["render_s"] if read["render_s"] > 0 else 0.0,
     }
-    _write(out, _meta(cfg, fp, fp_in, tokenizer, tpl, vsize, vocab, summary), train_s, eval_s, vocab)
+    meta = _meta(cfg.data, cfg.target.path, fp, fp_in, tokenizer, tpl, vsize, vocab, summary)
+    _write(out, meta, train_s, eval_s, vocab)
     _print_summary(out, summary)
     return summary
 
 
-def _read_and_render(cfg: Config, tokenizer: Any, tpl: Any) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
+def _read_and_render(data: DataConfig, tokenizer: Any, tpl: Any) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
     """(what reading and rendering did, for the summary; eval samples; train samples): every source read, the
     conversations shuffled with data.seed, the first data.max_samples rendered and split."""
-    convs, src_stats, origin = read_all(cfg.data)
+    convs, src_stats, origin = read_all(data)
     if not convs:
-        raise ValueError(f"data.sources: no usable conversation in {[s.path for s in cfg.data.sources]}")
-    random.Random(cfg.data.seed).shuffle(convs)
-    used = convs[: cfg.data.max_samples] if cfg.data.max_samples else convs
+        raise ValueError(f"data.sources: no usable conversation in {[s.path for s in data.sources]}")
+    random.Random(data.seed).shuffle(convs)
+    used = convs[: data.max_samples] if data.max_samples else convs
     rstats: Counter[str] = Counter()
-    thinking = [cfg.data.sources[origin[c.id]].thinking for c in used]
-    thinking = [cfg.data.thinking if t is None else t for t in thinking]
-    eval_s, train_s, render_s = _render_and_split(used, cfg, tokenizer, tpl, rstats, thinking)
+    thinking = [data.sources[origin[c.id]].thinking for c in used]
+    thinking = [data.thinking if t is None else t for t in thinking]
+    eval_s, train_s, render_s = _render_and_split(used, data, tokenizer, tpl, rstats, thinking)
     read = {"sources": [s.summary() for s in src_stats], "records_read": sum(s.records_read for s in src_stats),
             "conversations": len(convs), "used": len(used), "render": dict(sorted(rstats.items())),
             "render_s": render_s}
@@ -380,7 +381,7 @@ def _count_vocab(draft: DraftConfig, train_s: list[Sample], flat: tuple[np.ndarr
     return vocab
 
 
-def train_sources(cfg: Config, train_s: list[Sample]) -> list[dict[str, Any]]:
+def train_sources(data: DataConfig, seed: int, train_s: list[Sample]) -> list[dict[str, Any]]:
     """Per source name (config order): the train split's samples, tokens and loss tokens; with weights, the epoch-0
     mixture as the trainer draws it (eagle3.batching.Mixture with (train.seed, 0), over the prepared rows: the same
     draw as a whole cache's) in tokens, share and repeat factor, and the expected repeat factor (the draft vocab's
@@ -388,17 +389,17 @@ def train_sources(cfg: Config, train_s: list[Sample]) -> list[dict[str, Any]]:
     from eagle3.batching import Mixture
 
     rows = {n: {"name": n, "samples": 0, "tokens": 0, "loss_tokens": 0}
-            for n in dict.fromkeys(source_name(s) for s in cfg.data.sources)}
+            for n in dict.fromkeys(source_name(s) for s in data.sources)}
     for _, ids, mask, src, _ in train_s:
         r = rows.setdefault(str(src), {"name": str(src), "samples": 0, "tokens": 0, "loss_tokens": 0})
         r["samples"] += 1
         r["tokens"] += len(ids)
         r["loss_tokens"] += int(mask.sum())
-    weights = source_weights(cfg.data.sources)
+    weights = source_weights(data.sources)
     if weights is not None and train_s:
         lens = np.array([len(x[1]) for x in train_s], dtype=np.int64)
         mix = Mixture.of([x[3] for x in train_s], weights)
-        got = mix.tokens(lens, mix.draw(lens, np.random.default_rng([cfg.train.seed, 0])))
+        got = mix.tokens(lens, mix.draw(lens, np.random.default_rng([seed, 0])))
         total = sum(got.values()) or 1
         for name, expected in zip(mix.names, mix.repeat_factors(lens), strict=True):
             r = rows[name]
@@ -426,14 +427,13 @@ def _reusable(out: Path, fp: str, fp_in: dict[str, Any]) -> dict[str, Any] | Non
     return None
 
 
-def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any, rstats: Counter[str],
+def _render_and_split(used: list[Any], d: DataConfig, tokenizer: Any, tpl: Any, rstats: Counter[str],
                       thinking: list[bool] | None = None) -> tuple[list[Any], list[Any], float]:
     """Render the conversations with the template (`thinking`: each one's setting), fit them to data.max_length;
     (eval samples, train samples, seconds spent rendering)."""
-    d = cfg.data
     check_renders_tools(tokenizer, tpl, sum(c.has_tools for c in used), len(used), "conversations")
     t_render = time.monotonic()
-    rendered = render_all(used, cfg.data, tokenizer, tpl, thinking)
+    rendered = render_all(used, d, tokenizer, tpl, thinking)
     render_s = time.monotonic() - t_render
     errors = [e for *_, e in rendered if e]
     samples = fit_length(rendered, d.max_length, d.overlength, rstats, d.min_length)
@@ -451,7 +451,7 @@ def _render_and_split(used: list[Any], cfg: Config, tokenizer: Any, tpl: Any, rs
     return samples[:n_eval], samples[n_eval:], render_s
 
 
-def _meta(cfg: Config, fp: str, fp_in: dict[str, Any], tokenizer: Any, tpl: Any, vsize: int, vocab: DraftVocab,
+def _meta(data: DataConfig, target_path: str, fp: str, fp_in: dict[str, Any], tokenizer: Any, tpl: Any, vsize: int, vocab: DraftVocab,
           summary: dict[str, Any]) -> dict[str, Any]:
     return {
         "version": PREPARE_VERSION,
@@ -460,13 +460,13 @@ def _meta(cfg: Config, fp: str, fp_in: dict[str, Any], tokenizer: Any, tpl: Any,
         # heads with different draft vocabularies.
         "samples_fingerprint": fingerprint({k: v for k, v in fp_in.items() if k not in VOCAB_KEYS}),
         "fingerprint_inputs": fp_in,
-        "target_path": cfg.target.path,
+        "target_path": target_path,
         "tokenizer": fp_in["tokenizer"] | {"name_or_path": str(getattr(tokenizer, "name_or_path", ""))},
         "chat_template": tpl.name,
         "chat_template_text": tpl.text,
-        "thinking": cfg.data.thinking,
-        "system_prompt": cfg.data.system_prompt,
-        "max_length": cfg.data.max_length,
+        "thinking": data.thinking,
+        "system_prompt": data.system_prompt,
+        "max_length": data.max_length,
         "target_vocab_size": vsize,
         "draft_vocab_size": len(vocab.d2t),
         "vocab_coverage": vocab.coverage,

@@ -19,7 +19,7 @@ import yaml
 from fake_openai_server import FakeOpenAIServer
 
 from eagle3.config import Config
-from eagle3.regenerate import Summary, regenerate, run
+from eagle3.regenerate import Summary, run
 from eagle3.regenerate.dialogue import split_reasoning
 from eagle3.regenerate.openai import EndpointPool, OpenAIBackend, RequestError
 from eagle3.regenerate.output import failed_path, recover
@@ -54,7 +54,7 @@ def fast_backend(cfg: Config) -> OpenAIBackend:
 def run_openai(cfg: Config) -> Summary:
     from eagle3.regenerate import load_conversations
 
-    return regenerate(cfg, load_conversations(cfg.data), fast_backend(cfg))
+    return run(cfg, load_conversations(cfg.data), fast_backend(cfg))
 
 
 TWO_TURN = [
@@ -385,7 +385,7 @@ def test_hf_backend_regenerates_batched_multi_turn(tmp_path, tiny_hf_target):
     from eagle3.data.types import Turn
     from eagle3.regenerate.hf import HFBackend
 
-    backend = HFBackend(cfg)
+    backend = HFBackend(cfg.target, cfg.regenerate, cfg.data.chat_template)
     c1 = recs["c1"]["conversations"]
     alone = backend.generate([render_prompt([Turn("user", c1[0]["value"])], backend.tokenizer, "auto", False)])
     assert alone[0].content == c1[1]["value"]

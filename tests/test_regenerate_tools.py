@@ -34,7 +34,7 @@ from eagle3.data.sources import SourceStats, read_conversations
 from eagle3.data.templates import TemplateError, answer_spans, render_prompt
 from eagle3.data.tool_calls import parse_tool_calls
 from eagle3.data.types import Conversation, ToolCall, Turn
-from eagle3.regenerate import Summary, load_conversations, regenerate
+from eagle3.regenerate import Summary, load_conversations, run
 from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, split_reasoning
 from eagle3.regenerate.openai import OpenAIBackend
 
@@ -229,7 +229,7 @@ def test_results_are_replayed_while_calls_equal_and_the_first_different_call_end
     src = write_jsonl(tmp_path / "agentic.jsonl", records())
     cfg = cfg_for(tmp_path, src)
     backend = ScriptedBackend(SCRIPTS)
-    s = regenerate(cfg, load_conversations(cfg.data), backend)
+    s = run(cfg, load_conversations(cfg.data), backend)
     assert (s.regenerated, s.failed, s.skipped_no_prompt) == (9, 0, 0)
     assert s.cut_at_different_call == 4  # text1, sg2, steps, chatty; not call3 (its record ends at that call)
     assert (s.tool_call_answers, s.replayed_results) == (8, 4)
@@ -278,7 +278,7 @@ def test_results_are_replayed_while_calls_equal_and_the_first_different_call_end
             {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}]}
 
     # Resume: the records are read back for their ids, nothing is asked again.
-    again = regenerate(cfg, load_conversations(cfg.data), ScriptedBackend({}))
+    again = run(cfg, load_conversations(cfg.data), ScriptedBackend({}))
     assert (again.regenerated, again.skipped_done) == (0, 9)
 
     # prepare trains on it through a template that renders tools: the calls are in the loss, nothing skipped.
@@ -305,7 +305,7 @@ def test_a_prompt_without_an_answer_is_regenerated_not_skipped(tmp_path):
         {"id": "none", "conversations": [{"from": "system", "value": "only a system turn"}]}])
     cfg = cfg_for(tmp_path, src)
     backend = ScriptedBackend({"q": [calls(("get_weather", "{}"))], "open": [say("B"), say("C")]})
-    s = regenerate(cfg, load_conversations(cfg.data), backend)
+    s = run(cfg, load_conversations(cfg.data), backend)
     assert (s.regenerated, s.skipped_no_prompt, s.cut_at_different_call) == (2, 1, 0)
     convs, _ = read_back(cfg.regenerated_path)
     assert [t.content for t in convs["open"].turns] == ["a", "B", "c", "C"]
@@ -347,7 +347,7 @@ def test_openai_sends_tools_and_stores_the_servers_tool_calls(tmp_path):
         cfg = Config(output_dir=str(tmp_path / "run"), data={"sources": [{"path": str(src)}]},
                      regenerate={"backend": "openai", "endpoints": [srv.url], "model": "fake-model", "timeout_s": 5.0,
                                  "concurrency": 1, "max_tokens": 32})
-        s = regenerate(cfg, load_conversations(cfg.data), OpenAIBackend(cfg.regenerate, backoff_s=0.01))
+        s = run(cfg, load_conversations(cfg.data), OpenAIBackend(cfg.regenerate, backoff_s=0.01))
         bodies = {}
         for b in srv.chat_bodies():
             bodies.setdefault(next(m["content"] for m in b["messages"] if m["role"] == "user"), []).append(b)
@@ -398,11 +398,11 @@ def test_hf_backend_renders_tools_and_refuses_a_template_that_drops_them(tmp_pat
     cfg = Config(output_dir=str(tmp_path / "run"), target={"path": str(tiny_target), "dtype": "float32"},
                  data={"sources": [{"path": str(src)}], "chat_template": "chatml-tools"},
                  regenerate={"backend": "hf", "max_tokens": 6, "batch_size": 2})
-    backend = HFBackend(cfg)
+    backend = HFBackend(cfg.target, cfg.regenerate, cfg.data.chat_template)
     prompts: list[list[int]] = []
     generate = backend.generate
     backend.generate = lambda ps: prompts.extend(ps) or generate(ps)  # type: ignore[method-assign]
-    s = regenerate(cfg, load_conversations(cfg.data), backend)
+    s = run(cfg, load_conversations(cfg.data), backend)
     assert (s.regenerated, s.failed, s.cut_at_different_call) == (4, 0, 3)  # par0, text1, sg2; call3 ended there
     assert len(prompts) == 4
     assert all("<tools>" in backend.tokenizer.decode(p) and "get_weather" in backend.tokenizer.decode(p)
@@ -413,7 +413,7 @@ def test_hf_backend_renders_tools_and_refuses_a_template_that_drops_them(tmp_pat
     auto = cfg.model_copy(update={"output_dir": str(tmp_path / "auto")}, deep=True)
     auto.data.chat_template = "auto"  # the test tokenizer's own plain ChatML drops tools
     with pytest.raises(TemplateError, match=r"4 of 4 conversations to regenerate use tools.*chatml-tools"):
-        regenerate(auto, load_conversations(auto.data), HFBackend(auto, backend.model, backend.tokenizer))
+        run(auto, load_conversations(auto.data), HFBackend(auto.target, auto.regenerate, auto.data.chat_template, backend.model, backend.tokenizer))
 
 
 class ScriptedModel(torch.nn.Module):
@@ -460,7 +460,7 @@ def test_hf_backend_parses_kimi_calls_and_prepare_trains_on_exactly_the_generate
                        "eval_size": 0},
                  regenerate={"backend": "hf", "max_tokens": 64, "batch_size": 1, "thinking": True,
                              "keep_reasoning": True}, draft={"vocab_size": 40})
-    s = run_with(cfg, HFBackend(cfg, model, kimi_tok))
+    s = run_with(cfg, HFBackend(cfg.target, cfg.regenerate, cfg.data.chat_template, model, kimi_tok))
     assert (s.regenerated, s.tool_call_answers, s.replayed_results, s.cut_at_different_call) == (1, 1, 1, 0)
     assert kimi_tok.decode(model.prompts[1]).endswith(
         "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\n18C<|im_end|>"
@@ -480,7 +480,7 @@ def test_hf_backend_parses_kimi_calls_and_prepare_trains_on_exactly_the_generate
 
 
 def run_with(cfg: Config, backend) -> Summary:
-    return regenerate(cfg, load_conversations(cfg.data), backend)
+    return run(cfg, load_conversations(cfg.data), backend)
 
 
 def test_hf_malformed_call_is_kept_as_the_text_generated(tmp_path, kimi_tok):
@@ -494,7 +494,7 @@ def test_hf_malformed_call_is_kept_as_the_text_generated(tmp_path, kimi_tok):
                                               "messages": [{"role": "user", "content": "Weather?"}]}])
     cfg = Config(output_dir=str(tmp_path / "run"), target={"path": "unused"},
                  data={"sources": [{"path": str(src)}], "chat_template": "kimi-k2.5"}, regenerate={"batch_size": 1})
-    s = run_with(cfg, HFBackend(cfg, model, kimi_tok))
+    s = run_with(cfg, HFBackend(cfg.target, cfg.regenerate, cfg.data.chat_template, model, kimi_tok))
     assert (s.malformed_tool_calls, s.tool_call_answers) == (1, 0)
     assert "1 answers with malformed calls kept as text" in s.line()
     (rec,) = read_jsonl(cfg.regenerated_path)
@@ -569,7 +569,7 @@ def test_real_vllm_renders_the_tool_history_as_eagle3_and_regenerates_with_tools
         served = json.loads(urllib.request.urlopen(req, timeout=60).read())["tokens"]
         assert served == render_prompt(history, tok, "chatml-tools", False, tools=PARALLEL.tools)
 
-        s = regenerate(cfg, load_conversations(cfg.data), backend)
+        s = run(cfg, load_conversations(cfg.data), backend)
         assert (s.regenerated, s.failed) == (4, 0) and s.tokens > 0
         assert s.cut_at_different_call == 3  # par0, text1 and sg2 called where the random model writes text
         out = {r["id"]: r for r in read_jsonl(cfg.regenerated_path)}  # (a random model's answer may be empty)

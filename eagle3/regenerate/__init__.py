@@ -45,7 +45,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
-from eagle3.config import Config, DataConfig, RegenerateConfig, SourceConfig
+from eagle3.config import Config, DataConfig, RegenerateConfig, SourceConfig, TargetConfig
 from eagle3.data.types import Conversation
 from eagle3.locks import writes
 from eagle3.logs import Progress
@@ -138,20 +138,26 @@ def load_conversations(data: DataConfig) -> Iterator[Conversation]:
     return islice(all_sources(), data.max_samples)
 
 
-def make_backend(cfg: Config) -> Backend:
-    if cfg.regenerate.backend == "openai":
+def make_backend(rc: RegenerateConfig, target: TargetConfig, chat_template: str) -> Backend:
+    """regenerate.backend's backend: OpenAI-compatible servers, or the target in process (rendering with the data's
+    chat template)."""
+    if rc.backend == "openai":
         from eagle3.regenerate.openai import OpenAIBackend
 
-        return OpenAIBackend(cfg.regenerate)
+        return OpenAIBackend(rc)
     from eagle3.regenerate.hf import HFBackend
 
-    return HFBackend(cfg)
+    return HFBackend(target, rc, chat_template)
 
 
 @writes(lambda cfg, **_: cfg.regenerated_path, "regenerate")
-def regenerate(cfg: Config, conversations: Iterable[Conversation], backend: Backend | None = None) -> Summary:
-    """Regenerate `conversations` into `cfg.regenerated_path`, resuming from what is already there."""
+def run(cfg: Config, conversations: Iterable[Conversation] | None = None, backend: Backend | None = None) -> Summary:
+    """`eagle3 regenerate`: `conversations` (None: the data's sources, load_conversations) into
+    `cfg.regenerated_path`, resuming from what is already there; `backend` (None: the config's, built only when
+    there is work) answers them."""
     out = cfg.regenerated_path
+    if conversations is None:
+        conversations = load_conversations(cfg.data)
     done = recover(out)
     summary = Summary(out)
     todo: list[Dialogue] = []
@@ -175,7 +181,7 @@ def regenerate(cfg: Config, conversations: Iterable[Conversation], backend: Back
     log.info("regenerate: %d to do, %d already in %s", len(todo), summary.skipped_done, out)
     summary.total_in_output = len(done)
     if todo:
-        backend = backend or make_backend(cfg)
+        backend = backend or make_backend(cfg.regenerate, cfg.target, cfg.data.chat_template)
         _drive(cfg.regenerate, backend, todo, summary)
     else:
         failed_path(out).unlink(missing_ok=True)
@@ -222,7 +228,3 @@ def _drive(rc: RegenerateConfig, backend: Backend, todo: list[Dialogue], summary
 def _failure_record(o: Outcome) -> dict[str, Any]:
     return {"id": o.id, "error": o.error, "attempts": o.attempts, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
-
-def run(cfg: Config) -> Summary:
-    """`eagle3 regenerate`: read the sources, regenerate, log the summary."""
-    return regenerate(cfg, load_conversations(cfg.data))

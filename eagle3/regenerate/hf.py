@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from eagle3 import threads
-from eagle3.config import Config
+from eagle3.config import RegenerateConfig, TargetConfig
 from eagle3.data.templates import check_renders_tools, render_prompt, resolve_template
 from eagle3.data.tool_calls import KIMI_MARKERS, parse_tool_calls
 from eagle3.regenerate.dialogue import Answer, Dialogue, Outcome, split_reasoning
@@ -29,20 +29,21 @@ log = logging.getLogger("eagle3")
 class HFBackend:
     """Generates answers with an AutoModelForCausalLM loaded from `target.path`."""
 
-    def __init__(self, cfg: Config, model: Any = None, tokenizer: Any = None):
+    def __init__(self, target: TargetConfig, rc: RegenerateConfig, chat_template: str, model: Any = None,
+                 tokenizer: Any = None):
+        """chat_template: data.chat_template, what the prompts are rendered with."""
         from eagle3.targets.hf import load_target
 
-        self.cfg = cfg
-        self.rcfg = cfg.regenerate
+        self.rcfg = rc
         if model is None or tokenizer is None:
-            model, tokenizer = load_target(cfg.target)
-            log.info("regenerate: loaded %s (%s, %s)", cfg.target.path, cfg.target.dtype, cfg.target.device)
+            model, tokenizer = load_target(target)
+            log.info("regenerate: loaded %s (%s, %s)", target.path, target.dtype, target.device)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.eos_ids = self._eos_ids()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self.template = resolve_template(cfg.data.chat_template, tokenizer)
+        self.template = resolve_template(chat_template, tokenizer)
         # Think tags and call markers are the answer's own format (split_reasoning, parse_tool_calls read them).
         keep = ("<think>", "</think>", *KIMI_MARKERS)
         self._specials = [s for s in tokenizer.all_special_tokens if s not in keep]
