@@ -40,7 +40,7 @@ def main() -> int:
     setup_logging()
     cfg = load_config(a.config, a.overrides)
     cfg.train.eval_max_samples = None
-    accelerator = make_accelerator(cfg)
+    accelerator = make_accelerator(cfg.train, cfg.tracking, cfg.paths)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, _ = load_target_head(cfg.target.path)
     teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)

@@ -30,7 +30,7 @@ import torch
 from eagle3 import threads
 from eagle3.batching import EpochPlan, Mixture, check_fits, plan_epoch, plan_eval
 from eagle3.checkpoints import TrainState, resume, save_best, save_checkpoint
-from eagle3.config import Config, TargetConfig, TrainConfig
+from eagle3.config import Config, DraftConfig, ExtractConfig, SourceConfig, TargetConfig, TrackingConfig, TrainConfig
 from eagle3.data.prepared import check_prepared, load_prepared, load_vocab, read_prepared_meta
 from eagle3.formats import load_draft
 from eagle3.layer_ids import ArchFamily, sglang_family
@@ -40,6 +40,7 @@ from eagle3.loss import StepStats, Teacher, summarise
 from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
 from eagle3.objective import Objective
 from eagle3.online import OnlineSource
+from eagle3.paths import RunPaths
 from eagle3.precision import DTYPES
 from eagle3.precision import resolve_mixed_precision as resolve_for_device
 from eagle3.process import this_process
@@ -57,17 +58,17 @@ def resolve_mixed_precision(train: TrainConfig) -> str:
     return resolve_for_device(train.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
 
 
-def make_accelerator(cfg: Config):
+def make_accelerator(train: TrainConfig, tracking: TrackingConfig, paths: RunPaths):
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
     # broadcast_buffers=False: the buffers (frozen embeddings, d2t, t2d) are identical on every rank and
     # never change; DDP would otherwise re-broadcast the 2.3 GB Kimi embedding every step.
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
     return Accelerator(
-        mixed_precision=resolve_mixed_precision(cfg.train),
+        mixed_precision=resolve_mixed_precision(train),
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[ddp],
-        **accelerator_tracking(cfg.tracking, cfg.paths),
+        **accelerator_tracking(tracking, paths),
     )
 
 
@@ -76,53 +77,56 @@ def _pin(accelerator: Any) -> bool:
     return accelerator.device.type == "cuda"
 
 
-def open_datasets(cfg: Config) -> tuple[Any, Any]:
+def open_datasets(target: TargetConfig, extract: ExtractConfig, paths: RunPaths, max_length: int,
+                  verify_cache: bool) -> tuple[Any, Any]:
     """(train, eval): cache splits (HiddenStateDataset) or, in online mode, OnlineSource over the prepared data.
     Both have `.lengths` and `iter_collated(index_batches, pin)`, whose batches hold the same keys (eagle3.batching
-    .collate): the only place the trainer tells the two modes apart is here."""
-    if cfg.extract.mode == "online":
+    .collate): the only place the trainer tells the two modes apart is here. max_length: data.max_length (an online
+    SGLang target's prompts); verify_cache: train.verify_cache."""
+    cache_dir = paths.cache_dir
+    if extract.mode == "online":
         from eagle3.targets import make_backend
 
-        prepared = load_prepared(cfg.prepared_dir)
-        backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
-        argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.extract.teacher_chunk)
-        evald = OnlineSource(backend, prepared.eval, cfg.extract.prefetch, argmax) if len(prepared.eval) else None
-        return OnlineSource(backend, prepared.train, cfg.extract.prefetch, argmax), evald
+        prepared = load_prepared(paths.prepared_dir)
+        backend = make_backend(target, extract, max_length, paths.output_dir / "logs")
+        argmax = ArgmaxHead.for_backend(backend, target, extract.teacher_chunk)
+        evald = OnlineSource(backend, prepared.eval, extract.prefetch, argmax) if len(prepared.eval) else None
+        return OnlineSource(backend, prepared.train, extract.prefetch, argmax), evald
     from eagle3.cache import HiddenStateDataset, check_fingerprint, expected_fingerprint
 
-    if not (cfg.cache_dir / "meta.json").is_file():
-        raise FileNotFoundError(f"no hidden-state cache at {cfg.cache_dir}: run `eagle3 extract --config ...` first "
+    if not (cache_dir / "meta.json").is_file():
+        raise FileNotFoundError(f"no hidden-state cache at {cache_dir}: run `eagle3 extract --config ...` first "
                                 "(or set extract.mode=online)")
     # Refuse a cache extracted from another target / dtype / layer ids / prepared data before any work.
-    check_fingerprint(cfg.cache_dir, expected_fingerprint(cfg.target, cfg.extract.storage, cfg.prepared_dir))
-    if cfg.train.verify_cache:
-        verify_before_training(cfg.cache_dir)
-    train = HiddenStateDataset(cfg.cache_dir, "train")
-    evald = HiddenStateDataset(cfg.cache_dir, "eval")  # a damaged eval shard is an error, never a skipped eval
+    check_fingerprint(cache_dir, expected_fingerprint(target, extract.storage, paths.prepared_dir))
+    if verify_cache:
+        verify_before_training(cache_dir)
+    train = HiddenStateDataset(cache_dir, "train")
+    evald = HiddenStateDataset(cache_dir, "eval")  # a damaged eval shard is an error, never a skipped eval
     if len(evald) == 0:
         log.warning("the eval split of %s is empty (data.eval_size=0?): eval metrics are skipped and `best` is the "
-                    "last step's head", cfg.cache_dir)
+                    "last step's head", cache_dir)
         evald = None
     if len(train) == 0:
-        raise ValueError(f"cache {cfg.cache_dir}: the train split is empty")
+        raise ValueError(f"cache {cache_dir}: the train split is empty")
     return train, evald
 
 
-def train_mixture(cfg: Config, train_ds: Any) -> Mixture | None:
+def train_mixture(sources: list[SourceConfig], paths: RunPaths, train_ds: Any) -> Mixture | None:
     """The weighted mixture of `data.sources` over the train split (None without weights): each item's source comes
     from the prepared train split's `source` column, found by sample id (a cache's item i is not prepared row i:
     extraction stores shards by rank and length, skips NaN samples, and `extract.max_samples` keeps a prefix), and
     the draw walks the items in prepared-row order, so a whole cache draws what prepare's summary printed."""
     from eagle3.data.sources import source_weights
 
-    weights = source_weights(cfg.data.sources)
+    weights = source_weights(sources)
     if weights is None:
         return None
     from datasets import load_from_disk
 
-    prepared = train_ds.split if isinstance(train_ds, OnlineSource) else load_from_disk(str(cfg.prepared_dir / "train"))
+    prepared = train_ds.split if isinstance(train_ds, OnlineSource) else load_from_disk(str(paths.prepared_dir / "train"))
     if "source" not in prepared.column_names:
-        raise UserError(f"the prepared data in {cfg.prepared_dir} records no source per sample (made by an older "
+        raise UserError(f"the prepared data in {paths.prepared_dir} records no source per sample (made by an older "
                         "eagle3): data.sources[].weight needs it; re-run `eagle3 prepare --config ...`")
     sources = prepared["source"]
     if isinstance(train_ds, OnlineSource):  # the prepared rows themselves
@@ -131,8 +135,8 @@ def train_mixture(cfg: Config, train_ds: Any) -> Mixture | None:
         row_of = {sid: i for i, sid in enumerate(prepared["id"])}
         stray = [sid for sid in train_ds.sample_ids if sid not in row_of]
         if stray:
-            raise UserError(f"cache {cfg.cache_dir} holds sample(s) {stray[:3]} that the prepared train split in "
-                            f"{cfg.prepared_dir} does not: extract again from this prepared data")
+            raise UserError(f"cache {paths.cache_dir} holds sample(s) {stray[:3]} that the prepared train split in "
+                            f"{paths.prepared_dir} does not: extract again from this prepared data")
         rows = [row_of[sid] for sid in train_ds.sample_ids]
     return Mixture.of([sources[r] for r in rows], weights, order=rows)
 
@@ -173,12 +177,12 @@ def verify_before_training(cache_dir: Path) -> None:
     log.info("cache %s: every shard's checksum matches its manifest", cache_dir)
 
 
-def build_draft(cfg: Config, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
+def build_draft(dc: DraftConfig, target: TargetConfig, seed: int, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
                 embed: torch.Tensor, lm_head: torch.Tensor) -> Eagle3Draft:
-    torch.manual_seed(cfg.train.seed)
-    dcfg = Eagle3DraftConfig.from_target(cfg.draft, cfg.target, hf_config, draft_vocab_size=int(d2t.shape[0]))
-    if cfg.draft.init_from:
-        return fine_tune_start(cfg.draft.init_from, dcfg, embed, d2t, TargetInfo.of(hf_config).family)
+    torch.manual_seed(seed)
+    dcfg = Eagle3DraftConfig.from_target(dc, target, hf_config, draft_vocab_size=int(d2t.shape[0]))
+    if dc.init_from:
+        return fine_tune_start(dc.init_from, dcfg, embed, d2t, TargetInfo.of(hf_config).family)
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(d2t, t2d)
     draft.init_from_target(lm_head, embed)
@@ -218,14 +222,14 @@ def sglang_spelling_problem(target: TargetConfig) -> str | None:
     return None
 
 
-def export_best(cfg: Config, best: Path) -> None:
+def export_best(target: TargetConfig, paths: RunPaths, best: Path) -> None:
     from eagle3.export import export
 
-    if problem := sglang_spelling_problem(cfg.target):
+    if problem := sglang_spelling_problem(target):
         log.warning("%s; the best head stays in %s", problem, best)
         return
-    out = cfg.export_dir / "sglang"
-    export(best, out, to="sglang", target_family=cfg.target.layer_id_family, paths=cfg.paths)
+    out = paths.export_dir / "sglang"
+    export(best, out, to="sglang", target_family=target.layer_id_family, paths=paths)
     log.info("exported the best draft for SGLang: %s", out)
 
 
@@ -304,7 +308,7 @@ def set_up(cfg: Config) -> Session:
     from accelerate.utils import set_seed
     from transformers import get_cosine_schedule_with_warmup
 
-    accelerator = make_accelerator(cfg)
+    accelerator = make_accelerator(cfg.train, cfg.tracking, cfg.paths)
     set_seed(cfg.train.seed)
     tc = cfg.train
     check_prepared(cfg.data, cfg.draft, cfg.target, cfg.prepared_dir, read_prepared_meta(cfg.prepared_dir),
@@ -313,19 +317,19 @@ def set_up(cfg: Config) -> Session:
         log.warning(problem)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg.target.path)
-    train_ds, eval_ds = open_datasets(cfg)
+    train_ds, eval_ds = open_datasets(cfg.target, cfg.extract, cfg.paths, cfg.data.max_length, tc.verify_cache)
     for split, ds in (("train", train_ds), ("eval", eval_ds)):
         if ds is not None:
             check_fits(ds.lengths, tc.batch_tokens, tc.sequence_parallel, split)
     sp = SequenceParallel.join(tc.sequence_parallel, this_process())
-    draft = build_draft(cfg, hf_config, d2t, t2d, embed, lm_head)
+    draft = build_draft(cfg.draft, cfg.target, tc.seed, hf_config, d2t, t2d, embed, lm_head)
     # The teacher multiplies in the dtype the target is served in, whatever dtype the checkpoint stores it in.
     teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
     objective = Objective(teacher, tc, sp)
     del embed, lm_head
 
     rank, world = _rank_world(tc)
-    mixture = train_mixture(cfg, train_ds)
+    mixture = train_mixture(cfg.data.sources, cfg.paths, train_ds)
     first = plan_epoch(train_ds.lengths, _budget(tc), tc.seed, 0, rank, world, mixture=mixture)
     steps_per_epoch = len(first.batches) // tc.grad_accum
     if steps_per_epoch == 0:
@@ -465,6 +469,6 @@ def finish(s: Session) -> None:
     if not (best / "config.json").is_file():
         save_best(s.accelerator, s.model, s.cfg.checkpoint_dir)  # no eval split: the last weights are the best we know
     if s.tracker.main:
-        export_best(s.cfg, best)
+        export_best(s.cfg.target, s.cfg.paths, best)
     s.accelerator.wait_for_everyone()
     s.accelerator.end_training()

@@ -45,8 +45,8 @@ RUNNER = textwrap.dedent("""
     from eagle3.logs import setup_logging
 
     real_make = trainer.make_accelerator
-    def make_fsdp_accelerator(cfg):
-        acc = real_make(cfg)
+    def make_fsdp_accelerator(*a):
+        acc = real_make(*a)
         acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
         acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment
         return acc

@@ -340,18 +340,20 @@ def test_the_trainer_draws_the_mixture_prepare_printed_and_resumes_it_exactly(tm
                  "train.seed=5")
         return c
 
-    summary = prepare.run(cfg("straight"))
-    extract(cfg("straight"))
+    straight = cfg("straight")
+    summary = prepare.run(straight)
+    extract(straight)
     ds = HiddenStateDataset(tmp_path / "cache", "train")
     p = load_prepared(tmp_path / "prepared")
     source_of = dict(zip(p.train["id"], p.train["source"], strict=True))
     assert ds.sample_ids != list(p.train["id"])  # the cache keeps another order than the prepared rows
-    mix = trainer.train_mixture(cfg("straight"), ds)
+    mix = trainer.train_mixture(straight.data.sources, straight.paths, ds)
     assert [mix.names[g] for g in mix.groups] == [source_of[i] for i in ds.sample_ids]
     first = plan_epoch(ds.lengths, 160, 5, 0, mixture=mix)
     printed = {r["name"]: r["epoch0_tokens"] for r in summary["train_sources"]}
     assert first.source_tokens == printed and printed["small"] > 2 * printed["big"]
-    online = trainer.train_mixture(cfg("straight"), OnlineSource(None, p.train, 0, None))  # extract.mode: online
+    online_split = OnlineSource(None, p.train, 0, None)  # extract.mode: online
+    online = trainer.train_mixture(straight.data.sources, straight.paths, online_split)
     assert [online.names[g] for g in online.groups] == list(p.train["source"])
     assert plan_epoch([len(x) for x in p.train["input_ids"]], 160, 5, 0,
                       mixture=online).source_tokens == printed

@@ -288,7 +288,10 @@ def test_online_training_through_sglang(case):
     from eagle3.data.prepared import load_prepared
     from eagle3.trainer import open_datasets
 
-    cached, live = open_datasets(offline)[0], open_datasets(cfg)[0]
+    def train_split(c):
+        return open_datasets(c.target, c.extract, c.paths, c.data.max_length, c.train.verify_cache)[0]
+
+    cached, live = train_split(offline), train_split(cfg)
     where = {sid: j for j, sid in enumerate(load_prepared(cfg.prepared_dir).train["id"])}  # the cache keeps its
     to_live = [where[cached[i]["sample_id"]] for i in range(len(cached))]                  # own order of samples
     assert [live.lengths[j] for j in to_live] == list(cached.lengths)

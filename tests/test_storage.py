@@ -270,7 +270,7 @@ def _heldout(cfg, draft_folder) -> dict[str, float]:
 
     cfg = cfg.model_copy(deep=True)
     cfg.train.eval_max_samples = None
-    accelerator = trainer.make_accelerator(cfg)
+    accelerator = trainer.make_accelerator(cfg.train, cfg.tracking, cfg.paths)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, _ = load_target_head(cfg.target.path)
     objective = Objective(Teacher(lm_head.float(), d2t, t2d), cfg.train)
