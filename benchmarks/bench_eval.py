@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eagle3.config import load_config  # noqa: E402
+from eagle3.engines import EngineRun  # noqa: E402
 from eagle3.evaluate import run_builtin  # noqa: E402
 from eagle3.logs import setup_logging  # noqa: E402
 
@@ -82,7 +83,7 @@ def main() -> None:
         steps, topk, n = (int(x) for x in shape.split(","))
         cfg.eval.num_steps, cfg.eval.topk, cfg.eval.num_draft_tokens = steps, topk, n
         t0 = time.perf_counter()
-        report, _, folder = run_builtin(cfg)
+        report, _, folder = run_builtin(EngineRun(cfg.target, cfg.eval, cfg.paths), cfg.data)
         r = report["sets"][args.prompt_set]
         rows.append((shape, r, time.perf_counter() - t0))
     print(f"\ndraft: {folder}")

@@ -79,12 +79,13 @@ def one(stage: str, work: Path, dtype: str, samples: int, steps: int, prompts: i
 
         result = {"tokens_per_s": summarise(Path(cfg.output_dir), warmup=1)["tokens_per_s"]}
     else:
+        from eagle3.engines import EngineRun
         from eagle3.evaluate import run_builtin
 
         cfg = load_config(str(CONFIG), [*ov, f"eval.max_prompts={prompts}", "eval.max_new_tokens=48",
                                         "eval.temperature=0", "eval.prompt_sets=[mt-bench]"])
         cfg.eval.checkpoint = str(work / "head")
-        report, _, _ = run_builtin(cfg)
+        report, _, _ = run_builtin(EngineRun(cfg.target, cfg.eval, cfg.paths), cfg.data)
         r = report["sets"]["mt-bench"]
         result = {"tokens_per_s": r["tokens_per_s"]["spec"], "plain_tokens_per_s": r["tokens_per_s"]["baseline"]}
     out.write_text(json.dumps({**result, "threads": torch.get_num_threads()}))

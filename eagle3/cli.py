@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, get_args
 
 from eagle3 import threads
-from eagle3.config import Config, ConfigError, EvalEngine, Storage, dump_config, load_config
+from eagle3.config import Config, ConfigError, EvalEngine, Storage, load_config
 from eagle3.config_docs import config_docs
 from eagle3.layer_ids import ArchFamily, Engine
 from eagle3.logs import setup_logging
@@ -40,7 +40,7 @@ def _cfg(args: argparse.Namespace) -> Config:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    print(dump_config(_cfg(args)), end="")
+    print(_cfg(args).to_yaml(), end="")
     return 0
 
 

@@ -503,6 +503,10 @@ class Config(Section):
             raise ValueError("regenerate.endpoints: the openai backend needs at least one server URL")
         return self
 
+    def to_yaml(self) -> str:
+        """The whole config as YAML that load_config reads back to an equal config."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
     @property
     def paths(self) -> RunPaths:
         """Where each stage reads and writes (eagle3.paths)."""
@@ -572,7 +576,3 @@ def _check_against_target(target: TargetConfig, max_length: int, source: str) ->
             f"{source}: invalid config\n  data.max_length: {max_length} tokens is beyond the target's context "
             f"window of {window[0]} tokens ({window[1]}): the target, and the engines serving the head, go no further; "
             f"set data.max_length to at most {window[0]}")
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -282,19 +282,19 @@ def metrics(spec: AcceptanceStats, base: AcceptanceStats, num_positions: int) ->
     }
 
 
-def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]], Path]:
+def run_builtin(run: EngineRun, data: DataConfig) -> tuple[dict[str, Any], dict[str, list[list[int]]], Path]:
     """The built-in evaluation; returns (report, rendered prompts per set, draft folder)."""
-    folder = resolve_checkpoint(cfg.eval, cfg.paths)
-    log.info("eval: target %s (%s, %s), draft %s", cfg.target.path, cfg.target.dtype, cfg.target.device, folder)
-    model, tokenizer = load_target(cfg.target)
-    draft = draft_for_target(folder, model, cfg.target.aux_layer_ids)
+    folder = resolve_checkpoint(run.eval, run.paths)
+    log.info("eval: target %s (%s, %s), draft %s", run.target.path, run.target.dtype, run.target.device, folder)
+    model, tokenizer = load_target(run.target)
+    draft = draft_for_target(folder, model, run.target.aux_layer_ids)
     ids = list(draft.config.aux_layer_ids)
     target = HFTargetDecoder(model, ids)
-    settings = settings_from(cfg.eval)
+    settings = settings_from(run.eval)
     eos = set(eos_ids(tokenizer, model.generation_config))
     dec = SpeculativeDecoder(target, draft, settings, eos)
-    render = PromptRenderer(tokenizer, cfg.data)
-    sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
+    render = PromptRenderer(tokenizer, data)
+    sets = [load_prompt_set(n, run.paths.prepared_dir, run.eval.max_prompts) for n in run.eval.prompt_sets]
     render.check_tools(sets)
     # Warm-up (first-call allocations would otherwise be billed to whichever method runs first).
     warm = sets[0].prompts[0]
@@ -309,12 +309,12 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     report: dict[str, Any] = {
         "engine": "builtin",
         "device": str(target.device),
-        "target": {"path": cfg.target.path, "dtype": cfg.target.dtype,
+        "target": {"path": run.target.path, "dtype": run.target.dtype,
                    "architectures": getattr(model.config, "architectures", None),
                    "num_layers": model.config.get_text_config().num_hidden_layers},
         "draft": str(folder),
         "aux_layer_ids": ids,
-        "settings": {**asdict(settings), "seed": cfg.eval.seed, "max_prompts": cfg.eval.max_prompts},
+        "settings": {**asdict(settings), "seed": run.eval.seed, "max_prompts": run.eval.max_prompts},
         "definitions": {
             "tau": "mean over verify steps of (accepted draft tokens + 1 bonus token), as SGLang/vLLM report it",
             "acceptance_rate": "per draft position j: share of verify steps that accepted at least j tokens",
@@ -335,8 +335,8 @@ def run_builtin(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]
     total = sum(ps.num_turns for ps in sets)
     with Progress(total, "eval", unit="turn") as progress:
         for ps in sets:
-            ngram = (cfg.eval.ngram_min, cfg.eval.ngram_max) if cfg.eval.ngram else None
-            result, rendered[ps.name] = evaluate_set(dec, ps, render, eos, cfg.eval.seed, progress, ngram)
+            ngram = (run.eval.ngram_min, run.eval.ngram_max) if run.eval.ngram else None
+            result, rendered[ps.name] = evaluate_set(dec, ps, render, eos, run.eval.seed, progress, ngram)
             report["sets"][ps.name] = result
             log.info("eval %s: τ=%.3f over %d turns", ps.name, result["tau"], result["turns"])
     target.close()
@@ -360,26 +360,26 @@ def write_report(report: dict[str, Any], eval_dir: Path) -> None:
     print(f"report: {eval_dir / 'report.json'} and {eval_dir / 'report.png'}", flush=True)
 
 
-def run_engine_only(cfg: Config) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+def run_engine_only(run: EngineRun, data: DataConfig) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
     """`eval.builtin: false`: the engine decodes every turn with the head, no target is loaded in this process (a
     target too big for it, or a quick card: vLLM decodes all of MT-bench in minutes where the built-in takes an
     hour on a CPU)."""
     from eagle3.data.templates import load_tokenizer
 
-    folder = resolve_checkpoint(cfg.eval, cfg.paths)
-    engine = cfg.eval.engine
-    log.info("eval in %s only: target %s, draft %s", engine, cfg.target.path, folder)
-    render = PromptRenderer(load_tokenizer(cfg.target), cfg.data)
-    sets = [load_prompt_set(n, cfg.prepared_dir, cfg.eval.max_prompts) for n in cfg.eval.prompt_sets]
+    folder = resolve_checkpoint(run.eval, run.paths)
+    engine = run.eval.engine
+    log.info("eval in %s only: target %s, draft %s", engine, run.target.path, folder)
+    render = PromptRenderer(load_tokenizer(run.target), data)
+    sets = [load_prompt_set(n, run.paths.prepared_dir, run.eval.max_prompts) for n in run.eval.prompt_sets]
     render.check_tools(sets)
-    result, rendered = ENGINE_ONLY[engine](EngineRun.of(cfg), sets, render, folder)
+    result, rendered = ENGINE_ONLY[engine](run, sets, render, folder)
     report: dict[str, Any] = {
         "engine": engine,
         "builtin": False,
-        "target": {"path": cfg.target.path, "dtype": cfg.target.dtype} | (
-            {"tp_size": cfg.target.sglang.tp_size} if engine == "sglang" else {}),
+        "target": {"path": run.target.path, "dtype": run.target.dtype} | (
+            {"tp_size": run.target.sglang.tp_size} if engine == "sglang" else {}),
         "draft": str(folder),
-        "settings": {**asdict(settings_from(cfg.eval)), "seed": cfg.eval.seed, "max_prompts": cfg.eval.max_prompts},
+        "settings": {**asdict(settings_from(run.eval)), "seed": run.eval.seed, "max_prompts": run.eval.max_prompts},
         "definitions": {"tau": ENGINE_TAU[engine]},
         "sets": result.pop("sets"),
         "engines": {engine: result},
@@ -418,15 +418,16 @@ if set(ENGINE_ONLY) != set(ENGINE_TAU) or {"builtin", *ENGINE_ONLY} != set(get_a
 def run(cfg: Config) -> dict[str, Any]:
     """`eagle3 eval`: built-in speculative decoding, then (optionally) the same prompts inside an engine."""
     setup_logging()
+    engine_run = EngineRun(cfg.target, cfg.eval, cfg.paths)
     if not cfg.eval.builtin:
-        report, rendered = run_engine_only(cfg)
+        report, rendered = run_engine_only(engine_run, cfg.data)
         write_report(report, cfg.eval_dir)
         (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
         return report
-    report, rendered, folder = run_builtin(cfg)
+    report, rendered, folder = run_builtin(engine_run, cfg.data)
     if cfg.eval.engine != "builtin":
         check = ENGINE_CHECKS[cfg.eval.engine]
-        report["engines"] = {cfg.eval.engine: check(EngineRun.of(cfg), report, rendered, folder)}
+        report["engines"] = {cfg.eval.engine: check(engine_run, report, rendered, folder)}
     write_report(report, cfg.eval_dir)
     (cfg.eval_dir / "rendered_prompts.json").write_text(json.dumps(rendered))
     refuse_clear_divergences(report, cfg.eval, cfg.eval_dir)

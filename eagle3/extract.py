@@ -54,7 +54,7 @@ from eagle3.process import this_process
 from eagle3.targets.argmax import ArgmaxHead
 
 if TYPE_CHECKING:
-    from eagle3.config import Config
+    from eagle3.config import Config, ExtractConfig
 
 log = logging.getLogger("eagle3")
 
@@ -191,7 +191,7 @@ def open_target(work: Work, backend: Any = None) -> Any:
         from eagle3.targets import make_backend
 
         cfg = work.cfg
-        backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
+        backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir)
     _check_backend(backend, work.fp)
     if work.cfg.extract.preflight and work.jobs:
         first = work.jobs[0]
@@ -210,7 +210,7 @@ def extract_all(work: Work, backend: Any) -> dict[str, Any]:
         for job in work.jobs:
             tokens_at_start, committed = done.tokens, sum(len(m.shards) for m in work.manifests.values())
             try:
-                entry = _extract_shard(cfg, backend, argmax, work.data[job.split], work.lengths[job.split], job, fp,
+                entry = _extract_shard(cfg.extract, cache_dir, backend, argmax, work.data[job.split], work.lengths[job.split], job, fp,
                                        rank, world, done, prog)
             except BaseException as e:
                 if disk_full_error(e) is not None:
@@ -252,18 +252,17 @@ def _plan_jobs(cache_dir: Path, lengths: dict[str, np.ndarray], fp: dict[str, An
     return jobs, manifests
 
 
-def _extract_shard(cfg: Config, backend: Any, argmax: Any, ds: Any, lens: np.ndarray, job: Job, fp: dict[str, Any],
-                   rank: int, world: int, done: _Done, prog: Progress) -> ShardEntry:
+def _extract_shard(ec: ExtractConfig, cache_dir: Path, backend: Any, argmax: Any, ds: Any, lens: np.ndarray, job: Job,
+                   fp: dict[str, Any], rank: int, world: int, done: _Done, prog: Progress) -> ShardEntry:
     """One shard: the target over its planned batches, streamed into `*.tmp` and renamed into place when whole
     (removed if anything fails); NaN/inf samples skipped and listed."""
     from eagle3.batching import plan_batches
 
     name = shard_name(rank, world, job.shard)
     skipped: list[str] = []
-    writer = ShardWriter(cfg.cache_dir / job.split / name, fp["hidden_size"], backend.dtype, storage=fp["storage"])
+    writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], backend.dtype, storage=fp["storage"])
     try:
-        for batch in plan_batches([int(lens[i]) for i in job.rows], cfg.extract.batch_tokens,
-                                  cfg.extract.max_batch_size):
+        for batch in plan_batches([int(lens[i]) for i in job.rows], ec.batch_tokens, ec.max_batch_size):
             rows = ds[[job.rows[b] for b in batch]]
             caps = backend.capture(rows["input_ids"])
             keep = []

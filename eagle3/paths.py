@@ -8,6 +8,7 @@
     <output_dir>/regenerated.jsonl    regenerate.output moves it
     <output_dir>/train_log.jsonl      one line per training step and eval (eagle3.tracking)
     <output_dir>/tracking/            tensorboard's event files, mlflow's local store
+    <output_dir>/logs/                the SGLang servers' logs
 
 A stage built from a config takes `cfg.paths`; a tool that has only a run folder (the model card of an exported
 checkpoint) takes `RunPaths.under(run)`, the default layout.
@@ -32,6 +33,11 @@ class RunPaths:
     @property
     def loss_log(self) -> Path:
         return self.output_dir / "train_log.jsonl"
+
+    @property
+    def logs_dir(self) -> Path:
+        """The engines' server logs (and the recipes' stage logs)."""
+        return self.output_dir / "logs"
 
     @property
     def tracking_dir(self) -> Path:

@@ -88,7 +88,7 @@ def open_datasets(target: TargetConfig, extract: ExtractConfig, paths: RunPaths,
         from eagle3.targets import make_backend
 
         prepared = load_prepared(paths.prepared_dir)
-        backend = make_backend(target, extract, max_length, paths.output_dir / "logs")
+        backend = make_backend(target, extract, max_length, paths.logs_dir)
         argmax = ArgmaxHead.for_backend(backend, target, extract.teacher_chunk)
         evald = OnlineSource(backend, prepared.eval, extract.prefetch, argmax) if len(prepared.eval) else None
         return OnlineSource(backend, prepared.train, extract.prefetch, argmax), evald

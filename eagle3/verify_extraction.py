@@ -248,7 +248,7 @@ def run(cfg: Config, source: str = "backend", num_samples: int = 4, backend: Any
         if backend is None:
             from eagle3.targets import make_backend
 
-            backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
+            backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir)
         n = min(num_samples, len(prepared.train))
         sel = prepared.train.select(range(n))
         caps = backend.capture([list(x) for x in sel["input_ids"]])

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import Config, ConfigError, dump_config, load_config
+from eagle3.config import Config, ConfigError, load_config
 from eagle3.layer_ids import default_layer_ids, from_engine_ids, to_engine_ids
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,7 +123,7 @@ def test_cross_field_tree_size() -> None:
 
 def test_dump_round_trips(tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "smollm2-135m.yaml", ["train.lr=1e-3"])
-    again = load_config(_write(tmp_path, dump_config(cfg)))
+    again = load_config(_write(tmp_path, cfg.to_yaml()))
     assert again == cfg
 
 

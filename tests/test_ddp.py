@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.config import dump_config
-
 sys.path.append(str(Path(__file__).parent))  # tests/ helpers (appended: never shadow installed packages)
 import test_trainer  # noqa: E402
 from test_trainer import make_cfg, read_log  # noqa: E402
@@ -81,7 +79,7 @@ def test_two_process_ddp_ranks_agree(tiny_cache, tmp_path):  # noqa: F811
     out = tmp_path / "ddp"
     cfg = make_cfg(tiny_cache, out, max_steps=3, save_every=3, eval_every=3)
     config = tmp_path / "ddp.yaml"
-    config.write_text(dump_config(cfg))
+    config.write_text(cfg.to_yaml())
     script = tmp_path / "runner.py"
     script.write_text(RUNNER)
     r = launch_two_cpu_processes(script, config)
@@ -122,7 +120,7 @@ def test_train_py_with_the_cpu_recipe(tiny_cache, tmp_path):  # noqa: F811
     out = tmp_path / "recipe"
     cfg = make_cfg(tiny_cache, out, max_steps=2, save_every=2, eval_every=2)
     config = tmp_path / "c.yaml"
-    config.write_text(dump_config(cfg))
+    config.write_text(cfg.to_yaml())
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",

@@ -14,7 +14,6 @@ import yaml
 from models import kill_after_batches, make_prepared, tiny_deepseek_v3, tiny_llama, tiny_target_cfg
 
 from eagle3.cache import CacheError, HiddenStateDataset, expected_fingerprint, summary
-from eagle3.config import dump_config
 from eagle3.data.prepared import load_prepared
 from eagle3.extract import preflight_disk, run
 from eagle3.targets.hf import HFTarget
@@ -104,7 +103,7 @@ def _write_cfg(world, out: Path, **extract) -> Path:
     cfg = _cfg_at(world, out, **extract)
     p = out / "cfg.yaml"
     out.mkdir(parents=True, exist_ok=True)
-    p.write_text(dump_config(cfg))
+    p.write_text(cfg.to_yaml())
     return p
 
 

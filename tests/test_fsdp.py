@@ -22,8 +22,6 @@ import pytest
 import torch
 import yaml
 
-from eagle3.config import dump_config
-
 sys.path.append(str(Path(__file__).parent))  # tests/ helpers (appended: never shadow installed packages)
 import test_trainer  # noqa: E402
 from models import checkpoint_differences  # noqa: E402
@@ -90,7 +88,7 @@ def test_fsdp2_with_the_8gpu_launcher_settings_trains_and_resumes_exactly(tiny_c
     for name in ("straight", "crashed"):
         cfg = make_cfg(tiny_cache, tmp_path / name, draft, **kw)
         config = tmp_path / f"{name}.yaml"
-        config.write_text(dump_config(cfg))
+        config.write_text(cfg.to_yaml())
         runs[name] = (cfg, config)
 
     cfg, config = runs["straight"]

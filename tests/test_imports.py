@@ -97,3 +97,26 @@ def test_no_module_in_the_package_is_over_600_lines():
     found = {str(p.relative_to(PKG)): n for p in sorted(PKG.rglob("*.py"))
              if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert found == {}
+
+
+STAGE_ENTRIES = {"prepare.py:run", "extract.py:run", "extract.py:plan", "trainer.py:run", "trainer.py:set_up",
+                 "evaluate.py:run", "regenerate/__init__.py:run", "verify_extraction.py:run", "coverage.py:run",
+                 "data/show.py:show"}
+"""The functions that take the root Config (issue 42): each stage's entry and its set-up; everything they call takes
+its section and the run's paths (eagle3.paths.RunPaths)."""
+
+
+def _take_root_config(source: str, where: str) -> list[str]:
+    return [f"{where}:{n.name}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+            and any(a.annotation is not None and ast.unparse(a.annotation) in ("Config", "Config | None")
+                    for a in [*n.args.posonlyargs, *n.args.args, *n.args.kwonlyargs])]
+
+
+def test_only_the_stage_entries_take_the_root_config():
+    found = {f for p in sorted(PKG.rglob("*.py")) for f in _take_root_config(p.read_text(), str(p.relative_to(PKG)))}
+    assert found == STAGE_ENTRIES and len(found) <= 10
+
+
+def test_the_config_guard_sees_a_helper_taking_the_root_config():
+    assert _take_root_config("def f(cfg: Config, n: int): ...\ndef g(t: TargetConfig): ...", "m.py") == ["m.py:f"]

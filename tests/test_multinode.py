@@ -23,8 +23,6 @@ from models import checkpoint_differences, kill_after_checkpoint
 from test_ddp import PORT_TAKEN, free_port
 from test_trainer import make_cfg, read_log, tiny_cache  # noqa: F401  (the shared module fixture)
 
-from eagle3.config import dump_config
-
 REPO = Path(__file__).resolve().parent.parent
 TWO_NODES = REPO / "recipes" / "accelerate" / "ddp-2x8gpu.yaml"
 pytestmark = pytest.mark.slow
@@ -84,7 +82,7 @@ def test_two_machines_train_like_one_process_and_resume_after_one_dies(tiny_cach
     two = make_cfg(tiny_cache, tmp_path / "two", **kw)
     two.cpu_threads = 1  # "auto" follows the machine's load; exact comparisons need one summation order
     config = tmp_path / "two.yaml"
-    config.write_text(dump_config(two))
+    config.write_text(two.to_yaml())
     assert _run(tmp_path, config, tmp_path / "two") == [0, 0]
     log = read_log(tmp_path / "two")
     assert sorted(log) == list(range(1, 7))
@@ -106,7 +104,7 @@ def test_two_machines_train_like_one_process_and_resume_after_one_dies(tiny_cach
     crashed = make_cfg(tiny_cache, tmp_path / "crashed", **kw)
     crashed.cpu_threads = 1
     config_c = tmp_path / "crashed.yaml"
-    config_c.write_text(dump_config(crashed))
+    config_c.write_text(crashed.to_yaml())
     codes = _run(tmp_path, config_c, tmp_path / "crashed", machine1=kill_after_checkpoint(4))
     assert codes[0] != 0 and codes[1] != 0, codes
     assert "Signal 9" in (tmp_path / "crashed.machine1.log").read_text() or codes[1] < 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.config import TrainConfig, dump_config
+from eagle3.config import TrainConfig
 from eagle3.loss import StepStats, Teacher
 from eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from eagle3.objective import Objective
@@ -185,7 +185,7 @@ def test_fsdp2_with_sequence_parallel_trains_as_one_process_and_resumes_exactly(
     kw = dict(max_steps=4, save_every=2, eval_every=2, activation_checkpointing=True)
     cfg = make_cfg(tiny_cache, tmp_path / "sp", sequence_parallel=2, **kw)
     config = tmp_path / "sp.yaml"
-    config.write_text(dump_config(cfg))
+    config.write_text(cfg.to_yaml())
     r = _launch_fsdp(tmp_path, config)
     assert r.returncode == 0, r.stderr[-6000:]
     assert "sequence parallel 2: 1 data-parallel group(s) of 2 ranks" in r.stderr and "DTensor" not in r.stderr
@@ -214,7 +214,7 @@ def test_fsdp2_with_sequence_parallel_trains_as_one_process_and_resumes_exactly(
     (resumed / "train_log.jsonl").write_text("".join(f"{x}\n" for x in lines if json.loads(x).get("step", 0) <= 2))
     cfg_r = make_cfg(tiny_cache, resumed, sequence_parallel=2, **kw)
     config_r = tmp_path / "resumed.yaml"
-    config_r.write_text(dump_config(cfg_r))
+    config_r.write_text(cfg_r.to_yaml())
     r = _launch_fsdp(tmp_path, config_r)
     assert r.returncode == 0, r.stderr[-6000:]
     assert "resumed from" in r.stderr

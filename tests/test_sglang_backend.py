@@ -137,7 +137,7 @@ def llama(tmp_path_factory) -> Path:
 
 def sglang_target(cfg: Config, **kw) -> SGLangTarget:
     """The SGLang backend of a config, as eagle3.targets.make_backend builds it."""
-    return SGLangTarget(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs", **kw)
+    return SGLangTarget(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir, **kw)
 
 
 def _cfg(model: Path, tmp_path: Path, url: str | None = None, **sglang) -> Config:

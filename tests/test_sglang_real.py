@@ -31,7 +31,7 @@ from models import kill_after_batches, kimi_wrapped, tiny_llama
 from sglang_cpu.tiny_models import sglang_deepseek_fields, sglang_tiny_deepseek_v3
 from tokenizer_builders import kimi_test_tokenizer, llama_test_tokenizer
 
-from eagle3.config import Config, dump_config
+from eagle3.config import Config
 
 pytestmark = pytest.mark.sglang
 
@@ -156,7 +156,7 @@ def eagle3_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 9
 
 
 def write_cfg(cfg: Config, path: Path) -> Path:
-    path.write_text(dump_config(cfg))
+    path.write_text(cfg.to_yaml())
     return path
 
 

@@ -203,7 +203,6 @@ def test_stored_argmax_is_the_targets_and_a_format_1_cache_is_upgraded_to_the_sa
 
     from eagle3.cache import CacheError, HiddenStateDataset, Manifest, read_meta
     from eagle3.cli import main
-    from eagle3.config import dump_config
     from eagle3.fsutil import sha256_file, write_json_atomic
     from eagle3.targets.argmax import lm_head_argmax
     from eagle3.targets.weights import load_target_head
@@ -235,7 +234,7 @@ def test_stored_argmax_is_the_targets_and_a_format_1_cache_is_upgraded_to_the_sa
     with pytest.raises(CacheError, match=f"format 1.*eagle3 cache upgrade {old} --config"):
         trainer.run(cfg)
     cfg_file = tmp_path / "cfg.yaml"
-    cfg_file.write_text(dump_config(cfg))
+    cfg_file.write_text(cfg.to_yaml())
     assert main(["cache", "upgrade", str(old), "--config", str(cfg_file)]) == 0
     for shard in sorted(tiny_cache["cache"].glob("*/*.arrow")):
         assert sha256_file(old / shard.parent.name / shard.name) == sha256_file(shard), shard.name

@@ -79,7 +79,6 @@ def _shares(n: tuple[int, int, int]) -> tuple[float, float]:
 
 def test_coverage_command_and_card_equal_an_independent_count(tmp_path: Path, capsys):
     from eagle3.cli import main
-    from eagle3.config import dump_config
     from eagle3.evaluate import run as evaluate
 
     cfg, t2d = _coverage_cfg(tmp_path)
@@ -88,7 +87,7 @@ def test_coverage_command_and_card_equal_an_independent_count(tmp_path: Path, ca
     assert want == {"x": (2 * n, n, n), "y": (3 * n, 2 * n, 2 * n), "all": (5 * n, 3 * n, 3 * n)}  # the design
 
     config = tmp_path / "cfg.yaml"
-    config.write_text(dump_config(cfg))
+    config.write_text(cfg.to_yaml())
     assert main(["vocab", "coverage", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     from eagle3.coverage import run

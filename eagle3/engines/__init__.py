@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from eagle3.config import Config, EvalConfig, TargetConfig
+    from eagle3.config import EvalConfig, TargetConfig
     from eagle3.paths import RunPaths
 
 log = logging.getLogger("eagle3")
@@ -21,13 +21,11 @@ log = logging.getLogger("eagle3")
 
 @dataclass(frozen=True)
 class EngineRun:
+    """EngineRun(cfg.target, cfg.eval, cfg.paths)."""
+
     target: TargetConfig
     eval: EvalConfig
     paths: RunPaths
-
-    @classmethod
-    def of(cls, cfg: Config) -> EngineRun:
-        return cls(cfg.target, cfg.eval, cfg.paths)
 
 
 def prompt_agreement(engine: str, sent: list[int], seen: list[int | None]) -> dict[str, int]:

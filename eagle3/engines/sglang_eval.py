@@ -151,7 +151,7 @@ def serving(run: EngineRun, draft_folder: Path | None) -> Iterator[tuple[str, Pa
         raise ValueError("--engine sglang without target.sglang.url needs the head to serve (eval.checkpoint)")
     draft = sglang_draft(run, draft_folder)
     os.environ.pop(ENV_DUMP_DIR, None)  # a capture plugin switched on would dump every prefill of the eval
-    log_file = run.paths.output_dir / "logs" / f"sglang-eagle3-{os.getpid()}.log"
+    log_file = run.paths.logs_dir / f"sglang-eagle3-{os.getpid()}.log"
     with SGLangServer(eagle3_flags(run, resolve_target_path(run.target.path), draft), {}, log_file,
                       run.target.sglang.startup_timeout_s, what="SGLang with the EAGLE-3 head") as server:
         yield server.url, draft

@@ -2,7 +2,7 @@
 backends (`hf` in-process, `sglang` a capturing server).
 
     from eagle3.targets import make_backend
-    backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
+    backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir)
 """
 
 from __future__ import annotations
