@@ -6,7 +6,11 @@
 The trainer's own eval (eagle3.trainer.evaluate: greedy-chain `sim_accept_len`, acc_j) over the whole eval split
 of the config's cache (during training it reads only `train.eval_max_samples` of it), for each head in turn, so
 heads trained from caches of other storage (extract.storage) are scored on the same exact states. Prints one line
-per head and a JSON summary.
+per head and a JSON summary. `--copy` adds each TTT step's teacher-forced accuracy at the copy positions (where
+vLLM's prompt lookup proposes the target's next token: eagle3.objective.copy_positions) and at the others:
+
+    python benchmarks/bench_heldout.py --config configs/smollm2-135m.yaml --copy \
+        --heads runs/smollm2-135m/checkpoints/best runs/smollm2-135m-copy3/checkpoints/best
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--heads", nargs="+", required=True, help="draft folders or checkpoints (their draft/)")
+    p.add_argument("--copy", action="store_true", help="accuracy at copy positions and elsewhere, per TTT step")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
@@ -44,17 +49,53 @@ def main() -> int:
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, _ = load_target_head(cfg.target.path)
     teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
-    objective = Objective(teacher, cfg.train)
+    objective = Objective(teacher, cfg.train.model_copy(update={"copy_weight": 1.0}))  # every position weighs 1
     data = HiddenStateDataset(cfg.cache_dir, "eval")
     out = {"cache": str(cfg.cache_dir), "eval_samples": len(data), "heads": {}}
     for head in a.heads:
         draft = load_draft(resolve_draft_folder(head), embed_weight=embed)
-        ev = evaluate(accelerator, accelerator.prepare(draft), objective, data, cfg)
+        model = accelerator.prepare(draft)
+        ev = evaluate(accelerator, model, objective, data, cfg.train)
+        if a.copy:
+            ev["copy"] = copy_accuracy(model, objective, data)
+            parts = [f"{k} acc_j " + " ".join(f"{x:.4f}" for x in v["acc"]) + f" over {v['positions']}"
+                     for k, v in ev["copy"].items()]
+            print(f"{head}: " + "; ".join(parts), flush=True)
         out["heads"][head] = ev
         print(f"{head}: sim_accept_len {ev['sim_accept_len']:.4f} (teacher-forced {ev['sim_accept_len_tf']:.4f}), "
               + " ".join(f"acc_{j}={ev[f'acc_{j}']:.4f}" for j in range(cfg.train.ttt_steps)), flush=True)
     print(json.dumps(out, indent=2))
     return 0
+
+
+@torch.no_grad()
+def copy_accuracy(model, objective, data) -> dict[str, dict]:
+    """Each TTT step's teacher-forced accuracy (draft argmax == the target's) over the eval split's scored positions,
+    split by whether the teacher's position is a copy position."""
+    from eagle3.batching import collate
+    from eagle3.loss import SoftCE
+    from eagle3.objective import copy_positions
+
+    steps = objective.train.ttt_steps
+    hits = {k: torch.zeros(steps) for k in ("copy", "other")}
+    seen = {k: torch.zeros(steps) for k in ("copy", "other")}
+    model.eval()
+    for i in range(len(data)):
+        batch = collate([data[i]])
+        planned = objective.plan(batch)
+        b, rows = objective.to_device(planned.batch), planned.rows.to(objective.device)
+        copy = copy_positions(batch["input_ids"], batch["target_argmax"]).flatten()[rows.teacher_pos.cpu()]
+        probs = objective.teacher.probs(b["final"].flatten(0, 1)[rows.teacher_pos])
+        out = model(b["aux"], b["input_ids"], rows, head=SoftCE(probs, rows, 1.0))
+        target = objective.teacher.to_draft[b["target_argmax"]].flatten()[rows.teacher_pos]
+        for j, am in enumerate(out.argmax):
+            tr = rows.teacher_row[j]
+            hit, c = (am == target[tr]).cpu(), copy[tr.cpu()]
+            hits["copy"][j] += hit[c].sum()
+            seen["copy"][j] += c.sum()
+            hits["other"][j] += hit[~c].sum()
+            seen["other"][j] += (~c).sum()
+    return {k: {"acc": (hits[k] / seen[k].clamp(min=1)).tolist(), "positions": int(seen[k][0])} for k in hits}
 
 
 if __name__ == "__main__":
