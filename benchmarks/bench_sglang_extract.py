@@ -53,7 +53,7 @@ def main() -> None:
     hf_cfg.target.backend = "hf"
     hf = HFTarget(hf_cfg.target, hf_cfg.extract)
     t0 = time.monotonic()
-    sg = SGLangTarget(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.output_dir / "logs")
+    sg = SGLangTarget(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir)
     print(f"SGLang capture server up in {time.monotonic() - t0:.0f} s (preflight included)", flush=True)
     secs = {"sglang": 0.0, "hf": 0.0}
     tokens, worst = 0, 0.0

@@ -308,7 +308,8 @@ class TrainConfig(Section):
     copy_weight: float = Field(1.0, gt=0)
     """Loss weight of the positions where prompt lookup (vLLM's n-gram rule, n 2-4) on the text so far proposes the
     target's next token (eagle3.objective.copy_positions): above 1 pushes the head toward copying from its context,
-    where answers re-emit the prompt (code edits); 1 weighs every position alike. Measured: BENCHMARKS.md "Code and
+    where answers re-emit the prompt (code edits); 1 weighs every position alike. The logged loss_j (train and eval)
+    is then the weighted loss; acc_j and sim_accept_len are not weighted. Measured: BENCHMARKS.md "Code and
     edits"."""
     mask_out_of_vocab: bool = True
     """Drop positions whose target argmax is outside the draft vocab (EAGLE's rule)."""

@@ -52,12 +52,12 @@ class Objective:
         self.device = teacher.device
 
     def plan(self, batch: dict[str, Tensor]) -> PlannedBatch:
-        own, start = None, 0
-        if self.sp is not None:
-            batch, own, start = self.sp.shard(batch, self.train.ttt_steps)
         if self.train.copy_weight != 1.0:  # before sharding: a lookup needs the whole context before a position
             copy = copy_positions(batch["input_ids"], batch["target_argmax"])
             batch = {**batch, "position_weight": 1.0 + (self.train.copy_weight - 1.0) * copy.float()}
+        own, start = None, 0
+        if self.sp is not None:
+            batch, own, start = self.sp.shard(batch, self.train.ttt_steps)
         draft_argmax = self.teacher.to_draft_host[batch["target_argmax"]]
         return PlannedBatch(batch, plan_rows(batch["loss_mask"], draft_argmax, self.train.ttt_steps,
                                              self.train.mask_out_of_vocab, own, start))

@@ -358,7 +358,6 @@ def _read_and_render(data: DataConfig, tokenizer: Any, tpl: Any) -> tuple[dict[s
     return read, eval_s, train_s
 
 
-
 def _say_weights(out: Path, reused: dict[str, Any], weights: dict[str, float] | None) -> None:
     if reused.get("vocab_weights") != weights:
         log.warning(f"the draft vocab in {out} was counted with source weights {reused.get('vocab_weights')}, this "

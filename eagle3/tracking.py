@@ -23,6 +23,7 @@ from eagle3.paths import RunPaths
 
 log = logging.getLogger("eagle3")
 
+
 class Tracker:
     """Rank 0's side effects of a training run behind one object, so the loop needs no `if main` guards."""
 

@@ -76,3 +76,21 @@ def test_copy_weight_changes_nothing_where_nothing_repeats():
     b["input_ids"] = torch.randperm(VOCAB)[:96][None]  # no n-gram occurs twice
     assert not copy_positions(b["input_ids"], b["target_argmax"]).any()
     torch.testing.assert_close(loss_and_grads(b, 4.0)[0], loss_and_grads(b, 1.0)[0], rtol=0, atol=0)
+
+
+def test_copy_weights_of_a_sequence_parallel_rank_are_the_whole_sequences():
+    """Each rank of a sequence-parallel group holds a slice of the positions: a lookup on the slice alone would miss
+    the context before it, so its weights must be the single process's over its window."""
+    from eagle3.sequence_parallel import SequenceParallel
+
+    _, teacher, _ = head()
+    b = batch()
+    train = TrainConfig(ttt_steps=3, copy_weight=3.0)
+    whole = Objective(teacher, train).plan(b).batch["position_weight"]
+    for rank in range(2):
+        part = Objective(teacher, train, SequenceParallel(2, rank, None)).plan(b)
+        start = part.rows.start
+        got = part.batch["position_weight"]
+        n = min(got.shape[1], whole.shape[1] - start)
+        assert torch.equal(got[:, :n], whole[:, start:start + n]) and start == rank * 48
+        assert rank == 0 or got[:, :n].sum() > n  # the second half repeats the first: its copy positions are weighted

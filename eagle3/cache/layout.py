@@ -37,7 +37,8 @@ _LABELS = {
 
 
 # ------------------------------------------------------------------------------------------------ fingerprint
-def expected_fingerprint(target: TargetConfig, storage: Storage, prepared: dict[str, Any] | Path) -> dict[str, Any]:
+def expected_fingerprint(target: TargetConfig, storage: Storage, prepared: dict[str, Any] | str | Path
+                         ) -> dict[str, Any]:
     """What a cache of `target`'s states for the prepared data (its meta.json, or the folder holding it) must have
     been extracted with; computed from config.json and the weight file listing, without loading the model (the
     trainer calls this before training)."""
@@ -46,10 +47,10 @@ def expected_fingerprint(target: TargetConfig, storage: Storage, prepared: dict[
     folder = resolve_target_path(target.path)
     info = read_target_info(folder)
     num_layers = info.num_layers
-    if isinstance(prepared, Path):  # the samples the states belong to: never guessed (a missing file is an error)
+    if not isinstance(prepared, dict):  # the samples the states belong to: never guessed (a missing file is an error)
         from eagle3.data.prepared import read_prepared_meta
 
-        prepared = read_prepared_meta(prepared, check_files=False)
+        prepared = read_prepared_meta(Path(prepared), check_files=False)
     prepared_meta = prepared
     return {
         "format": FORMAT_VERSION,
