@@ -43,8 +43,8 @@ if _STEP and trainer is not None:
 
     _save = trainer.save_checkpoint
 
-    def _save_then_maybe_die(accelerator, model, cfg, state, *a):  # noqa: ANN001, ANN202
-        path = _save(accelerator, model, cfg, state, *a)
+    def _save_then_maybe_die(accelerator, model, state, *a):  # noqa: ANN001, ANN202
+        path = _save(accelerator, model, state, *a)
         if state.step >= int(_STEP):
             os.kill(os.getpid(), signal.SIGKILL)
         return path

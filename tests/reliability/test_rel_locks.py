@@ -66,8 +66,8 @@ if _DIR and os.environ.get("EAGLE3_TEST_PAUSE_AFTER_CHECKPOINT"):
         trainer = None
     if trainer is not None:
         _save, _step = trainer.save_checkpoint, int(os.environ["EAGLE3_TEST_PAUSE_AFTER_CHECKPOINT"])
-        def _save_then_pause(accelerator, model, cfg, state, *a):
-            path = _save(accelerator, model, cfg, state, *a)
+        def _save_then_pause(accelerator, model, state, *a):
+            path = _save(accelerator, model, state, *a)
             if state.step == _step:
                 _pause()
             return path
