@@ -95,7 +95,8 @@ def main() -> int:
     if suffix_available(python, Path(a.suffix)):
         rendered = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())
         prompts = [x for name in report["sets"] for x in rendered[name]]
-        sfx = run_vllm(EngineRun(cfg.target, cfg.eval, cfg.paths), None, prompts, groups=vllm["prompt_groups"], method="suffix", check_greedy=False)
+        sfx = run_vllm(EngineRun(cfg.target, cfg.eval, cfg.paths), None, prompts, groups=vllm["prompt_groups"],
+                       method="suffix", check_greedy=False)
         g = sfx.pop("groups", {})
         methods["suffix"] = g | {name: pooled_groups(g, name) for name in report["sets"]}
         suffix_note = "suffix decoding: vLLM's method=suffix (arctic-inference)"

@@ -210,8 +210,8 @@ def extract_all(work: Work, backend: Any) -> dict[str, Any]:
         for job in work.jobs:
             tokens_at_start, committed = done.tokens, sum(len(m.shards) for m in work.manifests.values())
             try:
-                entry = _extract_shard(cfg.extract, cache_dir, backend, argmax, work.data[job.split], work.lengths[job.split], job, fp,
-                                       rank, world, done, prog)
+                entry = _extract_shard(cfg.extract, cache_dir, backend, argmax, work.data[job.split],
+                                       work.lengths[job.split], job, fp, rank, world, done, prog)
             except BaseException as e:
                 if disk_full_error(e) is not None:
                     path = cache_dir / job.split / shard_name(rank, world, job.shard)

@@ -450,8 +450,8 @@ def _render_and_split(used: list[Any], d: DataConfig, tokenizer: Any, tpl: Any, 
     return samples[:n_eval], samples[n_eval:], render_s
 
 
-def _meta(data: DataConfig, target_path: str, fp: str, fp_in: dict[str, Any], tokenizer: Any, tpl: Any, vsize: int, vocab: DraftVocab,
-          summary: dict[str, Any]) -> dict[str, Any]:
+def _meta(data: DataConfig, target_path: str, fp: str, fp_in: dict[str, Any], tokenizer: Any, tpl: Any, vsize: int,
+          vocab: DraftVocab, summary: dict[str, Any]) -> dict[str, Any]:
     return {
         "version": PREPARE_VERSION,
         "fingerprint": fp,

@@ -124,12 +124,13 @@ def train_mixture(sources: list[SourceConfig], paths: RunPaths, train_ds: Any) -
         return None
     from datasets import load_from_disk
 
-    prepared = train_ds.split if isinstance(train_ds, OnlineSource) else load_from_disk(str(paths.prepared_dir / "train"))
+    online = isinstance(train_ds, OnlineSource)
+    prepared = train_ds.split if online else load_from_disk(str(paths.prepared_dir / "train"))
     if "source" not in prepared.column_names:
         raise UserError(f"the prepared data in {paths.prepared_dir} records no source per sample (made by an older "
                         "eagle3): data.sources[].weight needs it; re-run `eagle3 prepare --config ...`")
     sources = prepared["source"]
-    if isinstance(train_ds, OnlineSource):  # the prepared rows themselves
+    if online:  # the prepared rows themselves
         rows = list(range(len(sources)))
     else:
         row_of = {sid: i for i, sid in enumerate(prepared["id"])}
@@ -177,8 +178,8 @@ def verify_before_training(cache_dir: Path) -> None:
     log.info("cache %s: every shard's checksum matches its manifest", cache_dir)
 
 
-def build_draft(dc: DraftConfig, target: TargetConfig, seed: int, hf_config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
-                embed: torch.Tensor, lm_head: torch.Tensor) -> Eagle3Draft:
+def build_draft(dc: DraftConfig, target: TargetConfig, seed: int, hf_config: dict[str, Any], d2t: torch.Tensor,
+                t2d: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor) -> Eagle3Draft:
     torch.manual_seed(seed)
     dcfg = Eagle3DraftConfig.from_target(dc, target, hf_config, draft_vocab_size=int(d2t.shape[0]))
     if dc.init_from:

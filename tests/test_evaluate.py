@@ -21,6 +21,11 @@ from eagle3.prompts import load_prompt_set, mt_bench, read_jsonl_prompts
 VOCAB = 512
 
 
+def _engine_run(cfg: Config) -> EngineRun:
+    """What the engines take of a config (evaluate.run builds the same)."""
+    return EngineRun(cfg.target, cfg.eval, cfg.paths)
+
+
 # ------------------------------------------------------------------------------------------------- prompts
 def test_mt_bench_has_80_two_turn_questions():
     ps = mt_bench()
@@ -357,10 +362,10 @@ def test_a_failed_vllm_run_names_its_root_cause(tmp_path, monkeypatch):
     fake.chmod(0o755)
     cfg = _setup(tmp_path, engine="vllm", max_prompts=1)
     with pytest.raises(RuntimeError, match=r"exit 1\): RuntimeError: Unsupported CPU attention configuration"):
-        vllm_eval.run_vllm(EngineRun(cfg.target, cfg.eval, cfg.paths), cfg.checkpoint_dir / "best", [[1, 2, 3]], python=str(fake))
+        vllm_eval.run_vllm(_engine_run(cfg), cfg.checkpoint_dir / "best", [[1, 2, 3]], python=str(fake))
     fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'vllm'\" >&2\nexit 1\n")
     with pytest.raises(RuntimeError, match="cannot import vllm: set EAGLE3_VLLM_PYTHON"):
-        vllm_eval.run_vllm(EngineRun(cfg.target, cfg.eval, cfg.paths), cfg.checkpoint_dir / "best", [[1, 2, 3]], python=str(fake))
+        vllm_eval.run_vllm(_engine_run(cfg), cfg.checkpoint_dir / "best", [[1, 2, 3]], python=str(fake))
 
 
 # ------------------------------------------------------------------------------------- divergence explained
@@ -553,7 +558,7 @@ def test_sglang_alone_reports_categories_that_add_up_and_survives_a_turn_that_en
 
     ps = PromptSet("cats", [Prompt("a", ["Write a loop", "Now in C"], category="coding"),
                             Prompt("b", ["Write a poem"], category="writing")])
-    pooled, _ = sglang_eval.run_sglang_dialogues(EngineRun(cfg.target, cfg.eval, cfg.paths), [ps], Render(), tmp_path)
+    pooled, _ = sglang_eval.run_sglang_dialogues(_engine_run(cfg), [ps], Render(), tmp_path)
     r = pooled["sets"]["cats"]
     assert r["turns"] == 3 and r["verify_steps"] == 6 and r["tau"] == pytest.approx((8 + 6) / 6)
     assert r["categories"]["coding"] == {"turns": 2, "verify_steps": 4, "tau": pytest.approx(8 / 4)}
@@ -597,7 +602,7 @@ def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ng
 
     ps = PromptSet("cats", [Prompt("a", ["Write a loop", "Now in C"], category="coding"),
                             Prompt("b", ["Write a poem"], category="writing")])
-    out, rendered = vllm_eval.run_vllm_dialogues(EngineRun(cfg.target, cfg.eval, cfg.paths), [ps], Render(), tmp_path)
+    out, rendered = vllm_eval.run_vllm_dialogues(_engine_run(cfg), [ps], Render(), tmp_path)
     assert [c[0] for c in calls] == ["plain", "eagle3", "ngram"]
     assert calls[0][1] == [[12]]  # only the first turn of the two-turn prompt needed an answer
     assert rendered["cats"] == [[12], [12, 40, 8], [12]]  # turn 2 follows vLLM's 40-token answer
@@ -642,9 +647,9 @@ def test_sglang_on_a_cpu_flags_its_sampled_tau(device, route):
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
         cfg = Config()
-        assert sampling_caveat(url, EngineRun(cfg.target, cfg.eval, cfg.paths)) is None and asked == []  # greedy: nothing to check
+        assert sampling_caveat(url, _engine_run(cfg)) is None and asked == []  # greedy: nothing to check
         cfg.eval.temperature = 0.7
-        assert sampling_caveat(url, EngineRun(cfg.target, cfg.eval, cfg.paths)) == (CPU_GREEDY if device == "cpu" else None)
+        assert sampling_caveat(url, _engine_run(cfg)) == (CPU_GREEDY if device == "cpu" else None)
         assert asked[-1] == route
     finally:
         httpd.shutdown()

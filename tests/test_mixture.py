@@ -247,43 +247,49 @@ def test_fingerprints_follow_thinking_join_parts_and_vocab_from_never_the_weight
     meta = load_prepared(first.prepared_dir).meta
     caplog.set_level(logging.WARNING, "eagle3")
     reweighted = cfg(5, 1)
-    assert prepared.fingerprint(prepared.fingerprint_inputs(reweighted.data, reweighted.draft, *_target(reweighted))) == meta["fingerprint"]
+    assert prepared.fingerprint(_inputs(reweighted)) == meta["fingerprint"]
     prepare.run(reweighted)  # reused, not rebuilt: same folder, same files
     assert load_prepared(first.prepared_dir).meta["created"] == meta["created"]
     assert "counted with source weights {'a': 1.0, 'b': 1.0}, this config has {'a': 5.0, 'b': 1.0}" in caplog.text
     for stage in ("extract", "train"):
-        prepared.check_prepared(reweighted.data, reweighted.draft, reweighted.target, reweighted.prepared_dir, meta, stage)  # nothing to re-prepare
+        _check(reweighted, meta, stage)  # nothing to re-prepare
     assert (expected_fingerprint(reweighted.target, reweighted.extract.storage, meta)
             == expected_fingerprint(first.target, first.extract.storage, meta))  # nor to re-extract
 
     thinking = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, thinking: true}}, {{path: {b}, weight: 1}}]")
-    assert prepared.fingerprint(prepared.fingerprint_inputs(thinking.data, thinking.draft, *_target(thinking))) != meta["fingerprint"]
+    assert prepared.fingerprint(_inputs(thinking)) != meta["fingerprint"]
     with pytest.raises(PreparedError, match=r"data.sources: prepared with "):
-        prepared.check_prepared(thinking.data, thinking.draft, thinking.target, thinking.prepared_dir, meta, "extract")
+        _check(thinking, meta, "extract")
     same = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, thinking: false}}, {{path: {b}, weight: 1}}]")
-    prepared.check_prepared(same.data, same.draft, same.target, same.prepared_dir, meta, "train")  # data.thinking's own value: the rendering is the same
+    _check(same, meta, "train")  # data.thinking's own value: the rendering is the same
     joined = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, join_parts: true}}, {{path: {b}, weight: 1}}]")
-    assert prepared.fingerprint(prepared.fingerprint_inputs(joined.data, joined.draft, *_target(joined))) != meta["fingerprint"]
+    assert prepared.fingerprint(_inputs(joined)) != meta["fingerprint"]
     with pytest.raises(PreparedError, match=r"data.sources: prepared with .*this config has .*\"join_parts\": true"):
-        prepared.check_prepared(joined.data, joined.draft, joined.target, joined.prepared_dir, meta, "extract")  # other records joined: other samples
+        _check(joined, meta, "extract")  # other records joined: other samples
     unjoined = _cfg(tmp_path, target, f"[{{path: {a}, weight: 1, join_parts: false}}, {{path: {b}, weight: 1}}]")
-    prepared.check_prepared(unjoined.data, unjoined.draft, unjoined.target, unjoined.prepared_dir, meta, "train")  # the default, said: the same samples
+    _check(unjoined, meta, "train")  # the default, said: the same samples
 
     prompts = cfg(1, 1, "draft.vocab_from=answers+prompts")
-    fp_in = prepared.fingerprint_inputs(prompts.data, prompts.draft, *_target(prompts))
+    fp_in = _inputs(prompts)
     assert prepared.fingerprint(fp_in) != meta["fingerprint"]
-    prepared.check_prepared(prompts.data, prompts.draft, prompts.target, prompts.prepared_dir, meta, "extract")  # the states do not depend on the vocab...
+    _check(prompts, meta, "extract")  # the states do not depend on the vocab...
     with pytest.raises(PreparedError, match="draft.vocab_from"):
-        prepared.check_prepared(prompts.data, prompts.draft, prompts.target, prompts.prepared_dir, meta, "train")  # ...the head does
+        _check(prompts, meta, "train")  # ...the head does
     prepare.run(prompts)
     assert load_prepared(prompts.prepared_dir).meta["samples_fingerprint"] == meta["samples_fingerprint"]
 
 
-def _target(cfg):
+def _inputs(cfg):
+    """The fingerprint inputs `prepare` records for this config."""
     from eagle3.data.templates import load_tokenizer, resolve_template
 
     tok = load_tokenizer(cfg.target)
-    return tok, resolve_template(cfg.data.chat_template, tok), prepared.target_vocab_size(cfg.target, tok)
+    vsize = prepared.target_vocab_size(cfg.target, tok)
+    return prepared.fingerprint_inputs(cfg.data, cfg.draft, tok, resolve_template(cfg.data.chat_template, tok), vsize)
+
+
+def _check(cfg, meta, stage):
+    prepared.check_prepared(cfg.data, cfg.draft, cfg.target, cfg.prepared_dir, meta, stage)
 
 
 def test_two_weighted_sources_with_one_name_are_refused(tmp_path: Path, tok_dir: Path):

@@ -47,11 +47,12 @@ def expected_fingerprint(target: TargetConfig, storage: Storage, prepared: dict[
     folder = resolve_target_path(target.path)
     info = read_target_info(folder)
     num_layers = info.num_layers
-    if not isinstance(prepared, dict):  # the samples the states belong to: never guessed (a missing file is an error)
+    if isinstance(prepared, dict):
+        prepared_meta = prepared
+    else:  # the samples the states belong to: never guessed (a missing file is an error)
         from eagle3.data.prepared import read_prepared_meta
 
-        prepared = read_prepared_meta(Path(prepared), check_files=False)
-    prepared_meta = prepared
+        prepared_meta = read_prepared_meta(Path(prepared), check_files=False)
     return {
         "format": FORMAT_VERSION,
         "target_path": target.path,

@@ -385,8 +385,8 @@ class SGLangTarget:
             if longest is not None and longest < self.max_length:
                 problems.append(f"it takes prompts of at most {longest} tokens, data.max_length is "
                                 f"{self.max_length} (start it with --context-length "
-                                f"{capture_context(self.target, self.max_length)} and a KV pool that holds as many tokens, or lower "
-                                "data.max_length)")
+                                f"{capture_context(self.target, self.max_length)} and a KV pool that holds as many "
+                                "tokens, or lower data.max_length)")
             if problems:
                 raise RuntimeError(f"preflight: the SGLang server at {self.url} would drop or split tokens: "
                                    + "; ".join(problems))
