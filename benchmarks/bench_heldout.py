@@ -5,7 +5,8 @@
 
 The trainer's own eval (eagle3.trainer.evaluate: greedy-chain `sim_accept_len`, acc_j) over the whole eval split
 of the config's cache (during training it reads only `train.eval_max_samples` of it), for each head in turn, so
-heads trained from caches of other storage (extract.storage) are scored on the same exact states. Prints one line
+heads trained from caches of other storage (extract.storage) or on other data (each in its own draft vocabulary: a
+target token outside it is a miss) are scored on the same exact states. Prints one line
 per head and a JSON summary. `--copy` adds each TTT step's teacher-forced accuracy at the copy positions (where
 vLLM's prompt lookup proposes the target's next token: eagle3.objective.copy_positions) and at the others:
 
@@ -33,7 +34,6 @@ def main() -> int:
     from eagle3.cache import HiddenStateDataset
     from eagle3.checkpoints import resolve_draft_folder
     from eagle3.config import load_config
-    from eagle3.data.prepared import load_vocab
     from eagle3.formats import load_draft
     from eagle3.logs import setup_logging
     from eagle3.loss import Teacher
@@ -46,14 +46,15 @@ def main() -> int:
     cfg = load_config(a.config, a.overrides)
     cfg.train.eval_max_samples = None
     accelerator = make_accelerator(cfg.train, cfg.tracking, cfg.paths)
-    d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, _ = load_target_head(cfg.target.path)
-    teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
-    objective = Objective(teacher, cfg.train.model_copy(update={"copy_weight": 1.0}))  # every position weighs 1
     data = HiddenStateDataset(cfg.cache_dir, "eval")
     out = {"cache": str(cfg.cache_dir), "eval_samples": len(data), "heads": {}}
     for head in a.heads:
         draft = load_draft(resolve_draft_folder(head), embed_weight=embed)
+        # each head is scored in its own draft vocabulary (heads of other data have other ones): a target token
+        # outside it is a miss, so heads of different vocabularies compare on the same target tokens
+        teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), draft.d2t, draft.t2d).to(accelerator.device)
+        objective = Objective(teacher, cfg.train.model_copy(update={"copy_weight": 1.0}))  # every position weighs 1
         model = accelerator.prepare(draft)
         ev = evaluate(accelerator, model, objective, data, cfg.train)
         if a.copy:
