@@ -5,8 +5,9 @@
 
 The trainer's own eval (eagle3.trainer.evaluate: greedy-chain `sim_accept_len`, acc_j) over the whole eval split
 of the config's cache (during training it reads only `train.eval_max_samples` of it), for each head in turn, so
-heads trained from caches of other storage (extract.storage) or on other data (each in its own draft vocabulary: a
-target token outside it is a miss) are scored on the same exact states. Prints one line
+heads trained from caches of other storage (extract.storage) or on other data are scored on the same exact states
+(each in its own draft vocabulary, over the positions whose target token it holds: the trainer's
+`train.mask_out_of_vocab`, so position counts differ a little between vocabularies). Prints one line
 per head and a JSON summary. `--copy` adds each TTT step's teacher-forced accuracy at the copy positions (where
 vLLM's prompt lookup proposes the target's next token: eagle3.objective.copy_positions) and at the others:
 
@@ -51,8 +52,7 @@ def main() -> int:
     out = {"cache": str(cfg.cache_dir), "eval_samples": len(data), "heads": {}}
     for head in a.heads:
         draft = load_draft(resolve_draft_folder(head), embed_weight=embed)
-        # each head is scored in its own draft vocabulary (heads of other data have other ones): a target token
-        # outside it is a miss, so heads of different vocabularies compare on the same target tokens
+        # each head in its own draft vocabulary (a head trained on other data has another one)
         teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), draft.d2t, draft.t2d).to(accelerator.device)
         objective = Objective(teacher, cfg.train.model_copy(update={"copy_weight": 1.0}))  # every position weighs 1
         model = accelerator.prepare(draft)
