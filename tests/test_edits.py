@@ -60,3 +60,10 @@ def test_eval_kinds_are_edit_kinds_and_rename_names_the_function():
     assert set(edits.EVAL_KINDS) <= set(edits.EDITS)
     ask = edits.edit_ask("rename", "def f(x):\n    return x\n", "f")
     assert ask.startswith("Rename the function `f` to `f_v2`") and ask.endswith("```python\ndef f(x):\n    return x\n```")
+
+
+def test_a_python_without_its_library_sources_is_told_not_given_an_empty_source(home, monkeypatch):
+    monkeypatch.setattr(edits, "STDLIB_MODULES", ("no_such_module",))
+    with pytest.raises(RuntimeError, match="has none of the standard library's sources"):
+        list(read_conversations(SourceConfig(path="bundled:code-edits"), for_generation=True))
+    assert not list(home.rglob("*.jsonl"))  # nothing written: the next run tries again

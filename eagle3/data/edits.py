@@ -88,10 +88,14 @@ def edits_source() -> Path:
 
     path = eagle3_home() / "data" / f"code-edits-py{sys.version_info[0]}{sys.version_info[1]}.jsonl"
     if not path.is_file():
-        kinds = list(EDITS)
-        lines = [json.dumps({"id": f"{qualname}/{kinds[i % len(kinds)]}", "messages": [
-            {"role": "user", "content": edit_ask(kinds[i % len(kinds)], code, name)}]}, ensure_ascii=False) + "\n"
-            for i, (qualname, code, name) in enumerate(stdlib_functions())]
+        kinds, lines = list(EDITS), []
+        for i, (qualname, code, name) in enumerate(stdlib_functions()):
+            kind = kinds[i % len(kinds)]
+            lines.append(json.dumps({"id": f"{qualname}/{kind}", "messages": [
+                {"role": "user", "content": edit_ask(kind, code, name)}]}, ensure_ascii=False) + "\n")
+        if not lines:
+            raise RuntimeError(f"bundled:code-edits: this Python ({sys.executable}) has none of the standard library's "
+                               f"sources of {', '.join(STDLIB_MODULES[:4])}, ... (a build without .py files)")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text("".join(lines), encoding="utf-8")
