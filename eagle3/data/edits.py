@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -66,16 +67,20 @@ def stdlib_functions() -> Iterator[tuple[str, str, str]]:
 
 
 def _functions(module: str, text: str) -> Iterator[tuple[str, str, str]]:
+    # sliced per def (ast.get_source_segment splits the file on every call); newlines as ast counts lines
+    lines = io.StringIO(text, newline="").readlines()
+
     def walk(body: list[ast.stmt], prefix: str) -> Iterator[tuple[str, str, str]]:
         for node in body:
             if isinstance(node, ast.ClassDef):
                 yield from walk(node.body, f"{prefix}{node.name}.")
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 assert node.end_lineno is not None
-                lines = node.end_lineno - node.lineno + 1
-                segment = ast.get_source_segment(text, node, padded=True)
-                if FUNCTION_LINES[0] <= lines <= FUNCTION_LINES[1] and segment:
-                    yield f"{module}.{prefix}{node.name}", textwrap.dedent(segment) + "\n", node.name
+                if FUNCTION_LINES[0] <= node.end_lineno - node.lineno + 1 <= FUNCTION_LINES[1]:
+                    # up to the end of the def's last statement (a comment after it stays out), as ast cuts it
+                    last = lines[node.end_lineno - 1].encode()[:node.end_col_offset].decode()
+                    code = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno - 1]) + last) + "\n"
+                    yield f"{module}.{prefix}{node.name}", code, node.name
 
     yield from walk(ast.parse(text).body, "")
 
