@@ -22,6 +22,39 @@ from eagle3.config import load_config
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _tiny_budget(out: Path, sources: str, *extra: str) -> list[str]:
+    """The overrides the regenerating recipes' tests share: a float32 target (plain and speculative greedy agree token
+    for token), the given data.sources, four train steps, one prompt per set, then each test's own `extra`."""
+    return [
+        f"output_dir={out}", "target.dtype=float32", f"data.sources={sources}", "data.eval_size=2",
+        "draft.vocab_size=2048", "extract.shard_samples=16", "train.max_steps=4", "train.batch_tokens=1024",
+        "train.eval_every=2", "train.save_every=2", "train.log_every=1", "train.eval_max_samples=2",
+        "eval.max_prompts=1", "eval.max_new_tokens=8", *extra,
+    ]
+
+
+def _vllm_python() -> str:
+    """The vLLM virtualenv's python the recipe's server runs under; skips the test where there is none."""
+    from test_vllm_engine import _find_vllm_python
+
+    vllm_python = _find_vllm_python()
+    if vllm_python is None:
+        pytest.skip("no vLLM: run scripts/setup_vllm_cpu.sh or set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python")
+    return vllm_python
+
+
+def _assert_card_has_ngram(out: Path, sets: set[str]) -> dict:
+    """The eval report covers exactly `sets`, each decoded losslessly with n-gram drafting beside the head, and the
+    card's code-edit row carries the same n-gram figure as its set; returns the report."""
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert set(report["sets"]) == sets
+    for name, r in report["sets"].items():
+        assert r["greedy_mismatches"] == 0 and r["ngram"]["tokens_per_forward"] >= 1.0, (name, r)
+    rows = {r["set"]: r for r in report["card"]}
+    assert rows["code-edit"]["ngram_tokens_per_forward"] == report["sets"]["code-edit"]["ngram"]["tokens_per_forward"]
+    return report
+
+
 def test_recipe_configs_open_with_their_command_and_validate():
     """The recipe YAMLs validate, and they and the scripts open with the exact command that runs them."""
     for name, script, sets in (("smollm2-135m.yaml", "run.sh", ["mt-bench"]),
@@ -110,14 +143,8 @@ def test_agentic_recipe_tiny_budget_end_to_end(tmp_path: Path):
     import sys
 
     out = tmp_path / "run"
-    overrides = [
-        f"output_dir={out}", "target.dtype=float32",
-        f"data.sources=[{{path: bundled:sharegpt, max_records: 12}}, {{path: {out}/regenerated.jsonl}}]",
-        "data.eval_size=2", "draft.vocab_size=2048", "extract.shard_samples=16", "train.max_steps=4",
-        "train.batch_tokens=1024", "train.eval_every=2", "train.save_every=2", "train.log_every=1",
-        "train.eval_max_samples=2", "eval.max_prompts=1", "eval.max_new_tokens=8", "regenerate.max_tokens=48",
-        "regenerate.batch_size=4",
-    ]
+    overrides = _tiny_budget(out, f"[{{path: bundled:sharegpt, max_records: 12}}, {{path: {out}/regenerated.jsonl}}]",
+                             "regenerate.max_tokens=48", "regenerate.batch_size=4")
     proc = run_recipe("agentic.sh", overrides, tmp_path, timeout=1200, TOOL_PROMPTS="4",
                       STAGES="prepare extract train eval")
 
@@ -156,22 +183,12 @@ def test_code_recipe_tiny_budget_end_to_end(tmp_path: Path):
 
         EAGLE3_VLLM_PYTHON=.venv-vllm/bin/python pytest -q -m "slow and vllm" tests/test_recipe_smollm2.py
     """
-    from test_vllm_engine import _find_vllm_python
-
-    vllm_python = _find_vllm_python()
-    if vllm_python is None:
-        pytest.skip("no vLLM: run scripts/setup_vllm_cpu.sh or set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python")
+    vllm_python = _vllm_python()
     out = tmp_path / "run"
-    overrides = [
-        f"output_dir={out}", "target.dtype=float32",
-        f"data.sources=[{{path: {out}/regenerated-code.jsonl, weight: 3}}, {{path: {out}/regenerated-tools.jsonl, "
-        "weight: 1}, {path: bundled:sharegpt-code, max_records: 6, weight: 2}, {path: bundled:sharegpt, "
-        "max_records: 10, weight: 3}]",
-        "data.eval_size=2", "draft.vocab_size=2048", "extract.shard_samples=16", "train.max_steps=4",
-        "train.batch_tokens=1024", "train.eval_every=2", "train.save_every=2", "train.log_every=1",
-        "train.eval_max_samples=2", "eval.max_prompts=1", "eval.max_new_tokens=8", "regenerate.max_tokens=24",
-        "regenerate.batch_size=4",
-    ]
+    overrides = _tiny_budget(
+        out, f"[{{path: {out}/regenerated-code.jsonl, weight: 3}}, {{path: {out}/regenerated-tools.jsonl, weight: 1}}, "
+        "{path: bundled:sharegpt-code, max_records: 6, weight: 2}, {path: bundled:sharegpt, max_records: 10, weight: 3}]",
+        "regenerate.max_tokens=24", "regenerate.batch_size=4")
     proc = run_recipe("code.sh", overrides, tmp_path, timeout=1500, CODE_PROMPTS="3", TOOL_PROMPTS="2",
                       STAGES="prepare extract train eval", VLLM_PYTHON=vllm_python,
                       VLLM_CPU_KVCACHE_SPACE="1")
@@ -188,12 +205,7 @@ def test_code_recipe_tiny_budget_end_to_end(tmp_path: Path):
     assert sources == {"regenerated-code", "regenerated-tools", "sharegpt-code", "sharegpt"}, sources
     for name in ("regenerated-code", "regenerated-tools", "sharegpt-code", "sharegpt"):
         assert any(line.strip().startswith(f"{name}: ") and "; weight " in line for line in logs.splitlines()), name
-    report = json.loads((out / "eval" / "report.json").read_text())
-    assert set(report["sets"]) == {"mt-bench", "humaneval", "code-edit"}
-    for name, r in report["sets"].items():
-        assert r["greedy_mismatches"] == 0 and r["ngram"]["tokens_per_forward"] >= 1.0, (name, r)
-    rows = {r["set"]: r for r in report["card"]}
-    assert rows["code-edit"]["ngram_tokens_per_forward"] == report["sets"]["code-edit"]["ngram"]["tokens_per_forward"]
+    _assert_card_has_ngram(out, {"mt-bench", "humaneval", "code-edit"})
 
 
 @pytest.mark.slow
@@ -205,22 +217,12 @@ def test_edits_recipe_tiny_budget_end_to_end(tmp_path: Path):
 
         EAGLE3_VLLM_PYTHON=.venv-vllm/bin/python pytest -q -m "slow and vllm" tests/test_recipe_smollm2.py
     """
-    from test_vllm_engine import _find_vllm_python
-
     from eagle3.data.edits import EDITS
 
-    vllm_python = _find_vllm_python()
-    if vllm_python is None:
-        pytest.skip("no vLLM: run scripts/setup_vllm_cpu.sh or set EAGLE3_VLLM_PYTHON to a vLLM virtualenv's python")
+    vllm_python = _vllm_python()
     out = tmp_path / "run"
-    overrides = [
-        f"output_dir={out}", "target.dtype=float32",
-        f"data.sources=[{{path: {out}/regenerated-edits.jsonl}}, {{path: bundled:sharegpt, max_records: 10}}]",
-        "data.eval_size=2", "draft.vocab_size=2048", "extract.shard_samples=16", "train.max_steps=4",
-        "train.batch_tokens=1024", "train.eval_every=2", "train.save_every=2", "train.log_every=1",
-        "train.eval_max_samples=2", "eval.prompt_sets=[code-edit]", "eval.max_prompts=1", "eval.max_new_tokens=8",
-        "regenerate.max_tokens=48",
-    ]
+    overrides = _tiny_budget(out, f"[{{path: {out}/regenerated-edits.jsonl}}, {{path: bundled:sharegpt, max_records: 10}}]",
+                             "eval.prompt_sets=[code-edit]", "regenerate.max_tokens=48")
     proc = run_recipe("edits.sh", overrides, tmp_path, timeout=1500, EDIT_PROMPTS="3",
                       STAGES="prepare extract train eval", VLLM_PYTHON=vllm_python, VLLM_CPU_KVCACHE_SPACE="1")
     logs = proc.stdout + proc.stderr
@@ -235,8 +237,4 @@ def test_edits_recipe_tiny_budget_end_to_end(tmp_path: Path):
     prepared = load_prepared(out / "prepared")
     sources = {r["source"] for ds in (prepared.train, prepared.eval) for r in ds}
     assert sources == {"regenerated-edits", "sharegpt"}, sources
-    report = json.loads((out / "eval" / "report.json").read_text())
-    assert set(report["sets"]) == {"code-edit"}
-    assert report["sets"]["code-edit"]["greedy_mismatches"] == 0
-    rows = {r["set"]: r for r in report["card"]}
-    assert rows["code-edit"]["ngram_tokens_per_forward"] == report["sets"]["code-edit"]["ngram"]["tokens_per_forward"]
+    _assert_card_has_ngram(out, {"code-edit"})
