@@ -27,12 +27,8 @@ CODE=$(source_path /regenerated-code.jsonl "$CONFIG" "$@")
 TOOLS=$(source_path /regenerated-tools.jsonl "$CONFIG" "$@")
 
 if [ -n "$CODE" ]; then
-    serve_smollm2 "$OUT/logs/vllm-server.log"
     log "regenerate: SmolLM2 answers ${CODE_PROMPTS:-400} ShareGPT code conversations -> $CODE"
-    eagle3 regenerate --config "$CONFIG" "$@" "${BACKEND[@]}" \
-        "data.sources=[{path: bundled:sharegpt-code, max_records: ${CODE_PROMPTS:-400}}]" "regenerate.output=$CODE" \
-        2>&1 | tee "$OUT/logs/regenerate-code.log"
-    stop_smollm2
+    regenerate_served bundled:sharegpt-code "${CODE_PROMPTS:-400}" "$CODE" "$OUT/logs/regenerate-code.log" "$@"
 fi
 if [ -n "$TOOLS" ]; then
     log "regenerate: SmolLM2 answers ${TOOL_PROMPTS:-300} BFCL live tool prompts with chatml-tools -> $TOOLS"

@@ -1,4 +1,4 @@
-# source recipes/smollm2-135m/common.sh     (the pieces agentic.sh, code.sh and self_distill.sh share)
+# source recipes/smollm2-135m/common.sh     (the pieces agentic.sh, code.sh, edits.sh and self_distill.sh share)
 
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
@@ -51,4 +51,16 @@ stop_smollm2() {
     if [ -n "${SERVER:-}" ]; then kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; fi
     SERVER=
     trap - EXIT
+}
+
+# regenerate_served SOURCE COUNT OUTPUT LOG [key=value ...]: SmolLM2 answers the first COUNT records of the data source
+# SOURCE into OUTPUT (the file the mixture reads) behind serve_smollm2's server, then stops it; $CONFIG and the
+# overrides set the rest (the server's settings win over them). The command's output is teed to LOG, the server's
+# log is vllm-server.log beside it.
+regenerate_served() {
+    local source=$1 count=$2 output=$3 log_file=$4; shift 4
+    serve_smollm2 "$(dirname "$log_file")/vllm-server.log"
+    eagle3 regenerate --config "$CONFIG" "$@" "${BACKEND[@]}" \
+        "data.sources=[{path: $source, max_records: $count}]" "regenerate.output=$output" 2>&1 | tee "$log_file"
+    stop_smollm2
 }

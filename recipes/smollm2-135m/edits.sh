@@ -24,11 +24,7 @@ mkdir -p "$OUT/logs"
 EDITS=$(source_path /regenerated-edits.jsonl "$CONFIG" "$@")
 
 if [ -n "$EDITS" ]; then
-    serve_smollm2 "$OUT/logs/vllm-server.log"
     log "regenerate: SmolLM2 answers ${EDIT_PROMPTS:-600} edit requests -> $EDITS"
-    eagle3 regenerate --config "$CONFIG" "$@" "${BACKEND[@]}" \
-        "data.sources=[{path: bundled:code-edits, max_records: ${EDIT_PROMPTS:-600}}]" "regenerate.output=$EDITS" \
-        2>&1 | tee "$OUT/logs/regenerate-edits.log"
-    stop_smollm2
+    regenerate_served bundled:code-edits "${EDIT_PROMPTS:-600}" "$EDITS" "$OUT/logs/regenerate-edits.log" "$@"
 fi
 CONFIG="$CONFIG" STAGES="${STAGES:-prepare extract train export eval}" exec bash recipes/smollm2-135m/run.sh "$@"
