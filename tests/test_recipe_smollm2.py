@@ -43,16 +43,15 @@ def _vllm_python() -> str:
     return vllm_python
 
 
-def _assert_card_has_ngram(out: Path, sets: set[str]) -> dict:
+def _assert_card_has_ngram(out: Path, sets: set[str]) -> None:
     """The eval report covers exactly `sets`, each decoded losslessly with n-gram drafting beside the head, and the
-    card's code-edit row carries the same n-gram figure as its set; returns the report."""
+    card's code-edit row carries the same n-gram figure as its set."""
     report = json.loads((out / "eval" / "report.json").read_text())
     assert set(report["sets"]) == sets
     for name, r in report["sets"].items():
         assert r["greedy_mismatches"] == 0 and r["ngram"]["tokens_per_forward"] >= 1.0, (name, r)
     rows = {r["set"]: r for r in report["card"]}
     assert rows["code-edit"]["ngram_tokens_per_forward"] == report["sets"]["code-edit"]["ngram"]["tokens_per_forward"]
-    return report
 
 
 def test_recipe_configs_open_with_their_command_and_validate():
