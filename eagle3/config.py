@@ -220,6 +220,10 @@ class DraftConfig(Section):
     """EAGLE-3.1: one RMSNorm per aux state (low, mid, high) before `fc`."""
     norm_output: bool = False
     """EAGLE-3.1: the next draft step receives the post-`norm` hidden state instead of the pre-`norm` one."""
+    num_layers: int = Field(1, ge=1)
+    """Decoder layers in the head (the engines' `num_hidden_layers`): the first takes [embed | feature], each
+    further one the residual stream, as SGLang's and vLLM's `LlamaForCausalLMEagle3` stack them. Llama layer only.
+    Every draft step runs all of them, so a deeper head costs that many layers per drafted token."""
     q_lora_rank: int | None = Field(None, ge=1)
     """MLA query low rank (default: a DeepSeek/Kimi target's; else 12 x the target's head dim)."""
     kv_lora_rank: int | None = Field(None, ge=1)
@@ -233,6 +237,13 @@ class DraftConfig(Section):
     init_from: str | None = None
     """A draft folder to fine-tune instead of starting from scratch: eagle3's, an SGLang or vLLM export, or a
     published head (Llama or MLA layer; its arch, dimensions, layer ids and draft vocab must match this config)."""
+
+    @model_validator(mode="after")
+    def _layers_the_engines_stack(self) -> DraftConfig:
+        if self.num_layers > 1 and self.arch != "llama":
+            raise ValueError(f"draft.num_layers={self.num_layers} with draft.arch={self.arch!r}: SGLang 0.5.23's MLA head "
+                             "(kimi_k25_eagle3.py) loads exactly one layer; deeper heads take draft.arch=llama")
+        return self
 
 
 # --------------------------------------------------------------------------------------------------- extract

@@ -10,7 +10,8 @@ Formats read: eagle3's own folders and its exports (the full eagle3 config rides
 folders (`LlamaForCausalLMEagle3` with a flat Llama config, `Eagle3DeepseekV2ForCausalLM` with a DeepSeek-V3
 config); vLLM folders (speculators format for the Llama layer, a DeepSeek-V3 config for MLA); and the published
 heads, which leave fields out: no `draft_vocab_size` = the full target vocab, no layer ids = the engines' default
-ids, no `d2t` = the identity mapping. Names are read with one rule: `model.` dropped, `layers.0.` = `midlayer.`,
+ids, no `d2t` = the identity mapping. Names are read with one rule: `model.` dropped, `layers.0.` = `midlayer.`
+(`layers.1.` on: a deeper head's stacked layers, their names as both engines spell them),
 SGLang's legacy `aux_norm_{low,mid,high}` = `fc_norm.{0,1,2}`; a tensor or eagle3 config field nobody knows is an
 error (SGLang would skip an unknown tensor with only a warning and serve a half-random head).
 
@@ -32,6 +33,10 @@ What each engine reads (SGLang 0.5.23 `llama_eagle3.py` / `kimi_k25_eagle3.py`, 
   `norm_before_residual: false` and `norm_before_fc: false` are written explicitly.
 - vLLM, MLA layer: the speculators reader knows only Llama/Qwen layers, so a DeepSeek-V3 config with
   `architectures: ["Eagle3DeepseekV2ForCausalLM"]` and the EAGLE-3 fields at the top level, `layers.0.*` weights.
+- Deeper heads (`num_hidden_layers` > 1, Llama layer; SGLang's MLA head loads one): both engines stack plain
+  pre-norm layers after the first, whose one norm before attention vLLM reads as `layers.{i}.input_layernorm` and
+  SGLang as `layers.{i}.hidden_norm`: every folder carries both, equal (a folder where they differ is refused:
+  the engines would serve two different heads).
 - EAGLE-3.1, both engines and layers: `fc_norm` (one RMSNorm per aux state before fc, `fc_norm.{i}.weight`) and
   `norm_output` (the next draft step receives the post-`norm` hidden). vLLM's `norm_before_fc` (one norm over the
   concatenation) is a layout eagle3 does not train and is refused when read.
@@ -64,7 +69,7 @@ from eagle3.layer_ids import (
     sglang_family,
     to_engine_ids,
 )
-from eagle3.model import FORMAT, Eagle3Draft, Eagle3DraftConfig
+from eagle3.model import FORMAT, Eagle3Draft, Eagle3DraftConfig, stacked_norm_aliases
 from eagle3.rope import rope_scaling_of, rope_theta_of
 
 log = logging.getLogger("eagle3")
@@ -104,8 +109,6 @@ def internal_name(name: str, where: Path) -> str:
     key = name.removeprefix("model.")
     if key.startswith("layers.0."):
         key = "midlayer." + key.removeprefix("layers.0.")
-    elif key.startswith("layers."):
-        raise DraftFormatError(f"{where}: tensor {name!r}: only one-layer EAGLE-3 heads exist")
     head, _, rest = key.partition(".")
     return f"{_LEGACY_NAMES[head]}.{rest}" if head in _LEGACY_NAMES else key
 
@@ -140,6 +143,10 @@ def read_draft(folder: str | Path, *, engine: Engine | None = None, family: Arch
         tensors["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
         ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()
         tensors["t2d"][ids[(ids >= 0) & (ids < config.vocab_size)]] = True
+    for sglang_name, name in stacked_norm_aliases(config.num_layers).items():
+        if sglang_name in tensors and name in tensors and not torch.equal(tensors[sglang_name], tensors[name]):
+            raise DraftFormatError(f"{folder}: {sglang_name} (what SGLang reads) differs from {name} (what vLLM "
+                                   "reads): the engines would serve two different heads")
     return config, tensors
 
 
@@ -192,7 +199,11 @@ def _engine_config_to_eagle3(raw: dict[str, Any], where: Path, engine: Engine | 
         arch_fields = {k: layer.get(k, v) for k, v in _MLA_DEFAULTS.items()}
         if arch_fields["q_lora_rank"] is None:
             raise DraftFormatError(f"{where}: q_lora_rank is null; SGLang's MLA head requires the low-rank query")
+    num_layers = int(layer.get("num_hidden_layers") or 1)
+    if num_layers > 1 and mla:
+        raise DraftFormatError(f"{where}: num_hidden_layers={num_layers} on an MLA head; SGLang's MLA head loads one")
     return Eagle3DraftConfig(
+        num_layers=num_layers,
         hidden_size=hidden,
         num_attention_heads=heads,
         num_key_value_heads=heads if mla else (layer.get("num_key_value_heads") or heads),
@@ -249,7 +260,8 @@ def load_draft(folder: str | Path, embed_weight: Tensor | None = None, *, engine
     own_embed = tensors.pop("embed_tokens.weight", None)
     validate(config, tensors, str(folder), need_ids=False)
     model = Eagle3Draft(config).to(dtype)
-    model.load_state_dict({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, strict=False)
+    skip = {"d2t", "t2d", *stacked_norm_aliases(config.num_layers)}  # the aliases: read_draft checked them equal
+    model.load_state_dict({k: v for k, v in tensors.items() if k not in skip}, strict=False)
     model.set_vocab(tensors["d2t"], tensors["t2d"])
     embed = embed_weight if embed_weight is not None else own_embed
     if embed is not None:
@@ -348,9 +360,9 @@ def target_family(config: Eagle3DraftConfig, where: str, to: Engine = "sglang",
 
 
 def _common_fields(c: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
-    """The fields both layers' configs share (a one-layer Llama or DeepSeek-V3 config)."""
+    """The fields both layers' configs share (a Llama or DeepSeek-V3 config of the head's layers)."""
     return {
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.num_layers,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_attention_heads,

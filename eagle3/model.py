@@ -3,10 +3,13 @@
 
     fc_norm (EAGLE-3.1, optional): one RMSNorm per aux state before fc
     fc: Linear(3*H_target -> H)              fuses the target's low/mid/high residual streams
-    midlayer: one decoder layer whose attention input is
+    midlayer: the first decoder layer, whose attention input is
         cat(input_layernorm(embed(token)), hidden_norm(feature))   (attention takes 2H; the residual is the feature)
         attention: Llama (q/k/v/o, GQA, RoPE) or MLA (DeepSeek-V3's: q/kv low-rank projections, interleaved RoPE
         on a shared rope key, YaRN softmax scale), then the SiLU MLP
+    layers.{1..n-1} (`draft.num_layers` > 1, Llama only): plain pre-norm Llama layers on the residual stream, as
+        both engines stack them; the one norm before attention is vLLM's `input_layernorm` and SGLang's
+        `hidden_norm`, so the head's files carry it under both names (same values)
     norm -> lm_head: H -> draft_vocab
     the hidden handed to the next draft step: the pre-`norm` output, or the post-`norm` one (EAGLE-3.1
     `norm_output`), as both engines do
@@ -56,6 +59,8 @@ log = logging.getLogger("eagle3")
 
 FORMAT = "eagle3-draft"
 KV = tuple[Tensor, Tensor]
+KVCache = tuple[KV, ...]
+"""One (keys, values) per decoder layer, keys post-RoPE, each [B, kv_heads, K, head_dim]."""
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:
@@ -105,7 +110,7 @@ ARCH_DIMS: dict[str, Callable[..., ArchDims]] = {"llama": _llama_dims, "mla": _m
 """draft.arch -> its dimensions for a target (its attention: ATTENTIONS)."""
 
 
-SHAPE_FIELDS = ("arch", "fc_norm", "norm_output", "hidden_size", "num_attention_heads", "num_key_value_heads",
+SHAPE_FIELDS = ("arch", "num_layers", "fc_norm", "norm_output", "hidden_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "target_hidden_size", "q_lora_rank", "kv_lora_rank",
                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 """The config fields that decide which tensors a head has and their shapes (draft vocab aside): two heads can share
@@ -143,6 +148,8 @@ class Eagle3DraftConfig:
     """EAGLE-3.1: one RMSNorm per aux state before fc (weights `fc_norm.{0,1,2}.weight`)."""
     norm_output: bool = False
     """EAGLE-3.1: the next draft step receives the post-`norm` hidden instead of the pre-`norm` one."""
+    num_layers: int = 1
+    """Decoder layers: `midlayer`, then `layers.{1..}` on the residual stream (Llama layer only)."""
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
@@ -202,12 +209,16 @@ class Eagle3DraftConfig:
             arch=d.arch,
             fc_norm=d.fc_norm,
             norm_output=d.norm_output,
+            num_layers=d.num_layers,
             **mla,
         )
 
     def __post_init__(self) -> None:
         # A head saved before the scaling was normalised (or written by hand) rotates the same once it is.
         self.rope_scaling = normalise_rope(self.rope_scaling, self.max_position_embeddings)
+        if self.num_layers < 1 or (self.num_layers > 1 and self.arch != "llama"):
+            raise ValueError(f"num_layers={self.num_layers} with arch {self.arch!r}: a head has one layer or more, "
+                             "and only the Llama layer stacks (SGLang's MLA head loads one)")
 
     @property
     def qk_head_dim(self) -> int:
@@ -252,14 +263,15 @@ class Eagle3DraftConfig:
 class Eagle3Attention(nn.Module):
     """The Llama layer's attention: q/k/v over the 2H input, GQA, neox-style RoPE (transformers' Llama rotary)."""
 
-    def __init__(self, c: Eagle3DraftConfig):
+    def __init__(self, c: Eagle3DraftConfig, width: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         if self.n_heads % self.n_kv:
             raise ValueError(f"num_attention_heads={self.n_heads} must be a multiple of num_key_value_heads={self.n_kv}")
-        self.q_proj = nn.Linear(2 * c.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        width = width or 2 * c.hidden_size  # the first layer's [embed | feature]; a stacked layer's stream is H
+        self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(c.llama_config())
         self.scale = self.head_dim**-0.5
@@ -341,6 +353,23 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
 
+class StackedLayer(nn.Module):
+    """A layer after the first (`draft.num_layers` > 1): a pre-norm Llama layer on the residual stream. Its one
+    norm before attention is `input_layernorm` here and in vLLM, `hidden_norm` in SGLang (`draft_state_dict`
+    writes both)."""
+
+    def __init__(self, c: Eagle3DraftConfig, llama: LlamaConfig):
+        super().__init__()
+        self.self_attn = Eagle3Attention(c, width=c.hidden_size)
+        self.mlp = LlamaMLP(llama)
+        self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+
+def stacked_norm_aliases(num_layers: int) -> dict[str, str]:
+    """SGLang's name of each stacked layer's pre-attention norm -> eagle3's (= vLLM's)."""
+    return {f"layers.{i}.hidden_norm.weight": f"layers.{i}.input_layernorm.weight" for i in range(1, num_layers)}
+
 
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Eagle3DraftConfig, embed_weight: Tensor | None = None):
@@ -356,6 +385,8 @@ class Eagle3Draft(nn.Module):
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(c.target_hidden_size, eps=c.rms_norm_eps) for _ in range(3))
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(c, llama)
+        if c.num_layers > 1:
+            self.layers = nn.ModuleDict({str(i): StackedLayer(c, llama) for i in range(1, c.num_layers)})
         self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
@@ -449,6 +480,26 @@ class Eagle3Draft(nn.Module):
         h = hidden + attn.o_proj(attn_flat)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
+    def layer_inputs(self, i: int, input_ids: Tensor, hidden: Tensor, position_ids: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+        """`attention_inputs` of layer i: the first takes tokens + features, a stacked one the stream `hidden`."""
+        if i == 0:
+            return self.attention_inputs(input_ids, hidden, position_ids)
+        layer = self.layers[str(i)]
+        return layer.self_attn.qkv(layer.input_layernorm(hidden), position_ids)
+
+    def layer_block(self, i: int, hidden: Tensor, attn_flat: Tensor) -> Tensor:
+        """`block` of layer i: its residual input + o_proj(attention), then its MLP block."""
+        if i == 0:
+            return self.block(hidden, attn_flat)
+        layer = self.layers[str(i)]
+        h = hidden + layer.self_attn.o_proj(attn_flat)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
     def handoff(self, out_hidden: Tensor) -> Tensor:
         """The hidden the next draft step receives: pre-`norm`, or post-`norm` with EAGLE-3.1's `norm_output`."""
         return self.norm(out_hidden) if self.config.norm_output else out_hidden
@@ -476,38 +527,47 @@ class Eagle3Draft(nn.Module):
         input_ids: Tensor,
         hidden: Tensor,
         position_ids: Tensor,
-        past_kv: KV | None,
+        past_kv: KVCache | None,
         attn_mask: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, KV]:
-        """One incremental draft forward over S new positions.
+    ) -> tuple[Tensor, Tensor, KVCache]:
+        """One incremental draft forward over S new positions, through every layer.
 
-        kv tensors are [B, kv_heads, K, head_dim] (keys post-RoPE); the returned kv is past + this call's.
-        attn_mask: bool [B, S, K_total] over past+new keys (True = may attend); None = every past key plus
-        causal among the new ones. Returns (the hidden the next step receives [B,S,H] (`handoff`), logits
-        [B,S,draft_vocab], kv).
+        past_kv: one (keys, values) per layer, each [B, kv_heads, K, head_dim] (keys post-RoPE); the returned cache
+        is past + this call's. attn_mask: bool [B, S, K_total] over past+new keys (True = may attend), the same for
+        every layer; None = every past key plus causal among the new ones. Returns (the hidden the next step
+        receives [B,S,H] (`handoff`), logits [B,S,draft_vocab], the cache).
         """
-        q, k, v = self.attention_inputs(input_ids, hidden, position_ids)
-        if past_kv is not None:
-            k = torch.cat([past_kv[0].to(k.dtype), k], dim=2)
-            v = torch.cat([past_kv[1].to(v.dtype), v], dim=2)
-        s, total = q.shape[2], k.shape[2]
-        n_rep = q.shape[1] // k.shape[1]
-        if attn_mask is None:
-            mask: Any = causal_lower_right(s, total)
-        else:
-            if attn_mask.shape != (q.shape[0], s, total):
-                raise ValueError(f"attn_mask must be [B, S, K_total] = {(q.shape[0], s, total)}, got {tuple(attn_mask.shape)}")
-            mask = attn_mask[:, None].bool()
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask,
-                                             scale=self.attn_scale)
-        h = self.after_attention(hidden, out)
-        return self.handoff(h), self.logits(h), (k, v)
+        if past_kv is not None and len(past_kv) != self.num_layers:
+            raise ValueError(f"past_kv holds {len(past_kv)} layers' keys; the head has {self.num_layers}")
+        h, cache = hidden, []
+        for i in range(self.num_layers):
+            q, k, v = self.layer_inputs(i, input_ids, h, position_ids)
+            if past_kv is not None:
+                k = torch.cat([past_kv[i][0].to(k.dtype), k], dim=2)
+                v = torch.cat([past_kv[i][1].to(v.dtype), v], dim=2)
+            s, total = q.shape[2], k.shape[2]
+            n_rep = q.shape[1] // k.shape[1]
+            if attn_mask is None:
+                mask: Any = causal_lower_right(s, total)
+            else:
+                if attn_mask.shape != (q.shape[0], s, total):
+                    raise ValueError(f"attn_mask must be [B, S, K_total] = {(q.shape[0], s, total)}, got "
+                                     f"{tuple(attn_mask.shape)}")
+                mask = attn_mask[:, None].bool()
+            out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask,
+                                                 scale=self.attn_scale)
+            b, _, s, _ = out.shape
+            h = self.layer_block(i, h, out.transpose(1, 2).reshape(b, s, -1))
+            cache.append((k, v))
+        return self.handoff(h), self.logits(h), tuple(cache)
 
     # --------------------------------------------------------------------------------------------- save/load
     def draft_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         """The engine-named tensors (no embeddings, no RoPE cache), contiguous, d2t int64, t2d bool."""
         sd = state_dict if state_dict is not None else self.state_dict()
         out = {k: v.detach().contiguous() for k, v in sd.items() if not k.startswith(("embed_tokens", "rotary_emb"))}
+        for sglang_name, name in stacked_norm_aliases(self.num_layers).items():
+            out[sglang_name] = out[name].clone()
         out["d2t"] = out["d2t"].to(torch.int64)
         out["t2d"] = out["t2d"].to(torch.bool)
         return out

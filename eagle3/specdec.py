@@ -43,12 +43,15 @@ import inspect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from eagle3.targets.hf import LayerTap, decoder_parts
+
+if TYPE_CHECKING:
+    from eagle3.model import KVCache
 
 
 # ---------------------------------------------------------------------------------------------------- draft API
@@ -62,9 +65,9 @@ class DraftHead(Protocol):
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        past_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        past_kv: KVCache | None,
         attn_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor, KVCache]: ...
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -460,7 +463,7 @@ class SpeculativeDecoder:
             keep = torch.cat([torch.arange(m), m + torch.tensor([0] + path)])
             keep_cache_positions(cache, keep)
             new_tokens = [tree.tokens[i] for i in path] + [bonus]
-            kv = (kv[0][:, :, :m], kv[1][:, :, :m])
+            kv = tuple((k[:, :, :m], v[:, :, :m]) for k, v in kv)
             kv, h_last, logits_last = self._extend(kv, vaux[[0] + path], new_tokens, start=m)
             m += len(new_tokens)
             for tok in new_tokens:
@@ -471,8 +474,8 @@ class SpeculativeDecoder:
         gen.seconds = time.perf_counter() - t0
         return gen
 
-    def _extend(self, kv: tuple[torch.Tensor, torch.Tensor] | None, aux: torch.Tensor, tokens: list[int],
-                start: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    def _extend(self, kv: KVCache | None, aux: torch.Tensor, tokens: list[int],
+                start: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
         """Feed target features of accepted tokens into the draft; return its KV and the last hidden/logits."""
         s = len(tokens)
         feats = self.draft.project(aux.to(self.draft_dtype)[None])
@@ -481,18 +484,18 @@ class SpeculativeDecoder:
         hidden, logits, kv = self.draft.decode(ids, feats, pos, kv, None)
         return kv, hidden[0, -1], logits[0, -1].float()
 
-    def _draft_tree(self, kv: tuple[torch.Tensor, torch.Tensor], m: int, h_root: torch.Tensor,
+    def _draft_tree(self, kv: KVCache, m: int, h_root: torch.Tensor,
                     logits_root: torch.Tensor, root: int, generator: torch.Generator | None
-                    ) -> tuple[DraftTree, tuple[torch.Tensor, torch.Tensor]]:
+                    ) -> tuple[DraftTree, KVCache]:
         """Expand the draft tree from the root (see module docstring); return the kept tree and the draft KV."""
         s = self.s
         sampled_chain = s.topk == 1 and s.temperature > 0 and s.draft_sampling == "probabilistic"
-        real = kv[0].shape[2]
+        real = kv[0][0].shape[2]
         c = _Candidates()
         frontier = self._expand(c, logits_root, -1, 1, sampled_chain, generator)
         parent_hidden = {-1: h_root}
         for step in range(1, s.num_steps):
-            mask = c.feed(frontier, kv[0].shape[2], real).to(self.device)
+            mask = c.feed(frontier, kv[0][0].shape[2], real).to(self.device)
             ids = torch.tensor([c.tokens[f] for f in frontier], device=self.device)[None]
             hid = torch.stack([parent_hidden[c.parents[f]] for f in frontier])[None]
             pos = torch.full((1, len(frontier)), m - 1 + step, device=self.device)

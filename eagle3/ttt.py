@@ -23,14 +23,15 @@ Attention = Literal["fast", "dense"]
 
 
 class UnrolledHead(Protocol):
-    """What the unroll needs of a head (eagle3.model.Eagle3Draft): its layer cut around attention."""
+    """What the unroll needs of a head (eagle3.model.Eagle3Draft): its layers cut around attention."""
 
     attn_scale: float
+    num_layers: int
 
-    def attention_inputs(self, input_ids: Tensor, hidden: Tensor,
-                         position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
+    def layer_inputs(self, i: int, input_ids: Tensor, hidden: Tensor,
+                     position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
 
-    def block(self, hidden: Tensor, attn_flat: Tensor) -> Tensor: ...
+    def layer_block(self, i: int, hidden: Tensor, attn_flat: Tensor) -> Tensor: ...
 
     def handoff(self, hidden: Tensor) -> Tensor: ...
 
@@ -122,8 +123,7 @@ def ttt_attention_dense(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs:
                                           scale=scale)
 
 
-def _run_step(checkpoint: bool, fn: Callable[..., tuple[Tensor, Tensor, Tensor]], *args: Any
-              ) -> tuple[Tensor, Tensor, Tensor]:
+def _run_step(checkpoint: bool, fn: Callable[..., tuple[Tensor, ...]], *args: Any) -> tuple[Tensor, ...]:
     if checkpoint and torch.is_grad_enabled():
         # The layer draws no random numbers: no RNG state to save and restore around the recompute.
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
@@ -145,6 +145,7 @@ def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, row
     if attention == "dense" and over is not LOCAL:
         raise ValueError("the dense reference attention runs in one process only")
     b, t = rows.shape
+    n = draft.num_layers
     flat_pos = (rows.start + torch.arange(t, device=input_ids.device)).repeat(b)
     scale = draft.attn_scale
 
@@ -153,36 +154,57 @@ def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, row
             return ttt_attention_dense(q, k0, v0, ks, vs, scale)
         return ttt_attention_fast(q, k0, v0, ks, vs, scale, over)
 
-    def step_0(hidden0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k0, v0 = draft.attention_inputs(shift_tokens(input_ids, 1)[:, :t], hidden0, flat_pos.view(b, t))
-        k0, v0 = over.keys(k0, v0, q.shape[1])
-        out = attend(q, k0, v0, [], [])
-        return draft.block(hidden0.reshape(b * t, -1)[rows.keep[0]], rows.unpack(0, out)), k0, v0
+    def step_0(hidden0: Tensor) -> tuple[Tensor, ...]:
+        """-> (the scored rows' output, each layer's keys, then each layer's values at every position)."""
+        ids, pos = shift_tokens(input_ids, 1)[:, :t], flat_pos.view(b, t)
+        h, k0s, v0s = hidden0, [], []
+        for i in range(n):
+            q, k0, v0 = draft.layer_inputs(i, ids, h, pos)
+            k0, v0 = over.keys(k0, v0, q.shape[1])
+            out = attend(q, k0, v0, [], [])
+            k0s.append(k0)
+            v0s.append(v0)
+            if i < n - 1:  # every position: they are the next layer's keys
+                h = draft.layer_block(i, h, out.transpose(1, 2).reshape(b, t, -1))
+            else:  # the last layer only where a row is kept
+                h = draft.layer_block(i, h.reshape(b * t, -1)[rows.keep[0]], rows.unpack(0, out))
+        return h, *k0s, *v0s
 
-    def step_j(j: int, hidden: Tensor, k0: Tensor, v0: Tensor, *earlier: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """earlier: the keys of steps 1..j-1 at their rows, then their values."""
+    def step_j(j: int, hidden: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
+        """state: each layer's step-0 keys, their values, then each layer's keys of steps 1..j-1 at their rows,
+        then their values. -> (the output, each layer's keys at this step's rows, then their values)."""
+        k0s, v0s, earlier = state[:n], state[n:2 * n], state[2 * n:]
+        per = j - 1  # earlier steps' tensors per layer
         keep = rows.keep[j]
-        hidden = draft.handoff(hidden[rows.parent[j]])
+        h = draft.handoff(hidden[rows.parent[j]])
         ids = shift_tokens(input_ids, 1 + j)[:, :t].flatten()[keep]
-        q, k, v = draft.attention_inputs(ids[None], hidden[None], (flat_pos[keep] + j)[None])
-        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [M_j, nkv, D]
-        ks, vs = [*earlier[: j - 1], k], [*earlier[j - 1 :], v]
         at = [rows.within(i + 1, j) for i in range(j)]
-        out = attend(rows.pack(j, q[0].transpose(0, 1)), k0, v0,
-                     [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
-                     [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)])
-        return draft.block(hidden, rows.unpack(j, out)), k, v
+        new_k, new_v = [], []
+        for i in range(n):
+            q, k, v = draft.layer_inputs(i, ids[None], h[None], (flat_pos[keep] + j)[None])
+            k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [M_j, nkv, D]
+            ks = [*earlier[i * per:(i + 1) * per], k]
+            vs = [*earlier[(n + i) * per:(n + i + 1) * per], v]
+            out = attend(rows.pack(j, q[0].transpose(0, 1)), k0s[i], v0s[i],
+                         [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
+                         [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)])
+            h = draft.layer_block(i, h, rows.unpack(j, out))
+            new_k.append(k)
+            new_v.append(v)
+        return h, *new_k, *new_v
 
     run = partial(_run_step, checkpoint)
     with record_function("ttt_step_0"):  # named in a torch.profiler trace (benchmarks/bench_profile.py); free else
-        hidden, k0, v0 = run(step_0, hidden0)
+        hidden, *step0 = run(step_0, hidden0)
         states = [draft.norm(hidden[rows.score[0]])]
-    ks: list[Tensor] = []  # step i's keys and values at the rows of keep[i] (i = 1, 2, ...)
-    vs: list[Tensor] = []
+    ks: list[list[Tensor]] = [[] for _ in range(n)]  # layer i's keys and values of step s at keep[s]'s rows (s >= 1)
+    vs: list[list[Tensor]] = [[] for _ in range(n)]
     for j in range(1, rows.steps):
         with record_function(f"ttt_step_{j}"):
-            hidden, k, v = run(partial(step_j, j), hidden, k0, v0, *ks, *vs)
-            ks.append(k)
-            vs.append(v)
+            hidden, *new = run(partial(step_j, j), hidden, *step0, *(x for k in ks for x in k),
+                               *(x for v in vs for x in v))
+            for i in range(n):
+                ks[i].append(new[i])
+                vs[i].append(new[n + i])
             states.append(draft.norm(hidden[rows.score[j]]))
     return states

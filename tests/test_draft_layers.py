@@ -38,9 +38,9 @@ def config(arch: str = "mla", fc_norm: bool = False, norm_output: bool = False, 
 
 
 def make(arch: str = "mla", fc_norm: bool = False, norm_output: bool = False, seed: int = 0,
-         vocab: int = VD) -> Eagle3Draft:
+         vocab: int = VD, num_layers: int = 1) -> Eagle3Draft:
     torch.manual_seed(seed)
-    m = Eagle3Draft(config(arch, fc_norm, norm_output, vocab), embed_weight=torch.randn(V, H))
+    m = Eagle3Draft(config(arch, fc_norm, norm_output, vocab, num_layers=num_layers), embed_weight=torch.randn(V, H))
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.3)  # norms too: a swapped or skipped norm must show
@@ -103,9 +103,9 @@ def _chain_logits(m: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, t: int, 
     the step-0 prefix 0..t plus this position's earlier steps."""
     n = ids.shape[1]
     shifted = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-    hid, logits, (k, v) = m.decode(shifted, m.project(aux), torch.arange(n)[None], None)
+    hid, logits, cache = m.decode(shifted, m.project(aux), torch.arange(n)[None], None)
     out = [logits[0, t]]
-    kv = (k[:, :, : t + 1], v[:, :, : t + 1])
+    kv = tuple((k[:, :, : t + 1], v[:, :, : t + 1]) for k, v in cache)
     h = hid[:, t : t + 1]
     for j in range(1, steps):
         tok = ids[:, t + 1 + j : t + 2 + j] if t + 1 + j < n else torch.zeros(1, 1, dtype=torch.long)
@@ -370,3 +370,78 @@ def test_kimi_config_validates_with_the_mla_and_3_1_options():
                           "draft.norm_output=true"], capture_output=True, text=True, cwd=repo)
     assert out.returncode == 0, out.stderr
     assert "arch: mla" in out.stdout and "fc_norm: true" in out.stdout and "norm_output: true" in out.stdout
+
+
+# ------------------------------------------------------------------------------------------------ deeper heads
+def test_deeper_head_has_exactly_the_engines_weight_names():
+    """`draft.num_layers` 3: the first layer as before, then layers.1 and layers.2 on the residual stream (H-wide
+    attention input), each with its pre-attention norm under vLLM's name and SGLang's, equal."""
+    m = make("llama", num_layers=3)
+    sd = {k: tuple(t.shape) for k, t in m.draft_state_dict().items()}
+    one = {k: s for k, s in {k: tuple(t.shape) for k, t in make("llama").draft_state_dict().items()}.items()}
+    stacked = {k: s for k, s in sd.items() if k.startswith("layers.")}
+    assert {k: s for k, s in sd.items() if not k.startswith("layers.")} == one
+    for i in (1, 2):
+        assert {k.removeprefix(f"layers.{i}."): s for k, s in stacked.items() if k.startswith(f"layers.{i}.")} == {
+            "self_attn.q_proj.weight": (4 * 8, H), "self_attn.k_proj.weight": (2 * 8, H),
+            "self_attn.v_proj.weight": (2 * 8, H), "self_attn.o_proj.weight": (H, 4 * 8),
+            "mlp.gate_proj.weight": (48, H), "mlp.up_proj.weight": (48, H), "mlp.down_proj.weight": (H, 48),
+            "input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+        names = m.draft_state_dict()
+        assert torch.equal(names[f"layers.{i}.hidden_norm.weight"], names[f"layers.{i}.input_layernorm.weight"])
+
+
+@pytest.mark.parametrize("fc_norm,norm_output,num_layers", [(False, False, 2), (True, True, 3)])
+def test_deeper_head_ttt_equals_chain_drafting_and_dense(fc_norm, norm_output, num_layers):
+    """Every layer's keys in the training-time test are what chain drafting's per-layer KV cache holds: each TTT
+    step at each position = `decode`'s chain there; the fast attention = the dense reference, gradients included."""
+    m = make("llama", fc_norm, norm_output, num_layers=num_layers)
+    torch.manual_seed(1)
+    aux, ids = torch.randn(1, 11, 3 * H), torch.randint(0, V, (1, 11))
+    fast = assert_fast_equals_dense(m, aux, ids, 4)
+    with torch.no_grad():
+        for t in (0, 3, 6):
+            for j, lg in enumerate(_chain_logits(m, aux, ids, t, 4)):
+                torch.testing.assert_close(fast[j][0, t], lg, atol=2e-5, rtol=2e-5)
+        # The stacked layers are in the computation: the first layer alone (same weights) drafts otherwise.
+        alone = make("llama", fc_norm, norm_output)
+        alone.load_state_dict(m.state_dict(), strict=False)
+        first = ttt_unroll(alone, alone.project(aux), ids, 4)
+        assert all(not torch.allclose(a, b, atol=1e-3) for a, b in zip(first, fast, strict=True))
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_deeper_head_export_and_reload(tmp_path, engine):
+    m = make("llama", True, True, num_layers=2)
+    out = export(save_draft(m, tmp_path / "draft"), tmp_path / engine, to=engine, dtype=None)
+    cfg = json.loads((out / "config.json").read_text())
+    layer = cfg if engine == "sglang" else cfg["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 2
+    saved = load_file(str(out / "model.safetensors"))
+    assert torch.equal(saved["layers.1.hidden_norm.weight"], saved["layers.1.input_layernorm.weight"])
+    first = "midlayer." if engine == "sglang" else "layers.0."  # the first layer as each engine spells it
+    assert f"{first}self_attn.q_proj.weight" in saved and "layers.1.self_attn.q_proj.weight" in saved
+    assert saved[f"{first}self_attn.q_proj.weight"].shape[1] == 2 * H and saved["layers.1.self_attn.q_proj.weight"].shape[1] == H
+    back = load_draft(out, embed_weight=m.embed_tokens.weight)
+    assert back.config.num_layers == 2
+    for k, v in m.draft_state_dict().items():
+        assert torch.equal(back.draft_state_dict()[k], v), k
+
+
+def test_a_deeper_head_whose_two_norm_names_differ_is_refused(tmp_path):
+    """SGLang reads layers.1.hidden_norm, vLLM layers.1.input_layernorm: a folder where they differ would be served
+    as two different heads."""
+    d = save_draft(make("llama", num_layers=2), tmp_path / "draft")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["layers.1.hidden_norm.weight"] = tensors["layers.1.hidden_norm.weight"] + 1
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(DraftFormatError, match="two different heads"):
+        read_draft(d)
+
+
+def test_deeper_mla_heads_are_refused_where_the_engines_cannot_load_them():
+    with pytest.raises(ValueError, match="only the Llama layer stacks"):
+        config("mla", num_layers=2)
+    cfg = Config()
+    with pytest.raises(ValueError, match="draft.num_layers=2 with draft.arch='mla'"):
+        type(cfg.draft).model_validate({"arch": "mla", "num_layers": 2})

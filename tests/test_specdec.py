@@ -56,7 +56,7 @@ class OracleDraft(nn.Module):
 
     def decode(self, input_ids, hidden, position_ids, past_kv, attn_mask=None):
         new = input_ids.to(torch.float64).view(1, 1, -1, 1)
-        keys = new if past_kv is None else torch.cat([past_kv[0], new], dim=2)
+        keys = new if past_kv is None else torch.cat([past_kv[0][0], new], dim=2)  # one layer's (keys, values)
         tokens = keys.view(-1).long().tolist()
         past = keys.shape[2] - input_ids.shape[1]
         if attn_mask is None:  # causal: one forward gives every row
@@ -68,7 +68,7 @@ class OracleDraft(nn.Module):
                 assert visible[-1] == past + r, "a draft query must see itself last"
                 rows.append(self._logits([tokens[i] for i in visible])[0])
             logits = torch.stack(rows)[None]
-        return torch.zeros(*input_ids.shape, 4, dtype=hidden.dtype), logits, (keys, keys)
+        return torch.zeros(*input_ids.shape, 4, dtype=hidden.dtype), logits, ((keys, keys),)
 
 
 def _target(path: Path, dtype=torch.float64) -> nn.Module:

@@ -1,8 +1,8 @@
 """The engine tests' heads (tests/three_feature_heads.py) on the built-in evaluator alone: each one's drafts depend on
 what the engines must get right, so that an engine test comparing τ can fail. Without noise the head is exact at
 draft position 0 (the low and mid terms cancel where they should); with it, every mistaken reading an engine could
-make (the low and mid features swapped, their fc_norm weights swapped, fc_norm ignored, norm_output flipped) moves
-τ by more than 10%, five times the engine tests' 2% tolerance.
+make (the low and mid features swapped, their fc_norm weights swapped, fc_norm ignored, norm_output flipped, a deeper
+head's stacked norms left at their initial ones) moves τ by more than 10%, five times the engine tests' 2% tolerance.
 
     pytest -q tests/test_three_feature_heads.py        # ~1 minute on 2 CPU cores
 """
@@ -15,12 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 from test_sglang_real import IDS, build_target
-from three_feature_heads import flip_norm_output, rms, swap_low_mid_features, swap_low_mid_norms, three_feature_setup
+from three_feature_heads import (
+    flip_norm_output,
+    rms,
+    swap_low_mid_features,
+    swap_low_mid_norms,
+    three_feature_setup,
+    unit_stacked_norms,
+)
 
 from eagle3.formats import load_draft, save_draft
 from eagle3.model import Eagle3Draft
 
-VARIANTS = [("llama", "llama", True, True), ("llama", "mla", False, False), ("deepseek", "mla", True, True)]
+VARIANTS = [("llama", "llama", True, True, 1), ("llama", "mla", False, False, 1), ("deepseek", "mla", True, True, 1),
+            ("llama", "llama", True, True, 2)]
 
 
 def _tau(cfg, folder: Path) -> float:
@@ -41,11 +49,12 @@ def _without_fc_norm(folder: Path, out: Path) -> Path:
     return save_draft(plain, out)
 
 
-@pytest.mark.parametrize("family,arch,fc_norm,norm_output", VARIANTS,
-                         ids=[f"{f}-{a}{'-3.1' if n else ''}" for f, a, n, _ in VARIANTS])
-def test_every_mistaken_reading_moves_tau(tmp_path, family, arch, fc_norm, norm_output):
+@pytest.mark.parametrize("family,arch,fc_norm,norm_output,num_layers", VARIANTS,
+                         ids=[f"{f}-{a}{'-3.1' if n else ''}{f'-{k}-layers' if k > 1 else ''}"
+                              for f, a, n, _, k in VARIANTS])
+def test_every_mistaken_reading_moves_tau(tmp_path, family, arch, fc_norm, norm_output, num_layers):
     cfg, _ = three_feature_setup(tmp_path, build_target(family, tmp_path / "target"), IDS[family], arch, fc_norm,
-                                 norm_output)
+                                 norm_output, num_layers=num_layers)
     head = Path(cfg.draft.init_from)
     tau = _tau(cfg, head)
     assert 1.3 <= tau <= 3.9, tau  # the attention and MLP outputs matter: neither trivial nor exact
@@ -54,6 +63,8 @@ def test_every_mistaken_reading_moves_tau(tmp_path, family, arch, fc_norm, norm_
     if fc_norm:
         controls |= {"fc_norm weights swapped": swap_low_mid_norms(head, tmp_path / "norms"),
                      "fc_norm ignored": _without_fc_norm(head, tmp_path / "plain")}
+    if num_layers > 1:
+        controls["stacked norms left at ones"] = unit_stacked_norms(head, tmp_path / "unit")
     moved = {name: _tau(cfg, folder) for name, folder in controls.items()}
     if fc_norm:  # the low and mid states differ by the small q alone: only fc_norm's weights tell them apart
         moved.pop("features swapped")

@@ -288,15 +288,18 @@ def _vllm_target(family: str, path: Path) -> Path:
     return path
 
 
-THREE_FEATURE = [("llama", "llama", True, True, ["swapped-fc-norms", "flipped-norm-output"]),
-                 ("deepseek", "mla", False, False, ["swapped-features"])]
-"""(family, arch, fc_norm, norm_output, negative controls): vLLM serves MLA heads on DeepSeek targets only ("No
-common block size" on a Llama target's CPU attention)."""
+THREE_FEATURE = [("llama", "llama", True, True, 2, ["swapped-fc-norms", "flipped-norm-output"]),
+                 ("deepseek", "mla", False, False, 1, ["swapped-features"])]
+"""(family, arch, fc_norm, norm_output, num_layers, negative controls): vLLM serves MLA heads on DeepSeek targets only
+("No common block size" on a Llama target's CPU attention); the Llama-layer head is a deeper one (two layers, its
+stacked layer's norm random: vLLM reads it as `layers.1.input_layernorm`)."""
 
 
-@pytest.mark.parametrize("family,arch,fc_norm,norm_output,controls", THREE_FEATURE,
-                         ids=[f"{f}-{a}{'-3.1' if n else ''}" for f, a, n, *_ in THREE_FEATURE])
-def test_three_feature_head_in_real_vllm(tmp_path, vllm_python, family, arch, fc_norm, norm_output, controls):
+@pytest.mark.parametrize("family,arch,fc_norm,norm_output,num_layers,controls", THREE_FEATURE,
+                         ids=[f"{f}-{a}{'-3.1' if n else ''}{f'-{k}-layers' if k > 1 else ''}"
+                              for f, a, n, _, k, _ in THREE_FEATURE])
+def test_three_feature_head_in_real_vllm(tmp_path, vllm_python, family, arch, fc_norm, norm_output, num_layers,
+                                         controls):
     """tests/three_feature_heads.py's head, whose drafts depend on all three features in their order, on each fc_norm
     weight's third and on norm_output, served by vLLM's speculators reader with the built-in acceptance (float32,
     token for token); the export rewritten as a mistaken engine would read it is another head, and vLLM serves that
@@ -314,7 +317,8 @@ def test_three_feature_head_in_real_vllm(tmp_path, vllm_python, family, arch, fc
     rewrites = {"swapped-fc-norms": swap_low_mid_norms, "swapped-features": swap_low_mid_features,
                 "flipped-norm-output": flip_norm_output}
     ids = [2, 4, 6] if family == "llama" else [2, 3, 4]
-    cfg, _ = three_feature_setup(tmp_path, _vllm_target(family, tmp_path / "target"), ids, arch, fc_norm, norm_output)
+    cfg, _ = three_feature_setup(tmp_path, _vllm_target(family, tmp_path / "target"), ids, arch, fc_norm, norm_output,
+                                 num_layers=num_layers)
     cfg.eval.checkpoint, cfg.eval.engine = cfg.draft.init_from, "vllm"
     report = run(cfg)
     v, b = report["engines"]["vllm"], report["sets"]["eval-split"]
@@ -322,6 +326,7 @@ def test_three_feature_head_in_real_vllm(tmp_path, vllm_python, family, arch, fc
     assert (conf["fc_norm"], conf["norm_output"]) == (fc_norm, norm_output)
     if arch == "llama":
         assert conf["speculators_model_type"] == "eagle3"
+        assert conf["transformer_layer_config"]["num_hidden_layers"] == num_layers
     else:
         assert conf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and conf["model_type"] == "kimi_k2"
         assert not any(k.startswith("midlayer.") for k in _safetensor_names(Path(v["draft_export"])))

@@ -55,15 +55,18 @@ def rms(x: torch.Tensor) -> float:
     return float(x.pow(2).mean().sqrt())
 
 
-def layer_output(draft, aux: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The decoder layer's pre-norm output at step 0 (features in, tokens shifted by one), in float32."""
+def layer_output(draft, aux: torch.Tensor, tokens: torch.Tensor, upto: int = 0) -> torch.Tensor:
+    """Decoder layer `upto`'s pre-norm output at step 0 (features in, tokens shifted by one), in float32."""
     shifted = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
-    feature = draft.project(aux)
-    q, k, v = draft.attention_inputs(shifted, feature, torch.arange(tokens.shape[1])[None])
-    n_rep = q.shape[1] // k.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
-                                                           is_causal=True, scale=draft.attn_scale)
-    return draft.after_attention(feature, out)
+    h = draft.project(aux)
+    b, t = tokens.shape
+    for i in range(upto + 1):
+        q, k, v = draft.layer_inputs(i, shifted, h, torch.arange(t)[None])
+        n_rep = q.shape[1] // k.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
+                                                               is_causal=True, scale=draft.attn_scale)
+        h = draft.layer_block(i, h, out.transpose(1, 2).reshape(b, t, -1))
+    return h
 
 
 def add_low_mid_layer(target: Path, low: int, high: int, size: float = Q_SIZE) -> None:
@@ -142,17 +145,25 @@ def three_feature_head(draft, aux: torch.Tensor, tokens: torch.Tensor, final_nor
         fc[:, cols(high, h // 4, h // 2)] += r_q
     draft.norm.weight.copy_(final_norm * scale)
     draft.lm_head.weight.div_(c)
-    for weight in (draft.midlayer.self_attn.o_proj.weight, draft.midlayer.mlp.down_proj.weight):
-        weight.zero_()
-        before = layer_output(draft, aux, tokens)
-        weight.copy_(torch.randn(weight.shape, generator=g))
-        added = layer_output(draft, aux, tokens) - before
-        # a set share of what the feature puts in the dims the lm_head reads (the copied m)
-        weight.mul_(noise * rms(draft.project(aux)[..., h // 2:]) / rms(added[..., h // 2:]))
+    layers = [draft.midlayer, *(draft.layers[str(i)] for i in range(1, draft.config.num_layers))]
+    for i, layer in enumerate(layers):
+        if i:  # a stacked layer's one norm before attention (SGLang's hidden_norm, vLLM's input_layernorm): small
+            # random-signed weights, so that its attention, scaled below to `noise`, is ~20x that read as ones
+            layer.input_layernorm.weight.copy_(torch.empty(h).uniform_(0.02, 0.1, generator=g)
+                                               * (torch.randint(0, 2, (h,), generator=g) * 2 - 1))
+        for weight in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+            weight.zero_()
+            before = layer_output(draft, aux, tokens, i)
+            weight.copy_(torch.randn(weight.shape, generator=g))
+            added = layer_output(draft, aux, tokens, i) - before
+            # a set share of what the feature puts in the dims the lm_head reads (the copied m); half of it in a
+            # stacked layer, whose drafts are then still right often enough at later steps for norm_output to show
+            share = noise / 2 if i else noise
+            weight.mul_(share * rms(draft.project(aux)[..., h // 2:]) / rms(added[..., h // 2:]))
 
 
 def three_feature_setup(root: Path, target: Path, ids: list[int], arch: str, fc_norm: bool, norm_output: bool,
-                        dtype: str = "float32"):
+                        dtype: str = "float32", num_layers: int = 1):
     """The repeating target at `target` (built, with its tokenizer) made three-featured, a prepared folder and its
     extracted cache, and the three-feature head saved as `<root>/start`: (cfg with draft.init_from set, the head)."""
     from models import make_prepared, tiny_target_cfg
@@ -174,6 +185,7 @@ def three_feature_setup(root: Path, target: Path, ids: list[int], arch: str, fc_
     cfg = tiny_target_cfg(target, prepared, root / "run")
     cfg.target.aux_layer_ids, cfg.target.dtype = ids, dtype
     cfg.draft.arch, cfg.draft.fc_norm, cfg.draft.norm_output = arch, fc_norm, norm_output
+    cfg.draft.num_layers = num_layers
     cfg.draft.vocab_size = vocab - 1
     d2t, t2d = load_vocab(prepared / "vocab.safetensors")
     draft = Eagle3Draft(Eagle3DraftConfig.from_target(cfg.draft, cfg.target, hf, vocab - 1))
@@ -255,4 +267,20 @@ def flip_norm_output(folder: Path, out: Path) -> Path:
         if isinstance(conf.get(section), dict) and "norm_output" in conf[section]:
             conf[section]["norm_output"] = flipped
     (out / "config.json").write_text(json.dumps(conf))
+    return out
+
+
+def unit_stacked_norms(folder: Path, out: Path) -> Path:
+    """A copy of a deeper head whose stacked layers' pre-attention norms are ones under both names: what an engine
+    serves that reads that norm under a name the folder lacks and keeps its initial weight."""
+    import shutil
+
+    shutil.copytree(folder, out)
+    f = out / "model.safetensors"
+    w = load_file(str(f))
+    norms = [k for k in w if re.fullmatch(r"(model\.)?layers\.[1-9]\d*\.(input_layernorm|hidden_norm)\.weight", k)]
+    assert norms, f"{folder} has no stacked layer"
+    for k in norms:
+        w[k] = torch.ones_like(w[k])
+    save_file(w, str(f), metadata={"format": "pt"})
     return out
