@@ -130,6 +130,65 @@ def _run_step(checkpoint: bool, fn: Callable[..., tuple[Tensor, ...]], *args: An
     return fn(*args)
 
 
+class _Unroll:
+    """The unrolled steps of one `ttt_unroll_rows` call; a step's tensors in and out are flat tuples, as
+    torch.utils.checkpoint takes them: each layer's keys, then each layer's values."""
+
+    def __init__(self, draft: UnrolledHead, input_ids: Tensor, rows: TTTPlan, attention: Attention,
+                 over: LocalAttention):
+        self.draft, self.input_ids, self.rows, self.attention, self.over = draft, input_ids, rows, attention, over
+        self.n = draft.num_layers
+        b, t = rows.shape
+        self.flat_pos = (rows.start + torch.arange(t, device=input_ids.device)).repeat(b)
+
+    def attend(self, q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
+        scale = self.draft.attn_scale
+        if self.attention == "dense":
+            return ttt_attention_dense(q, k0, v0, ks, vs, scale)
+        return ttt_attention_fast(q, k0, v0, ks, vs, scale, self.over)
+
+    def step_0(self, hidden0: Tensor) -> tuple[Tensor, ...]:
+        """-> (the kept rows' output, each layer's keys, then each layer's values at every position)."""
+        draft, rows = self.draft, self.rows
+        b, t = rows.shape
+        ids, pos = shift_tokens(self.input_ids, 1)[:, :t], self.flat_pos.view(b, t)
+        h, k0s, v0s = hidden0, [], []
+        for i in range(self.n):
+            q, k0, v0 = draft.layer_inputs(i, ids, h, pos)
+            k0, v0 = self.over.keys(k0, v0, q.shape[1])
+            out = self.attend(q, k0, v0, [], [])
+            k0s.append(k0)
+            v0s.append(v0)
+            if i < self.n - 1:  # every position: they are the next layer's keys
+                h = draft.layer_block(i, h, out.transpose(1, 2).reshape(b, t, -1))
+            else:  # the last layer only where a row is kept
+                h = draft.layer_block(i, h.reshape(b * t, -1)[rows.keep[0]], rows.unpack(0, out))
+        return h, *k0s, *v0s
+
+    def step_j(self, j: int, hidden: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
+        """state: each layer's step-0 keys, their values, then each layer's keys of steps 1..j-1 at their rows,
+        then their values. -> (the output, each layer's keys at this step's rows, then their values)."""
+        draft, rows, n, per = self.draft, self.rows, self.n, j - 1
+        k0s, v0s, earlier = state[:n], state[n:2 * n], state[2 * n:]
+        keep = rows.keep[j]
+        h = draft.handoff(hidden[rows.parent[j]])
+        ids = shift_tokens(self.input_ids, 1 + j)[:, :rows.shape[1]].flatten()[keep]
+        at = [rows.within(s + 1, j) for s in range(j)]
+        new_k, new_v = [], []
+        for i in range(n):
+            q, k, v = draft.layer_inputs(i, ids[None], h[None], (self.flat_pos[keep] + j)[None])
+            k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [M_j, nkv, D]
+            ks = [*earlier[i * per:(i + 1) * per], k]
+            vs = [*earlier[(n + i) * per:(n + i + 1) * per], v]
+            out = self.attend(rows.pack(j, q[0].transpose(0, 1)), k0s[i], v0s[i],
+                              [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
+                              [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)])
+            h = draft.layer_block(i, h, rows.unpack(j, out))
+            new_k.append(k)
+            new_v.append(v)
+        return h, *new_k, *new_v
+
+
 def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, rows: TTTPlan,
                     attention: Attention = "fast", over: LocalAttention = LOCAL,
                     checkpoint: bool = False) -> list[Tensor]:
@@ -138,70 +197,23 @@ def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, row
 
     hidden0 [B, T, H]: fc of the features at the plan's T positions; input_ids [B, rows.window] (the tokens
     past them included). Step 0 computes keys and values at every position (they are every later query's
-    prefix); everything else (queries, the layer after attention, the final norm) runs only on the rows in
-    `rows`, placed at their positions for attention. `checkpoint`: keep only each step's inputs and outputs
-    (its hidden, keys and values) for the backward, which recomputes the step's layer (torch.utils.checkpoint).
+    prefix; with stacked layers, every layer but the last runs at every position for them); everything else
+    (queries, the layer after attention, the final norm) runs only on the rows in `rows`, placed at their
+    positions for attention. `checkpoint`: keep only each step's inputs and outputs (its hidden, keys and values)
+    for the backward, which recomputes the step's layers (torch.utils.checkpoint).
     """
     if attention == "dense" and over is not LOCAL:
         raise ValueError("the dense reference attention runs in one process only")
-    b, t = rows.shape
-    n = draft.num_layers
-    flat_pos = (rows.start + torch.arange(t, device=input_ids.device)).repeat(b)
-    scale = draft.attn_scale
-
-    def attend(q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
-        if attention == "dense":
-            return ttt_attention_dense(q, k0, v0, ks, vs, scale)
-        return ttt_attention_fast(q, k0, v0, ks, vs, scale, over)
-
-    def step_0(hidden0: Tensor) -> tuple[Tensor, ...]:
-        """-> (the scored rows' output, each layer's keys, then each layer's values at every position)."""
-        ids, pos = shift_tokens(input_ids, 1)[:, :t], flat_pos.view(b, t)
-        h, k0s, v0s = hidden0, [], []
-        for i in range(n):
-            q, k0, v0 = draft.layer_inputs(i, ids, h, pos)
-            k0, v0 = over.keys(k0, v0, q.shape[1])
-            out = attend(q, k0, v0, [], [])
-            k0s.append(k0)
-            v0s.append(v0)
-            if i < n - 1:  # every position: they are the next layer's keys
-                h = draft.layer_block(i, h, out.transpose(1, 2).reshape(b, t, -1))
-            else:  # the last layer only where a row is kept
-                h = draft.layer_block(i, h.reshape(b * t, -1)[rows.keep[0]], rows.unpack(0, out))
-        return h, *k0s, *v0s
-
-    def step_j(j: int, hidden: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
-        """state: each layer's step-0 keys, their values, then each layer's keys of steps 1..j-1 at their rows,
-        then their values. -> (the output, each layer's keys at this step's rows, then their values)."""
-        k0s, v0s, earlier = state[:n], state[n:2 * n], state[2 * n:]
-        per = j - 1  # earlier steps' tensors per layer
-        keep = rows.keep[j]
-        h = draft.handoff(hidden[rows.parent[j]])
-        ids = shift_tokens(input_ids, 1 + j)[:, :t].flatten()[keep]
-        at = [rows.within(i + 1, j) for i in range(j)]
-        new_k, new_v = [], []
-        for i in range(n):
-            q, k, v = draft.layer_inputs(i, ids[None], h[None], (flat_pos[keep] + j)[None])
-            k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [M_j, nkv, D]
-            ks = [*earlier[i * per:(i + 1) * per], k]
-            vs = [*earlier[(n + i) * per:(n + i + 1) * per], v]
-            out = attend(rows.pack(j, q[0].transpose(0, 1)), k0s[i], v0s[i],
-                         [rows.pack(j, x[w]) for x, w in zip(ks, at, strict=True)],
-                         [rows.pack(j, x[w]) for x, w in zip(vs, at, strict=True)])
-            h = draft.layer_block(i, h, rows.unpack(j, out))
-            new_k.append(k)
-            new_v.append(v)
-        return h, *new_k, *new_v
-
+    unroll, n = _Unroll(draft, input_ids, rows, attention, over), draft.num_layers
     run = partial(_run_step, checkpoint)
     with record_function("ttt_step_0"):  # named in a torch.profiler trace (benchmarks/bench_profile.py); free else
-        hidden, *step0 = run(step_0, hidden0)
+        hidden, *step0 = run(unroll.step_0, hidden0)
         states = [draft.norm(hidden[rows.score[0]])]
     ks: list[list[Tensor]] = [[] for _ in range(n)]  # layer i's keys and values of step s at keep[s]'s rows (s >= 1)
     vs: list[list[Tensor]] = [[] for _ in range(n)]
     for j in range(1, rows.steps):
         with record_function(f"ttt_step_{j}"):
-            hidden, *new = run(partial(step_j, j), hidden, *step0, *(x for k in ks for x in k),
+            hidden, *new = run(partial(unroll.step_j, j), hidden, *step0, *(x for k in ks for x in k),
                                *(x for v in vs for x in v))
             for i in range(n):
                 ks[i].append(new[i])
