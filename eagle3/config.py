@@ -241,8 +241,8 @@ class DraftConfig(Section):
     @model_validator(mode="after")
     def _layers_the_engines_stack(self) -> DraftConfig:
         if self.num_layers > 1 and self.arch != "llama":
-            raise ValueError(f"draft.num_layers={self.num_layers} with draft.arch={self.arch!r}: SGLang 0.5.23's MLA head "
-                             "(kimi_k25_eagle3.py) loads exactly one layer; deeper heads take draft.arch=llama")
+            raise ValueError(f"draft.num_layers={self.num_layers} with draft.arch={self.arch!r}: SGLang 0.5.23's MLA "
+                             "head (kimi_k25_eagle3.py) loads exactly one layer; deeper heads take draft.arch=llama")
         return self
 
 

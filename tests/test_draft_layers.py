@@ -421,7 +421,8 @@ def test_deeper_head_export_and_reload(tmp_path, engine):
     assert torch.equal(saved["layers.1.hidden_norm.weight"], saved["layers.1.input_layernorm.weight"])
     first = "midlayer." if engine == "sglang" else "layers.0."  # the first layer as each engine spells it
     assert f"{first}self_attn.q_proj.weight" in saved and "layers.1.self_attn.q_proj.weight" in saved
-    assert saved[f"{first}self_attn.q_proj.weight"].shape[1] == 2 * H and saved["layers.1.self_attn.q_proj.weight"].shape[1] == H
+    assert saved[f"{first}self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert saved["layers.1.self_attn.q_proj.weight"].shape[1] == H
     back = load_draft(out, embed_weight=m.embed_tokens.weight)
     assert back.config.num_layers == 2
     for k, v in m.draft_state_dict().items():

@@ -1,5 +1,5 @@
-"""MLA, EAGLE-3.1 and deeper (two-layer) heads, trained here, served as-is by the real SGLang 0.5.23 on CPU with the acceptance the
-built-in evaluator computes (within 2%) on the same prompts.
+"""MLA, EAGLE-3.1 and deeper (two-layer) heads, trained here, served as-is by the real SGLang 0.5.23 on CPU with the
+acceptance the built-in evaluator computes (within 2%) on the same prompts.
 
     bash scripts/setup_sglang_cpu.sh && pytest -m sglang tests/test_engine_heads.py
 
@@ -8,8 +8,8 @@ fc_norm weight's third and on norm_output, as well as on the attention (MLA or L
 `[embeds | hidden]` order; then the real trainer fine-tunes it a few steps (`draft.init_from`) on an extracted
 cache of its target. SGLang loads eagle3's export (`Eagle3DeepseekV2ForCausalLM` or `LlamaForCausalLMEagle3`); its
 log must show no skipped weight. The Llama-layer head has two layers (`draft.num_layers`), its stacked layer's norm
-random: SGLang reads it as `layers.1.hidden_norm`. The negative controls rewrite the export as a mistaken engine would read it
-(norm_output flipped, the low and mid fc_norm weights swapped, the low and mid features swapped): SGLang must then
+random: SGLang reads it as `layers.1.hidden_norm`. The negative controls rewrite the export as a mistaken engine would
+read it (norm_output flipped, the low and mid fc_norm weights swapped, the low and mid features swapped): SGLang must then
 serve the rewritten head's τ, far from the right one's.
 """
 
