@@ -111,8 +111,8 @@ ARCH_DIMS: dict[str, Callable[..., ArchDims]] = {"llama": _llama_dims, "mla": _m
 
 
 SHAPE_FIELDS = ("arch", "num_layers", "fc_norm", "norm_output", "hidden_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "target_hidden_size", "q_lora_rank", "kv_lora_rank",
-                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "target_hidden_size",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 """The config fields that decide which tensors a head has and their shapes (draft vocab aside): two heads can share
 weights (resume, fine-tune) only where all of them agree."""
 

@@ -9,8 +9,8 @@ fc_norm weight's third and on norm_output, as well as on the attention (MLA or L
 cache of its target. SGLang loads eagle3's export (`Eagle3DeepseekV2ForCausalLM` or `LlamaForCausalLMEagle3`); its
 log must show no skipped weight. The Llama-layer head has two layers (`draft.num_layers`), its stacked layer's norm
 random: SGLang reads it as `layers.1.hidden_norm`. The negative controls rewrite the export as a mistaken engine would
-read it (norm_output flipped, the low and mid fc_norm weights swapped, the low and mid features swapped): SGLang must then
-serve the rewritten head's τ, far from the right one's.
+read it (norm_output flipped, the low and mid fc_norm weights swapped, the low and mid features swapped): SGLang must
+then serve the rewritten head's τ, far from the right one's.
 """
 
 from __future__ import annotations
