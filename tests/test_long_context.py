@@ -31,6 +31,8 @@ VOCAB, DRAFT_VOCAB, HIDDEN = 300, 64, 32
 
 def head(arch: str = "llama") -> tuple[Eagle3Draft, Teacher, torch.Tensor]:
     dims = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    if arch == "llama-2-layers":  # a deeper head: the stacked layer's keys at every position, its checkpointed steps
+        dims["num_layers"] = 2
     if arch == "mla":
         dims = {"arch": "mla", "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "q_lora_rank": 16,
                 "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
@@ -72,7 +74,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "mla"])
+@pytest.mark.parametrize("arch", ["llama", "mla", "llama-2-layers"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_training_time_test_never_builds_a_t_by_t_tensor(arch, checkpointing):
     """2048 positions, pruned rows (the prompt is not scored), the real objective's forward and backward: no
@@ -119,7 +121,7 @@ def test_memory_kept_for_the_backward_is_linear_in_length_and_checkpointing_keep
     assert ckpt[1] < 0.5 * plain[1], (ckpt, plain)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mla"])
+@pytest.mark.parametrize("arch", ["llama", "mla", "llama-2-layers"])
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(arch):
     draft, teacher, lm_head = head(arch)
     batch = long_batch(lm_head, 300)
