@@ -118,7 +118,11 @@ def _chain_logits(m: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, t: int, 
 def test_ttt_equals_chain_drafting_and_dense(arch, fc_norm, norm_output):
     """Each TTT step at each position = what the engine's chain drafting computes there (which hidden is handed
     on, where fc_norm sits, the MLA attention); the fast attention = the dense reference, gradients included."""
-    m = make(arch, fc_norm, norm_output)
+    _assert_ttt_equals_chain_and_dense(make(arch, fc_norm, norm_output))
+
+
+def _assert_ttt_equals_chain_and_dense(m: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The check of the test above on head `m`: (aux, ids, the fast TTT logits of every step)."""
     torch.manual_seed(1)
     aux, ids = torch.randn(1, 11, 3 * H), torch.randint(0, V, (1, 11))
     fast = assert_fast_equals_dense(m, aux, ids, 4)
@@ -126,6 +130,7 @@ def test_ttt_equals_chain_drafting_and_dense(arch, fc_norm, norm_output):
         for t in (0, 3, 6):
             for j, lg in enumerate(_chain_logits(m, aux, ids, t, 4)):
                 torch.testing.assert_close(fast[j][0, t], lg, atol=2e-5, rtol=2e-5)
+    return aux, ids, fast
 
 
 def test_norm_output_and_fc_norm_change_the_computation():
@@ -396,13 +401,8 @@ def test_deeper_head_ttt_equals_chain_drafting_and_dense(fc_norm, norm_output, n
     """Every layer's keys in the training-time test are what chain drafting's per-layer KV cache holds: each TTT
     step at each position = `decode`'s chain there; the fast attention = the dense reference, gradients included."""
     m = make("llama", fc_norm, norm_output, num_layers=num_layers)
-    torch.manual_seed(1)
-    aux, ids = torch.randn(1, 11, 3 * H), torch.randint(0, V, (1, 11))
-    fast = assert_fast_equals_dense(m, aux, ids, 4)
+    aux, ids, fast = _assert_ttt_equals_chain_and_dense(m)
     with torch.no_grad():
-        for t in (0, 3, 6):
-            for j, lg in enumerate(_chain_logits(m, aux, ids, t, 4)):
-                torch.testing.assert_close(fast[j][0, t], lg, atol=2e-5, rtol=2e-5)
         # The stacked layers are in the computation: the first layer alone (same weights) drafts otherwise.
         alone = make("llama", fc_norm, norm_output)
         alone.load_state_dict(m.state_dict(), strict=False)
