@@ -93,9 +93,13 @@ def sglang_env():
         yield py
 
 
+ONE_RANK_CORE = os.environ.get("EAGLE3_TEST_SGLANG_CORE", "0")
+"""The core a one-rank server binds to: .ci/run runs a second SGLang suite on core 1 beside the one on core 0."""
+
+
 def _omp_bind(tp: int) -> None:
     if DEVICE == "cpu":
-        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else ONE_RANK_CORE
 
 
 # ---------------------------------------------------------------------------------------------- targets
