@@ -8,8 +8,10 @@ of the config's cache (during training it reads only `train.eval_max_samples` of
 heads trained from caches of other storage (extract.storage) or on other data are scored on the same exact states
 (each in its own draft vocabulary, over the positions whose target token it holds: the trainer's
 `train.mask_out_of_vocab`, so position counts differ a little between vocabularies). Prints one line
-per head and a JSON summary. `--copy` adds each TTT step's teacher-forced accuracy at the copy positions (where
-vLLM's prompt lookup proposes the target's next token: eagle3.objective.copy_positions) and at the others:
+per head and a JSON summary, and a warning for a head whose run trained on samples of this split (a config with
+other sources or seed draws another split: eagle3.data.prepared.samples_seen_in). `--copy` adds each TTT step's
+teacher-forced accuracy at the copy positions (where vLLM's prompt lookup proposes the target's next token:
+eagle3.objective.copy_positions) and at the others:
 
     python benchmarks/bench_heldout.py --config configs/smollm2-135m.yaml --copy \
         --heads runs/smollm2-135m/checkpoints/best runs/smollm2-135m-copy3/checkpoints/best
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -32,6 +35,8 @@ def main() -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    from datasets import load_from_disk
+
     from eagle3.cache import HiddenStateDataset
     from eagle3.checkpoints import resolve_draft_folder
     from eagle3.config import load_config
@@ -50,7 +55,12 @@ def main() -> int:
     embed, lm_head, _ = load_target_head(cfg.target.path)
     data = HiddenStateDataset(cfg.cache_dir, "eval")
     out = {"cache": str(cfg.cache_dir), "eval_samples": len(data), "heads": {}}
+    eval_samples = load_from_disk(str(cfg.prepared_dir / "eval"))
     for head in a.heads:
+        seen = seen_in_training(head, eval_samples)
+        if seen:
+            print(f"{head}: WARNING its run trained on {seen} of the {len(eval_samples)} held-out samples scored here "
+                  "(a config with other sources or seed draws another split): its figures flatter it", flush=True)
         draft = load_draft(resolve_draft_folder(head), embed_weight=embed)
         # each head in its own draft vocabulary (a head trained on other data has another one)
         teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), draft.d2t, draft.t2d).to(accelerator.device)
@@ -62,11 +72,23 @@ def main() -> int:
             parts = [f"{k} acc_j " + " ".join(f"{x:.4f}" for x in v["acc"]) + f" over {v['positions']}"
                      for k, v in ev["copy"].items()]
             print(f"{head}: " + "; ".join(parts), flush=True)
-        out["heads"][head] = ev
+        out["heads"][head] = ev | {"trained_on_eval_samples": seen}
         print(f"{head}: sim_accept_len {ev['sim_accept_len']:.4f} (teacher-forced {ev['sim_accept_len_tf']:.4f}), "
               + " ".join(f"acc_{j}={ev[f'acc_{j}']:.4f}" for j in range(cfg.train.ttt_steps)), flush=True)
     print(json.dumps(out, indent=2))
     return 0
+
+
+def seen_in_training(head: str, samples) -> int | None:
+    """How many of `samples` the head's own run trained on (its prepared/train beside checkpoints/), None where the
+    head is not under a run folder of the default layout (data.output_dir moved it, or a bare draft folder)."""
+    from eagle3.data.prepared import samples_seen_in
+    from eagle3.paths import RunPaths
+
+    p = Path(head).resolve()
+    p = p.parent if p.name == "draft" else p
+    train = RunPaths.under(p.parent.parent).prepared_dir / "train" if p.parent.name == "checkpoints" else None
+    return samples_seen_in(samples, train) if train is not None and train.exists() else None
 
 
 @torch.no_grad()

@@ -258,3 +258,22 @@ def test_a_damaged_prepared_file_is_named_and_prepare_rebuilds_it(tmp_path: Path
     prepare.run(cfg)
     after = load_prepared(out)
     assert (after.train.to_dict(), after.eval.to_dict()) == rows and torch.equal(after.d2t, before.d2t)
+
+
+def test_samples_seen_in_counts_what_another_split_held_out(tmp_path: Path, tok_dir: Path):
+    """A split is held out from its own config's training only: another seed draws another split, and its training
+    split holds every sample of ours it did not hold out. Counted token for token."""
+    from eagle3.data.prepared import samples_seen_in
+
+    def prep(name: str, *over: str):
+        cfg = _cfg(tmp_path, tok_dir, f"data.output_dir={tmp_path / name}", *over)
+        prepare.run(cfg)
+        return cfg.prepared_dir
+
+    a, c = prep("a"), prep("c", "data.seed=1")
+    a_eval, c_eval = load_prepared(a).eval, load_prepared(c).eval
+    assert samples_seen_in(a_eval, a / "train") == 0
+    assert samples_seen_in(a_eval, a / "eval") == len(a_eval) == 4
+    held_out_by_both = len(set(a_eval["id"]) & set(c_eval["id"]))
+    assert held_out_by_both < len(a_eval)  # the seeds drew other splits
+    assert samples_seen_in(a_eval, c / "train") == len(a_eval) - held_out_by_both
