@@ -35,11 +35,10 @@ def main() -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    from datasets import load_from_disk
-
     from eagle3.cache import HiddenStateDataset
     from eagle3.checkpoints import resolve_draft_folder
     from eagle3.config import load_config
+    from eagle3.data.prepared import load_prepared
     from eagle3.formats import load_draft
     from eagle3.logs import setup_logging
     from eagle3.loss import Teacher
@@ -55,13 +54,14 @@ def main() -> int:
     embed, lm_head, _ = load_target_head(cfg.target.path)
     data = HiddenStateDataset(cfg.cache_dir, "eval")
     out = {"cache": str(cfg.cache_dir), "eval_samples": len(data), "heads": {}}
-    eval_samples = load_from_disk(str(cfg.prepared_dir / "eval"))
+    eval_samples = load_prepared(cfg.prepared_dir).eval
     for head in a.heads:
-        seen = seen_in_training(head, eval_samples)
+        folder = resolve_draft_folder(head)
+        seen = seen_in_training(folder, eval_samples)
         if seen:
             print(f"{head}: WARNING its run trained on {seen} of the {len(eval_samples)} held-out samples scored here "
                   "(a config with other sources or seed draws another split): its figures flatter it", flush=True)
-        draft = load_draft(resolve_draft_folder(head), embed_weight=embed)
+        draft = load_draft(folder, embed_weight=embed)
         # each head in its own draft vocabulary (a head trained on other data has another one)
         teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), draft.d2t, draft.t2d).to(accelerator.device)
         objective = Objective(teacher, cfg.train.model_copy(update={"copy_weight": 1.0}))  # every position weighs 1
@@ -79,16 +79,17 @@ def main() -> int:
     return 0
 
 
-def seen_in_training(head: str, samples) -> int | None:
-    """How many of `samples` the head's own run trained on (its prepared/train beside checkpoints/), None where the
-    head is not under a run folder of the default layout (data.output_dir moved it, or a bare draft folder)."""
-    from eagle3.data.prepared import samples_seen_in
+def seen_in_training(draft_folder: Path, samples) -> int | None:
+    """How many of `samples` the head's own run trained on (its prepared/ beside checkpoints/), None where the head
+    is not under a run folder of the default layout (data.output_dir moved it, or a bare draft folder)."""
+    from eagle3.data.prepared import is_prepared, load_prepared, samples_seen_in
+    from eagle3.model_card import run_folder
     from eagle3.paths import RunPaths
 
-    p = Path(head).resolve()
-    p = p.parent if p.name == "draft" else p
-    train = RunPaths.under(p.parent.parent).prepared_dir / "train" if p.parent.name == "checkpoints" else None
-    return samples_seen_in(samples, train) if train is not None and train.exists() else None
+    run = run_folder(draft_folder.resolve())
+    if run is None or not is_prepared(prepared := RunPaths.under(run).prepared_dir):
+        return None
+    return samples_seen_in(samples, load_prepared(prepared).train)
 
 
 @torch.no_grad()

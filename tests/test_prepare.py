@@ -270,10 +270,9 @@ def test_samples_seen_in_counts_what_another_split_held_out(tmp_path: Path, tok_
         prepare.run(cfg)
         return cfg.prepared_dir
 
-    a, c = prep("a"), prep("c", "data.seed=1")
-    a_eval, c_eval = load_prepared(a).eval, load_prepared(c).eval
-    assert samples_seen_in(a_eval, a / "train") == 0
-    assert samples_seen_in(a_eval, a / "eval") == len(a_eval) == 4
-    held_out_by_both = len(set(a_eval["id"]) & set(c_eval["id"]))
-    assert held_out_by_both < len(a_eval)  # the seeds drew other splits
-    assert samples_seen_in(a_eval, c / "train") == len(a_eval) - held_out_by_both
+    a, c = load_prepared(prep("a")), load_prepared(prep("c", "data.seed=1"))
+    assert samples_seen_in(a.eval, a.train) == 0
+    assert samples_seen_in(a.eval, a.eval) == len(a.eval) == 4
+    held_out_by_both = len(set(a.eval["id"]) & set(c.eval["id"]))
+    assert held_out_by_both < len(a.eval)  # the seeds drew other splits
+    assert samples_seen_in(a.eval, c.train) == len(a.eval) - held_out_by_both

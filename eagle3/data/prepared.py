@@ -92,14 +92,12 @@ def load_prepared(prepared_dir: str | Path) -> Prepared:
     return Prepared(load_from_disk(str(d / "train")), load_from_disk(str(d / "eval")), d2t, t2d, meta)
 
 
-def samples_seen_in(samples: Any, split_dir: str | Path) -> int:
-    """How many of `samples` (rows with `input_ids`) appear, token for token, in the prepared split at `split_dir`.
+def samples_seen_in(samples: Any, split: Any) -> int:
+    """How many of `samples` appear, token for token, in `split` (both prepared splits: rows with `input_ids`).
     A held-out split is held out from its own config's training only: prepare shuffles every source's samples together,
     so a config with another source (or seed) draws another split, and a head trained by it may have trained on the
     samples another config holds out (BENCHMARKS.md "Edit requests in the training data")."""
-    from datasets import load_from_disk
-
-    seen = {tuple(ids) for ids in load_from_disk(str(split_dir))["input_ids"]}
+    seen = {tuple(ids) for ids in split["input_ids"]}
     return sum(tuple(ids) in seen for ids in samples["input_ids"])
 
 
