@@ -5,7 +5,8 @@
 
 Flow of `run(cfg)`: vocab (prepared once, never recounted) -> target embeddings + lm_head (read by name from
 the shards) -> data (offline cache, fingerprint-checked; or online from the target) -> draft (fresh, lm_head
-from the target's draft-vocab rows; or `draft.init_from`) -> resume from the newest checkpoint -> loop:
+from the target's draft-vocab rows, and `draft.copy_init`'s copy circuit; or `draft.init_from`) -> resume from
+the newest checkpoint -> loop:
 token-budget batches, TTT forward, soft-CE vs the chunked teacher, AdamW + warmup/cosine + clipping ->
 metrics, eval (acc_j, simulated acceptance length), checkpoints (atomic), best draft, SGLang export.
 
@@ -190,6 +191,20 @@ def build_draft(dc: DraftConfig, target: TargetConfig, seed: int, hf_config: dic
     return draft
 
 
+def copy_init(draft: Eagle3Draft, groups: int, train_ds: Any, embed: torch.Tensor, samples: int = 64) -> None:
+    """`draft.copy_init`: the copy circuit (eagle3.induction), its token readouts fitted on the cache's first samples.
+    A resumed run overwrites it with its checkpoint, as every other init."""
+    from eagle3.cache import HiddenStateDataset
+    from eagle3.induction import fit_readouts, write_copy_circuit
+
+    if not isinstance(train_ds, HiddenStateDataset):
+        raise UserError("draft.copy_init fits its token readouts on the target's states in an offline cache; "
+                        "extract one (extract.mode=offline) or set draft.copy_init=0")
+    rows = [train_ds[i] for i in range(min(samples, len(train_ds)))]
+    readouts = fit_readouts([r["aux"] for r in rows], [r["input_ids"] for r in rows], embed)
+    write_copy_circuit(draft, readouts, embed, groups, torch.cat([r["aux"] for r in rows[:16]]))
+
+
 def fine_tune_start(folder: str, want: Eagle3DraftConfig, embed: torch.Tensor, d2t: torch.Tensor,
                     family: ArchFamily) -> Eagle3Draft:
     """`draft.init_from`: a head in any format eagle3.formats reads (a published one included), checked to be the
@@ -324,6 +339,8 @@ def set_up(cfg: Config) -> Session:
             check_fits(ds.lengths, tc.batch_tokens, tc.sequence_parallel, split)
     sp = SequenceParallel.join(tc.sequence_parallel, this_process())
     draft = build_draft(cfg.draft, cfg.target, tc.seed, hf_config, d2t, t2d, embed, lm_head)
+    if cfg.draft.copy_init:
+        copy_init(draft, cfg.draft.copy_init, train_ds, embed)
     # The teacher multiplies in the dtype the target is served in, whatever dtype the checkpoint stores it in.
     teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
     objective = Objective(teacher, tc, sp)

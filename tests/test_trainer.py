@@ -12,6 +12,7 @@ import torch
 from eagle3 import trainer
 from eagle3.batching import collate, plan_epoch, plan_eval
 from eagle3.formats import load_draft
+from eagle3.logs import UserError
 from eagle3.objective import Objective
 
 sys.path.append(str(Path(__file__).parent))  # tests/models.py (appended: never shadow installed packages)
@@ -259,6 +260,24 @@ def test_online_mode_matches_offline(tiny_cache, tmp_path):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
         assert b[step]["acc_0"] == pytest.approx(a[step]["acc_0"], abs=1e-6)
     assert not (tmp_path / "no-cache").exists()
+
+
+def test_copy_init_trains_from_the_circuit_and_online_mode_is_refused(tiny_cache, tmp_path):
+    """draft.copy_init: the first kv head of the first layer starts as eagle3.induction's circuit (keys only on the
+    lowest-frequency RoPE dims), then trains; online mode has no cache to fit the circuit's readouts on."""
+    cfg = make_cfg(tiny_cache, tmp_path / "copy", draft={"copy_init": 1}, max_steps=2, eval_every=100)
+    s = trainer.set_up(cfg)
+    k = s.model.midlayer.self_attn.k_proj.weight.detach()
+    head_dim = s.model.config.head_dim
+    rotating = k[:head_dim].abs().sum(-1) == 0
+    assert int(rotating.sum()) == head_dim - 6  # 3 lowest-frequency pairs of 8 hold the match, the rest is zero
+    assert int((k[head_dim:].abs().sum(-1) == 0).sum()) == 0  # the other kv head keeps its random init
+    trainer.run(cfg)
+    assert sorted(read_log(tmp_path / "copy")) == [1, 2]
+    online = make_cfg(tiny_cache, tmp_path / "on", draft={"copy_init": 1}, max_steps=2)
+    online.extract.mode = "online"
+    with pytest.raises(UserError, match="draft.copy_init"):
+        trainer.run(online)
 
 
 @pytest.mark.slow
