@@ -236,17 +236,17 @@ class DraftConfig(Section):
     """MLA per-head value width (default: the target's; else head dim)."""
     copy_init: int = Field(0, ge=0)
     """Kv heads of the first layer written at init as a copy (induction) circuit: the bigram lookup prompt lookup
-    does, in the engines' own weights (eagle3.induction; fitted on the offline cache's first samples). 0: off.
-    Llama layer, fresh heads only. On SmolLM2 it cost more than it gave (BENCHMARKS.md "A copy circuit at init")."""
+    does, in the engines' own weights (eagle3.induction; fitted on the offline cache's first samples). 0: off. A
+    fresh Llama layer on fused features without fc_norm; measured: BENCHMARKS.md "A copy circuit at init"."""
     init_from: str | None = None
     """A draft folder to fine-tune instead of starting from scratch: eagle3's, an SGLang or vLLM export, or a
     published head (Llama or MLA layer; its arch, dimensions, layer ids and draft vocab must match this config)."""
 
     @model_validator(mode="after")
     def _layers_the_engines_stack(self) -> DraftConfig:
-        if self.copy_init and (self.arch != "llama" or self.init_from):
-            raise ValueError("draft.copy_init writes a fresh Llama layer's attention: it takes draft.arch=llama and "
-                             "no draft.init_from")
+        if self.copy_init and (self.arch != "llama" or self.init_from or self.fc_norm or self.features != "fused"):
+            raise ValueError("draft.copy_init writes a fresh Llama layer that reads the raw fused states: it takes "
+                             "draft.arch=llama, features=fused, no fc_norm and no init_from")
         if self.num_layers > 1 and self.arch != "llama":
             raise ValueError(f"draft.num_layers={self.num_layers} with draft.arch={self.arch!r}: SGLang 0.5.23's MLA "
                              "head (kimi_k25_eagle3.py) loads exactly one layer; deeper heads take draft.arch=llama")

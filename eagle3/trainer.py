@@ -195,14 +195,18 @@ def copy_init(draft: Eagle3Draft, groups: int, train_ds: Any, embed: torch.Tenso
     """`draft.copy_init`: the copy circuit (eagle3.induction), its token readouts fitted on the cache's first samples.
     A resumed run overwrites it with its checkpoint, as every other init."""
     from eagle3.cache import HiddenStateDataset
+    from eagle3.cache.codec import dense
     from eagle3.induction import fit_readouts, write_copy_circuit
 
     if not isinstance(train_ds, HiddenStateDataset):
         raise UserError("draft.copy_init fits its token readouts on the target's states in an offline cache; "
                         "extract one (extract.mode=offline) or set draft.copy_init=0")
-    rows = [train_ds[i] for i in range(min(samples, len(train_ds)))]
+    rows = [dense(train_ds[i], train_ds.dtype) for i in range(min(samples, len(train_ds)))]  # fp8: scaled back
     readouts = fit_readouts([r["aux"] for r in rows], [r["input_ids"] for r in rows], embed)
-    write_copy_circuit(draft, readouts, embed, groups, torch.cat([r["aux"] for r in rows[:16]]))
+    try:
+        write_copy_circuit(draft, readouts, embed, groups, torch.cat([r["aux"] for r in rows[:16]]))
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def fine_tune_start(folder: str, want: Eagle3DraftConfig, embed: torch.Tensor, d2t: torch.Tensor,

@@ -76,9 +76,11 @@ def test_one_group_of_two_leaves_the_other_heads_as_they_were():
     draft, before = head(embed), head(embed)
     write_copy_circuit(draft, fit_readouts(aux, ids, embed), embed, 1, torch.cat(aux[:2]))
     a, b = draft.midlayer.self_attn, before.midlayer.self_attn
-    assert torch.equal(a.k_proj.weight[32:], b.k_proj.weight[32:])  # kv head 1 and its two query heads untouched
-    assert torch.equal(a.q_proj.weight[64:], b.q_proj.weight[64:])
-    assert not torch.equal(a.k_proj.weight[:32], b.k_proj.weight[:32])
+    for w, kept in (("k_proj", 32), ("v_proj", 32), ("q_proj", 64)):  # kv head 1 and its two query heads untouched
+        assert torch.equal(getattr(a, w).weight[kept:], getattr(b, w).weight[kept:]), w
+        assert not torch.equal(getattr(a, w).weight[:kept], getattr(b, w).weight[:kept]), w
+    assert torch.equal(a.o_proj.weight[:, 64:], b.o_proj.weight[:, 64:])
+    assert copied_share(draft, embed, torch.Generator().manual_seed(1)) > 0.75  # one kv head's values still copy
     with pytest.raises(ValueError, match="kv heads"):
         write_copy_circuit(draft, fit_readouts(aux, ids, embed), embed, 3, torch.cat(aux[:2]))
 
@@ -86,6 +88,7 @@ def test_one_group_of_two_leaves_the_other_heads_as_they_were():
 def test_the_config_refuses_what_the_circuit_cannot_be_written_into():
     with pytest.raises(ValueError, match="copy_init"):
         DraftConfig(copy_init=1, arch="mla")
-    with pytest.raises(ValueError, match="copy_init"):
-        DraftConfig(copy_init=1, init_from="runs/x/checkpoints/best")
+    for bad in ({"init_from": "runs/x/checkpoints/best"}, {"fc_norm": True}, {"features": "top"}):
+        with pytest.raises(ValueError, match="copy_init"):
+            DraftConfig(copy_init=1, **bad)
     assert DraftConfig(copy_init=2).copy_init == 2
