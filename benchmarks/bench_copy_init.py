@@ -2,11 +2,12 @@
 held-out split, at the copy positions and at the others, as initialised and after training.
 
     python benchmarks/bench_copy_init.py --config configs/smollm2-135m-edits.yaml --steps 400 \
-        --arms 0 3 1 1:0.25:0.25 --out runs/bench-copy-init
+        --arms 0 3 1 1:0.25:0.25 3:0.5:2.0:0 --out runs/bench-copy-init
 
-An arm is GROUPS[:FEATURE_GAIN:OUTPUT_GAIN]: `draft.copy_init=GROUPS` (0: the default init), the circuit's readouts
-in fc and its output at those multiples of the default feature's scale (eagle3.induction.write_copy_circuit's
-`feature_gain` / `output_gain`; 0.5 and 2.0 when left out). Each arm trains `--steps` steps on the config's cache
+An arm is GROUPS[:FEATURE_GAIN[:OUTPUT_GAIN[:PREV_WEIGHT]]]: `draft.copy_init=GROUPS` (0: the default init), the
+circuit's readouts in fc and its output at those multiples of the default feature's scale, and the weight of the
+previous token in its match (eagle3.induction.write_copy_circuit's `feature_gain`, `output_gain`, `prev_weight`;
+0.5, 2.0 and 0.7 when left out; 0: a unigram match). Each arm trains `--steps` steps on the config's cache
 (same data, seed and schedule, squeezed into the steps) in its own process, then `bench_heldout.py --copy` scores all
 of them in one process on the whole held-out split: each TTT step's teacher-forced accuracy where prompt lookup
 proposes the target's token (eagle3.objective.copy_positions) and elsewhere, and the greedy-chain sim_accept_len.
@@ -24,26 +25,31 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def parse_arm(arm: str) -> tuple[int, float, float]:
+DEFAULTS = (0.5, 2.0, 0.7)
+"""write_copy_circuit's feature_gain, output_gain and prev_weight."""
+
+
+def parse_arm(arm: str) -> tuple[int, float, float, float]:
     parts = arm.split(":")
-    if len(parts) not in (1, 3):
-        raise SystemExit(f"arm {arm!r}: GROUPS or GROUPS:FEATURE_GAIN:OUTPUT_GAIN")
-    groups = int(parts[0])
-    return (groups, 0.5, 2.0) if len(parts) == 1 else (groups, float(parts[1]), float(parts[2]))
+    if not 1 <= len(parts) <= 4:
+        raise SystemExit(f"arm {arm!r}: GROUPS[:FEATURE_GAIN[:OUTPUT_GAIN[:PREV_WEIGHT]]]")
+    gains = [float(x) for x in parts[1:]] + list(DEFAULTS[len(parts) - 1:])
+    return int(parts[0]), gains[0], gains[1], gains[2]
 
 
 def train_arm(config: str, out: Path, arm: str, steps: int, overrides: list[str]) -> None:
     """In this process: one arm's head as initialised (saved to `out`/init), then its `eagle3 train`, with the
-    circuit's gains set."""
+    circuit's gains set (eagle3.trainer.copy_init imports write_copy_circuit when it runs, so it calls the patched
+    one)."""
     import eagle3.induction as induction
     from eagle3 import trainer
     from eagle3.cli import main
     from eagle3.config import load_config
     from eagle3.formats import save_draft
 
-    groups, feature_gain, output_gain = parse_arm(arm)
+    groups, feature_gain, output_gain, prev_weight = parse_arm(arm)
     induction.write_copy_circuit = functools.partial(induction.write_copy_circuit, feature_gain=feature_gain,
-                                                     output_gain=output_gain)
+                                                     output_gain=output_gain, prev_weight=prev_weight)
     args = [f"output_dir={out}", f"train.max_steps={steps}", "train.eval_every=100000", "train.save_every=100000",
             f"draft.copy_init={groups}", *overrides]
     session = trainer.set_up(load_config(config, args))
@@ -83,7 +89,7 @@ def main() -> int:
     scored = json.loads(score[score.index("\n{") + 1:])["heads"]
     print(f"\nat init and after {a.steps} steps, held-out split of {a.config} (teacher-forced acc_0 / acc_1 / acc_2, "
           "%)")
-    print("| arm (groups:feature:output) | at copy positions | at the others | sim_accept_len |")
+    print("| arm (groups:feature:output:prev) | at copy positions | at the others | sim_accept_len |")
     print("|---|---|---|---|")
     summary = {}
     for arm, head in heads.items():
