@@ -3,7 +3,7 @@
     EAGLE3_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/bench_ngram_engines.py \
         --config configs/smollm2-135m-quickstart.yaml --set mt-bench --prompts 20 [--both-turns]
 
-Both use vLLM's rule (tests/test_vllm_engine.py checks eagle3.specdec.ngram_proposal against vLLM's own proposer), so
+Both use vLLM's rule (tests/test_vllm_ngram.py checks eagle3.specdec.ngram_proposal against vLLM's own proposer), so
 a gap between them has two other sources, measured here apart: the greedy text (each engine decodes plain and with
 n-gram; in bf16 the two engines part at near-ties) and the counting (vLLM's counters give generated / (generated -
 accepted); the built-in counts its target forwards). Each text is also replayed through the rule offline, which
