@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import trainer
+from eagle3 import induction, trainer
 from eagle3.batching import collate, plan_epoch, plan_eval
 from eagle3.formats import load_draft
+from eagle3.induction import fit_readouts
 from eagle3.logs import UserError
 from eagle3.objective import Objective
 
@@ -262,7 +263,7 @@ def test_online_mode_matches_offline(tiny_cache, tmp_path):
     assert not (tmp_path / "no-cache").exists()
 
 
-def test_copy_init_trains_from_the_circuit_and_online_mode_is_refused(tiny_cache, tmp_path):
+def test_copy_init_trains_from_the_circuit_and_online_mode_is_refused(tiny_cache, tmp_path, monkeypatch):
     """draft.copy_init: the first kv head of the first layer starts as eagle3.induction's circuit (keys only on the
     lowest-frequency RoPE dims), then trains; online mode has no cache to fit the circuit's readouts on."""
     cfg = make_cfg(tiny_cache, tmp_path / "copy", draft={"copy_init": 1}, max_steps=2, eval_every=100)
@@ -276,6 +277,12 @@ def test_copy_init_trains_from_the_circuit_and_online_mode_is_refused(tiny_cache
     assert int((k[head_dim:].abs().sum(-1) == 0).sum()) == 0  # the other kv head keeps its random init
     trainer.run(cfg)
     assert sorted(read_log(tmp_path / "copy")) == [1, 2]
+    # a resumed run loads its checkpoint over the init: the readouts are not fitted again
+    fits = []
+    monkeypatch.setattr(induction, "fit_readouts", lambda *a, **k: fits.append(1) or fit_readouts(*a, **k))
+    more = make_cfg(tiny_cache, tmp_path / "copy", draft={"copy_init": 1}, max_steps=3, eval_every=100)
+    trainer.run(more)
+    assert fits == [] and sorted(read_log(tmp_path / "copy")) == [1, 2, 3]
     online = make_cfg(tiny_cache, tmp_path / "on", draft={"copy_init": 1}, max_steps=2)
     online.extract.mode = "online"
     with pytest.raises(UserError, match="draft.copy_init"):
