@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import subprocess
 import sys
@@ -25,15 +26,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-DEFAULTS = (0.5, 2.0, 0.7)
-"""write_copy_circuit's feature_gain, output_gain and prev_weight."""
+GAINS = ("feature_gain", "output_gain", "prev_weight")
+"""write_copy_circuit's arguments an arm may set, in the arm's order; left out, they keep its defaults."""
 
 
 def parse_arm(arm: str) -> tuple[int, float, float, float]:
+    from eagle3.induction import write_copy_circuit
+
     parts = arm.split(":")
     if not 1 <= len(parts) <= 4:
         raise SystemExit(f"arm {arm!r}: GROUPS[:FEATURE_GAIN[:OUTPUT_GAIN[:PREV_WEIGHT]]]")
-    gains = [float(x) for x in parts[1:]] + list(DEFAULTS[len(parts) - 1:])
+    defaults = [inspect.signature(write_copy_circuit).parameters[name].default for name in GAINS]
+    gains = [float(x) for x in parts[1:]] + defaults[len(parts) - 1:]
     return int(parts[0]), gains[0], gains[1], gains[2]
 
 
