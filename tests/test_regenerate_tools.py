@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -506,9 +505,9 @@ def test_hf_malformed_call_is_kept_as_the_text_generated(tmp_path, kimi_tok):
 def vllm_server(python: str, model: Path, log_path: Path, *flags: str) -> Iterator[str]:
     """A real vLLM OpenAI server for `model` on a free loopback port, up (GET /v1/models answers) within 10
     minutes; yields its root URL and stops it on exit."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from eagle3.targets.sglang_server import free_port  # below the ephemeral range: vLLM binds it after loading
+
+    port = free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",

@@ -552,6 +552,58 @@ def test_a_server_that_dies_at_startup_is_reported_with_its_log(llama, tmp_path,
     assert not (tmp_path / "dump").exists()
 
 
+_PORT_THIEF = """
+import http.server, pathlib, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+ports = pathlib.Path({ports!r})
+ports.write_text(ports.read_text() + f"{{port}}\\n" if ports.exists() else f"{{port}}\\n")
+if len(ports.read_text().split()) == 1:  # the first launch: someone bound the port while the weights loaded
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {{port}}): address already "
+          "in use", flush=True)
+    sys.exit(3)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_server_that_loses_its_port_is_launched_again_on_another(tmp_path, monkeypatch):
+    """SGLang binds its HTTP port only after loading the weights; a launch whose port another process took in
+    between (uvicorn: "address already in use", exit code 3) is started again on a fresh port, and the ports
+    eagle3 draws lie below the kernel's ephemeral range, which bind(0) draws from."""
+    from eagle3.targets.sglang_server import PORT_BAND, SGLangServer, _ephemeral_low, free_port
+
+    ports = tmp_path / "ports.txt"
+    fake = _fake_sglang_package(tmp_path / "fake", _PORT_THIEF.format(ports=str(ports)))
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    log_file = tmp_path / "logs" / "server.log"
+    with SGLangServer([], {}, log_file, timeout_s=60) as server:
+        first, second = (int(p) for p in ports.read_text().split())
+        assert server.port == second != first and server.proc.poll() is None
+        assert "address already in use" in log_file.read_text()  # the first launch's output is kept
+    assert server.proc.poll() is not None
+    drawn = {free_port() for _ in range(20)}
+    assert all(PORT_BAND[0] <= p < min(PORT_BAND[1] + 1, _ephemeral_low()) for p in drawn), drawn
+    assert len(drawn) > 1  # drawn at random: two eagle3 processes do not race for one port
+
+
+def test_a_server_that_dies_for_another_reason_is_not_launched_again(tmp_path, monkeypatch):
+    launches = tmp_path / "launches.txt"
+    fake = _fake_sglang_package(tmp_path / "fake", f"import pathlib, sys\np = pathlib.Path({str(launches)!r})\n"
+                                "p.write_text((p.read_text() if p.exists() else '') + 'x')\n"
+                                "print('CUDA out of memory')\nsys.exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    from eagle3.targets.sglang_server import ServerError, SGLangServer
+
+    with pytest.raises(ServerError, match=r"(?s)exited with code 3 before it was healthy.*CUDA out of memory"):
+        SGLangServer([], {}, tmp_path / "server.log", timeout_s=60)
+    assert launches.read_text() == "x"
+
+
 def test_a_python_without_the_plugin_is_refused_before_launch(llama, tmp_path, monkeypatch):
     """SGLang in a Python where eagle3 is not installed would serve without capturing: refused up front."""
     bare = tmp_path / "bare"

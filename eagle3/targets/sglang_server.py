@@ -9,6 +9,8 @@ EAGLE-3 server of `eagle3 eval --engine sglang` are both one of these.
 - The server runs in its own session, so stopping it reaches SGLang's scheduler and TP worker processes too:
   SIGTERM to the whole group, SIGKILL after a grace period.
 - Its output goes to a log file; when it dies before `/health` answers, the error quotes the log's tail.
+- Its port is drawn below the kernel's ephemeral range (see `free_port`); a launch that loses it all the same
+  (uvicorn's "address already in use" once the weights are loaded) is started again on another.
 - It is stopped on `close()`, on exit (atexit) and on SIGTERM (turned into a normal exit). A SIGKILL of eagle3
   cannot be caught, so on Linux the server also gets SIGTERM from the kernel when its parent dies
   (PR_SET_PDEATHSIG), and SGLang's own children follow their parent: a killed extraction never leaves an 8-GPU
@@ -21,6 +23,7 @@ import atexit
 import json
 import logging
 import os
+import random
 import shlex
 import signal
 import socket
@@ -45,10 +48,43 @@ def sglang_python() -> str:
     return os.environ.get(ENV_PYTHON) or sys.executable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+# Where eagle3 draws a launched server's port: below the kernel's ephemeral range, where no bind(0) or outgoing
+# connection is ever handed a port, and below SGLang's own band for its NCCL port (22000-29999).
+PORT_BAND = (12000, 21999)
+PORT_TAKEN = "address already in use"  # uvicorn's bind error, after which SGLang exits with code 3
+LAUNCHES = 3
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now that no other process is likely to take before the server binds it. SGLang binds its
+    HTTP port only once its weights are loaded (seconds on CPU, minutes for Kimi), and in between every bind(0)
+    on the machine (gloo's listeners, SGLang's own scheduler among them) draws from the ephemeral range: a port
+    probed there was taken in CI, and the server died after loading with uvicorn's "address already in use"."""
+    low, high = PORT_BAND[0], min(PORT_BAND[1], _ephemeral_low() - 1)
+    for port in random.sample(range(low, high + 1), min(64, max(0, high - low + 1))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # a machine whose ephemeral range covers the band
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _port_taken(log_file: Path, start: int) -> bool:
+    """Whether the launch that logged from byte `start` on lost its port to another process."""
+    with open(log_file, "rb") as f:
+        f.seek(start)
+        return PORT_TAKEN in f.read().decode(errors="replace").lower()
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
@@ -180,23 +216,38 @@ class SGLangServer:
 
     def __init__(self, flags: list[str], env: dict[str, str], log_file: Path, timeout_s: float,
                  host: str = "127.0.0.1", what: str = "SGLang"):
-        self.port = free_port()
-        self.url = f"http://{host}:{self.port}"
         self.log_file = log_file
-        self.cmd = [sglang_python(), "-m", "sglang.launch_server", *flags, "--host", host, "--port", str(self.port)]
         self._closed = False
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        log.info("launching %s, log %s:\n  %s", what, log_file, shlex.join(self.cmd))
-        with open(log_file, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
         atexit.register(self.close)
         exit_on_sigterm()
-        try:
-            wait_healthy(self.url, timeout_s, self.proc, log_file)
-        except BaseException:
-            self.close()
-            raise
+        for launch in range(1, LAUNCHES + 1):
+            start = self._launch(flags, env, host, what)
+            try:
+                wait_healthy(self.url, timeout_s, self.proc, log_file)
+                return
+            except ServerError:
+                stop_process_group(self.proc)
+                if launch == LAUNCHES or not _port_taken(log_file, start):
+                    self.close()
+                    raise
+                log.warning("another process took port %d while the server loaded: launching it again on another "
+                            "port (%d of %d)", self.port, launch + 1, LAUNCHES)
+            except BaseException:
+                self.close()
+                raise
+
+    def _launch(self, flags: list[str], env: dict[str, str], host: str, what: str) -> int:
+        """Start the server on a fresh port; returns where its output starts in the (appended) log."""
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.cmd = [sglang_python(), "-m", "sglang.launch_server", *flags, "--host", host, "--port", str(self.port)]
+        log.info("launching %s, log %s:\n  %s", what, self.log_file, shlex.join(self.cmd))
+        with open(self.log_file, "ab") as out:
+            start = out.tell()
+            self.proc = subprocess.Popen(self.cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        return start
 
     def close(self) -> None:
         if self._closed:
