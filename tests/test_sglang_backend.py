@@ -595,13 +595,16 @@ def test_a_server_that_dies_for_another_reason_is_not_launched_again(tmp_path, m
     launches = tmp_path / "launches.txt"
     fake = _fake_sglang_package(tmp_path / "fake", f"import pathlib, sys\np = pathlib.Path({str(launches)!r})\n"
                                 "p.write_text((p.read_text() if p.exists() else '') + 'x')\n"
-                                "print('CUDA out of memory')\nsys.exit(3)\n")
+                                "print('torch.OutOfMemoryError: CUDA out of memory')\n"
+                                "print('\\n'.join(f'shutdown noise {i}' for i in range(60)))\nsys.exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", str(fake))
     from eagle3.targets.sglang_server import ServerError, SGLangServer
 
-    with pytest.raises(ServerError, match=r"(?s)exited with code 3 before it was healthy.*CUDA out of memory"):
+    with pytest.raises(ServerError, match=r"(?s)exited with code 3 before it was healthy\n--- its first error lines "
+                                          r"---\ntorch.OutOfMemoryError: CUDA out of memory\n--- last 40 lines.*"
+                                          r"shutdown noise 59$"):  # the cause, above a tail of noise
         SGLangServer([], {}, tmp_path / "server.log", timeout_s=60)
-    assert launches.read_text() == "x"
+    assert launches.read_text() == "x"  # not launched again
 
 
 def test_a_python_without_the_plugin_is_refused_before_launch(llama, tmp_path, monkeypatch):

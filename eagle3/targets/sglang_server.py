@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import re
 import shlex
 import signal
 import socket
@@ -113,11 +114,21 @@ def server_info(url: str, timeout: float = 10.0) -> dict[str, Any] | None:
     return None
 
 
-def log_tail(log_file: Path | None, lines: int = 40) -> str:
+# A log line that names a failure: uvicorn's "ERROR:" lines, an OS error logged as such ("[Errno 98] error while
+# attempting to bind ..."), the last line of a Python traceback.
+ERROR_LINE = re.compile(r"^ERROR:|\[Errno \d+\]|\b\w*(Error|Exception): ")
+
+
+def log_tail(log_file: Path | None, lines: int = 40, errors: int = 5) -> str:
+    """The log's last `lines`, after its first `errors` error lines above them: a dying server's tail can be all
+    cleanup (SGLang's warning tracebacks at shutdown) with the cause just above it."""
     if log_file is None or not log_file.is_file():
         return ""
-    tail = log_file.read_text(errors="replace").splitlines()[-lines:]
-    return f"\n--- last {len(tail)} lines of {log_file} ---\n" + "\n".join(tail)
+    text = log_file.read_text(errors="replace").splitlines()
+    tail = text[-lines:]
+    above = [line for line in text[:-lines] if ERROR_LINE.search(line)][:errors]
+    first = "\n--- its first error lines ---\n" + "\n".join(above) if above else ""
+    return f"{first}\n--- last {len(tail)} lines of {log_file} ---\n" + "\n".join(tail)
 
 
 class ServerError(UserError, RuntimeError):
