@@ -237,16 +237,13 @@ class SGLangServer:
             try:
                 wait_healthy(self.url, timeout_s, self.proc, log_file)
                 return
-            except ServerError:
-                stop_process_group(self.proc)
-                if launch == LAUNCHES or not _port_taken(log_file, start):
+            except BaseException as e:
+                if not (isinstance(e, ServerError) and launch < LAUNCHES and _port_taken(log_file, start)):
                     self.close()
                     raise
+                stop_process_group(self.proc)
                 log.warning("another process took port %d while the server loaded: launching it again on another "
                             "port (%d of %d)", self.port, launch + 1, LAUNCHES)
-            except BaseException:
-                self.close()
-                raise
 
     def _launch(self, flags: list[str], env: dict[str, str], host: str, what: str) -> int:
         """Start the server on a fresh port; returns where its output starts in the (appended) log."""
