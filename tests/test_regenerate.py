@@ -203,8 +203,10 @@ def test_openai_thinking_keeps_or_drops_reasoning(tmp_path, style, keep):
         run_openai(cfg)
         bodies = srv.chat_bodies()
     assert all(b["chat_template_kwargs"]["thinking"] is True for b in bodies)
-    # History sent back to the server carries answers only, never the earlier thinking.
-    assert bodies[1]["messages"][2] == {"role": "assistant", "content": "A1: hello"}
+    # History goes back with its thinking as `reasoning_content` (an agent's request; K2.5's template keeps or drops
+    # it by its own rule), whether or not the output keeps it.
+    assert bodies[1]["messages"][2] == {"role": "assistant", "content": "A1: hello",
+                                        "reasoning_content": "thinking about hello"}
     gpt = [t for t in read_jsonl(cfg.regenerated_path)[0]["conversations"] if t["from"] == "gpt"]
     assert [t["value"] for t in gpt] == ["A1: hello", "A2: and then?"]
     if keep:

@@ -87,7 +87,8 @@ def chatml_tok(tmp_path_factory):
     ("kimi-k2.5", "kimi", False), ("kimi-k2.5", "kimi", True), ("chatml-tools", "hermes", False)])
 def test_parse_inverts_what_the_template_renders(request, template, style, thinking):
     """Each assistant turn's trained span (what the model generates) parses back to its text, reasoning and calls,
-    arguments as the exact JSON text; the parsed turns render to the same text again."""
+    arguments as the exact JSON text the template wrote (Kimi's: `tojson` of the parsed object, as SGLang and vLLM
+    render history calls; chatml-tools: the text as given); the parsed turns render to the same text again."""
     tok = request.getfixturevalue("chatml_tok" if style == "hermes" else "kimi_tok")
     text, spans = answer_spans(PARALLEL, tok, template, thinking)
     answers = [t for t in PARALLEL.turns if t.role == "assistant"]
@@ -99,7 +100,9 @@ def test_parse_inverts_what_the_template_renders(request, template, style, think
         content, reasoning = split_reasoning(parsed.content)
         assert content == original.content
         assert reasoning == (original.reasoning if thinking else None)
-        assert [(c.name, c.arguments) for c in parsed.tool_calls] == [(c.name, c.arguments) for c in original.tool_calls]
+        written = [(c.name, json.dumps(json.loads(c.arguments), ensure_ascii=False) if style == "kimi" else c.arguments)
+                   for c in original.tool_calls]
+        assert [(c.name, c.arguments) for c in parsed.tool_calls] == written
         parsed_turns.append(Turn("assistant", content, reasoning, parsed.tool_calls))
     ids = [c.id for t in parsed_turns for c in t.tool_calls]
     # Kimi: the id the model wrote, the conversation-wide counter; Hermes writes none
@@ -438,7 +441,8 @@ class ScriptedModel(torch.nn.Module):
 def test_hf_backend_parses_kimi_calls_and_prepare_trains_on_exactly_the_generated_tokens(tmp_path, kimi_tok):
     """Kimi-K2.5 with thinking: the model's call (marker special tokens) is parsed out before the special tokens
     are stripped, the recorded result is replayed under the model's call id, and the prepared sample's trained
-    tokens are exactly the tokens the model generated."""
+    tokens are exactly the tokens the model generated. (Its arguments are written as K2.5 writes them, the way its
+    served history shows them, `json.dumps` spacing: a call written otherwise trains in that spelling.)"""
     from eagle3.regenerate.hf import HFBackend
 
     tok_dir = tmp_path / "kimi-tok"
@@ -449,7 +453,7 @@ def test_hf_backend_parses_kimi_calls_and_prepare_trains_on_exactly_the_generate
         {"role": "tool", "tool_call_id": "x", "content": "18C"},
         {"role": "assistant", "content": "18C in Paris."}]}])
     first = "need it</think>Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0" \
-            '<|tool_call_argument_begin|>{"city":"Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
     second = "got it</think>It is 18C in Paris.<|im_end|>"
     generated = [kimi_tok(t, add_special_tokens=False)["input_ids"] for t in (first, second)]
     assert generated[0].count(KIMI_SPECIALS["<|tool_call_begin|>"]) == 1
@@ -467,7 +471,7 @@ def test_hf_backend_parses_kimi_calls_and_prepare_trains_on_exactly_the_generate
     (rec,) = read_jsonl(cfg.regenerated_path)
     assert rec["messages"][1] == {"role": "assistant", "content": "Checking.", "reasoning_content": "need it",
                                   "tool_calls": [{"id": "functions.get_weather:0", "type": "function", "function": {
-                                      "name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+                                      "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     assert render_prompt([Turn("user", "Weather in Paris?")], kimi_tok, "kimi-k2.5", True,
                          tools=[WEATHER]) == model.prompts[0]
 

@@ -99,12 +99,13 @@ KIMI_CONV = Conversation("k", [
     Turn("assistant", "Paris 18C, Rome 21C.", reasoning="done"),
 ], tools=[WEATHER])
 
-DECLARE = ('<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"get_weather",'
-           '"description":"Current weather of a city.","parameters":{"type":"object","properties":{"city":'
-           '{"type":"string"}},"required":["city"]}}}]<|im_end|>')
+# K2.5 declares tools as the TypeScript namespace its tokenizer writes (eagle3.data.kimi_tools), not as JSON.
+DECLARE = ("<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n"
+           "// Current weather of a city.\ntype get_weather = (_: {\n  city: string\n}) => any;\n}\n<|im_end|>")
+# Arguments as SGLang and vLLM render them: parsed, then `tojson` (the source's '{"city":"Rome"}' gains its spaces).
 SECTION = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
            '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
-           '{"city":"Rome"}<|tool_call_end|><|tool_calls_section_end|>')
+           '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>')
 RESULTS = ('<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\n18C<|im_end|>'
            '<|im_system|>tool<|im_middle|>## Return of functions.get_weather:1\n21C<|im_end|>')
 

@@ -19,15 +19,26 @@ offsets: a token is in the loss when it overlaps an answer span (the rule transf
 `return_assistant_tokens_mask`). Tokenizers without offsets (slow ones such as Kimi's tiktoken tokenizer) are
 tokenized segment by segment, and the concatenation is checked against the full tokenization.
 
-Kimi-K2.5 think tags (built-in `kimi-k2.5`, as the model's own chat template renders them; no newlines between turns):
-- thinking on: the generation prompt ends with `<think>`, so `<think>` is prompt (mask 0) and the final answer
-  `{reasoning}</think>{answer}<|im_end|>` is all mask 1, `</think>` included: the model generates it.
-- thinking off: the generation prompt is `...<|im_middle|><think></think>` (what K2.5 renders with
-  thinking=False), so both tags are prompt (mask 0) and the mask covers `{answer}<|im_end|>`.
-- past assistant turns (before the last user turn) carry an empty `<think></think>` and their reasoning is
-  dropped, as the K2.5 template does; with thinking on their mask is `</think>{answer}<|im_end|>` (the prompt
-  ends with `<think>` and the model emitted `</think>` right away), with thinking off `{answer}<|im_end|>`.
-  To stay prefix-stable, `render` drops the reasoning of assistant turns before the last user turn itself.
+Kimi-K2.5 (built-in `kimi-k2.5`): every generation prompt is the one K2.5's own chat template builds and SGLang /
+vLLM serve, byte for byte, thinking on and off (tests/test_kimi_template.py renders K2.5's real template beside it):
+- tools: a first `<|im_system|>tool_declare<|im_middle|>…<|im_end|>` turn holding the TypeScript namespace K2.5's
+  tokenizer writes (`tools_ts_str`, eagle3.data.kimi_tools; `_tool_kwargs` passes it to any template that reads
+  it, once per conversation), or where none can be written the JSON of the tools as SGLang serves them.
+- calls: ids `functions.{name}:{n}` counted over the conversation as the servers issue them, results re-pointed;
+  arguments rendered by `tojson` from the parsed object, as the servers pass them (chat_messages).
+- think tags: with thinking on the generation prompt ends with `<think>`, so `<think>` is prompt and the answer
+  `{reasoning}</think>{answer}<|im_end|>` is all mask 1, `</think>` included: the model generates it. With
+  thinking off the prompt ends with `<think></think>` and the mask covers `{answer}<|im_end|>`.
+- reasoning in history: K2.5 drops the reasoning of every assistant message up to the last one without tool
+  calls and keeps it after (an agent loop's calls keep their thinking until its answer). One training sequence
+  holds each turn once, so `answer_spans` drops the reasoning of the turns up to the last answer without calls
+  before the final turn (reasoning_history_end) and keeps the rest: every prompt of the final agent loop is
+  K2.5's. Turns before that train as `</think>{answer}` with thinking on (a dropped thinking is an empty one).
+  The one case a single sequence cannot mirror: a turn of an earlier loop whose production prompt still held the
+  reasoning of its loop's earlier calls, which the later turns' prompts drop (its prefix lacks that reasoning).
+- the built-in differs from K2.5's template in one place only: a render without a generation prompt keeps the
+  reasoning of the answer it ends with (K2.5's drops it, which would drop the thinking from the loss). `auto` with
+  a template that drops it is refused for conversations whose reasoning the loss would cover (data.thinking on).
 The built-in `kimi-k2.5` adds no default system prompt (use data.system_prompt).
 """
 
@@ -40,24 +51,33 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from eagle3.data.kimi_tools import deep_sorted, served_tools, typescript_declaration
 from eagle3.data.types import Conversation, ToolCall, Turn
 
 if TYPE_CHECKING:
     from eagle3.config import TargetConfig
 
 # --------------------------------------------------------------------------------------- built-in templates
+# Kimi-K2.5 as the model's own chat template renders it, with one difference (see the module docstring): the
+# history whose reasoning is dropped ends at the last answer without calls, as in K2.5's, but the answer a render
+# ends with (no generation prompt) keeps its reasoning, so that the loss covers the thinking K2.5 generates. Every
+# generation prompt is K2.5's byte for byte. Tools are declared as `tools_ts_str` (eagle3.data.kimi_tools, passed
+# by `_tool_kwargs`), compact JSON of the tools as SGLang serves them only where that is missing, as K2.5's does.
 KIMI_K25 = (
     "{%- set thinking = thinking if thinking is defined else true -%}"
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- set ns = namespace(history=-1) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' and not m.get('tool_calls') and (add_generation_prompt or not loop.last) -%}"
+    "{%- set ns.history = loop.index0 -%}{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
-    "{%- endif -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>"
+    "{%- if tools_ts_str -%}{{ tools_ts_str }}{%- else -%}{{ tools | tojson(separators=(',', ':')) }}{%- endif -%}"
+    "<|im_end|>{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- set name = m.get('name') or m['role'] -%}"
     "{%- if m['role'] == 'user' -%}<|im_user|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
     "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>{{ name }}<|im_middle|><think>"
-    "{%- if thinking and loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
+    "{%- if thinking and loop.index0 > ns.history and m.get('reasoning_content') -%}"
     "{{ m['reasoning_content'] }}{%- endif -%}</think>{{ m['content'] }}"
     "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
     "{%- for c in m['tool_calls'] -%}<|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>"
@@ -175,10 +195,19 @@ class ChatTemplate:
 
     @property
     def arguments_as_text(self) -> bool:
-        """Whether calls' arguments reach the template as the JSON text the model wrote. eagle3's built-ins and
-        Kimi's own template print text as it is; other templates (Qwen's, Hermes') follow transformers' rule that
-        arguments are a dict and apply `tojson` to them, so they get the parsed object."""
-        return self.name in BUILTIN or self.tool_style == "kimi"
+        """Whether calls' arguments reach the template as the JSON text the model wrote, or parsed.
+
+        SGLang and vLLM parse every history call's arguments into an object before they render the prompt, and the
+        template writes it back with `tojson` (`json.dumps`: `", "` and `": "`, non-ASCII kept): K2.5 is served
+        `{"city": "Rome"}` whatever text the call had. So every template gets objects, Kimi's included, except
+        eagle3's `chatml-tools`, which prints the text as written (its SmolLM2 recipes train on the text the model
+        generates)."""
+        return self.name in BUILTIN and self.tool_style != "kimi"
+
+    @property
+    def declares_typescript(self) -> bool:
+        """Kimi-K2.5's template family: the tokenizer hands it `tools_ts_str` (and key-sorted `tools`)."""
+        return "tools_ts_str" in self.text
 
 
 def resolve_template(template: str | ChatTemplate, tokenizer: Any) -> ChatTemplate:
@@ -208,15 +237,19 @@ def resolve_template(template: str | ChatTemplate, tokenizer: Any) -> ChatTempla
 
 # ----------------------------------------------------------------------------------------------- rendering
 def chat_messages(turns: list[Turn], thinking: bool, tpl: ChatTemplate | None = None) -> list[dict[str, Any]]:
-    """Turns -> the message dicts chat templates read (`reasoning_content` only in thinking mode; `tool_calls`
-    and tool results in the OpenAI shape).
+    """Turns -> the message dicts chat templates read, as a client sends them to SGLang or vLLM: every assistant
+    turn's `reasoning_content` (thinking mode only; the template decides which it keeps), `tool_calls` and tool
+    results in the OpenAI shape, arguments parsed unless the template prints text (ChatTemplate.arguments_as_text).
 
-    A Kimi-style template prints call ids, and Kimi's server issues them as `functions.{name}:{n}`, n counting
-    the conversation's calls from 0 (SGLang's and vLLM's `kimi_k2` tool parsers): ids are rewritten to that, and
-    each result's `tool_call_id` with them, so a head learns the ids its target emits whatever the source used."""
+    A Kimi-style template prints call ids, and Kimi's servers issue `functions.{name}:{n}`, n = the calls already
+    in the request's history + the call's index in its turn (SGLang's and vLLM's `kimi_k2` parsers): the
+    conversation's calls counted from 0. Ids are rewritten to that whatever the source used (per-turn ids, ids
+    reused in later turns, none), and each result is re-pointed to the renamed call it answers: the call of the
+    latest call turn with its id, else (no id) the next one that turn has not had a result for."""
     kimi = tpl is not None and tpl.tool_style == "kimi"
     as_text = tpl is None or tpl.arguments_as_text
-    ids: dict[str | None, str] = {}
+    n = 0
+    pending: list[tuple[str | None, str]] = []  # the latest call turn's unanswered calls: (source id, rendered id)
     out: list[dict[str, Any]] = []
     for t in turns:
         m: dict[str, Any] = {"role": t.role, "content": t.content}
@@ -224,26 +257,53 @@ def chat_messages(turns: list[Turn], thinking: bool, tpl: ChatTemplate | None = 
             m["reasoning_content"] = t.reasoning
         if t.tool_calls:
             calls = []
+            pending = []
             for c in t.tool_calls:
-                cid = c.id
-                if kimi:
-                    cid = ids[c.id] = f"functions.{c.name}:{len(ids)}"
+                cid = f"functions.{c.name}:{n}" if kimi else c.id
+                pending.append((c.id, cid))
+                n += 1
                 args: Any = c.arguments if as_text else json.loads(c.arguments)
                 calls.append({"id": cid, "type": "function", "function": {"name": c.name, "arguments": args}})
             m["tool_calls"] = calls
         if t.role == "tool":
-            m["tool_call_id"] = ids.get(t.tool_call_id, t.tool_call_id) if kimi else t.tool_call_id
+            cid = t.tool_call_id
+            if kimi:
+                hit = next((p for p in pending if p[0] == cid), None)
+                if hit is None and cid is None and pending:
+                    hit = pending[0]
+                if hit is not None:
+                    pending.remove(hit)
+                    cid = hit[1]
+            if cid is not None:  # no id, no call to answer: left out, as SGLang drops null fields (K2.5 prints "")
+                m["tool_call_id"] = cid
             if t.name is not None:
                 m["name"] = t.name
         out.append(m)
     return out
 
 
+def _tool_kwargs(tpl: ChatTemplate, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The template's tool arguments as the target is served them. K2.5's family gets the tools SGLang hands K2.5's
+    tokenizer (served_tools: its request model's dump), key-sorted by that tokenizer, and their TypeScript
+    declaration as `tools_ts_str` where the encoder writes one (with or without the remote code loaded); any other
+    template the tools as given. Built once per conversation (answer_spans renders about two prompts per assistant
+    turn): sorting and encoding a big tool set on every render made prepare on long agent traces pay it each time."""
+    if not tools:
+        return {"tools": None}
+    if not tpl.declares_typescript:
+        return {"tools": tools}
+    served = deep_sorted(served_tools(tools))
+    ts = typescript_declaration(served)
+    return {"tools": served} if ts is None else {"tools": served, "tools_ts_str": ts}
+
+
 def _apply(tokenizer: Any, tpl: ChatTemplate, messages: list[dict[str, Any]], gen: bool, thinking: bool,
-           tools: list[dict[str, Any]] | None = None) -> str:
+           tools: list[dict[str, Any]] | None = None, tool_kwargs: dict[str, Any] | None = None) -> str:
+    """Render with the template, given what the target's own tokenizer would give it (`tool_kwargs`: `tools` made
+    ready once by _tool_kwargs; else built here from `tools`)."""
     text = tokenizer.apply_chat_template(
-        messages, chat_template=tpl.text, tokenize=False, add_generation_prompt=gen, tools=tools or None,
-        thinking=thinking, enable_thinking=thinking,
+        messages, chat_template=tpl.text, tokenize=False, add_generation_prompt=gen, thinking=thinking,
+        enable_thinking=thinking, **(tool_kwargs if tool_kwargs is not None else _tool_kwargs(tpl, tools)),
     )
     if not isinstance(text, str):
         raise TemplateError(f"chat template {tpl.name!r}: rendering did not return text ({type(text).__name__})")
@@ -304,23 +364,59 @@ def _not_prefix(tpl: ChatTemplate, conv_id: str, turn: int, what: str, short: st
         f"The assistant-only loss mask cannot be derived; use a prefix-stable template (data.chat_template)")
 
 
+def reasoning_history_end(turns: list[Turn], tpl: ChatTemplate) -> int:
+    """The last turn whose reasoning the one training sequence drops (-1: none); later turns keep theirs.
+
+    A rendered conversation is one sequence, so a turn's reasoning is either in it or not; it is kept where the
+    answers after it were served with it. Kimi's templates keep reasoning after the last answer without tool
+    calls (K2.5's rule): the history ends at the last such answer that is not the conversation's final turn, so
+    the final agent loop (its calls and its answer) keeps its thinking and every prompt in it is K2.5's. Other
+    templates (Qwen3's rule): the history ends before the last user turn."""
+    if tpl.tool_style == "kimi":
+        return max((i for i, t in enumerate(turns[:-1]) if t.role == "assistant" and not t.tool_calls), default=-1)
+    return max((i for i, t in enumerate(turns) if t.role == "user"), default=0) - 1
+
+
+_KEEPS_FINAL_REASONING: dict[str, bool] = {}
+_REASONING_PROBE = "eagle3_reasoning_probe"
+
+
+def keeps_final_reasoning(tokenizer: Any, tpl: ChatTemplate) -> bool:
+    """Whether the template writes the reasoning of the answer a conversation ends with, the one the loss covers.
+    K2.5's own does not: its history runs up to the last answer without calls, that answer included, so a
+    finished conversation renders every answer as `<think></think>...` (probed once per template text)."""
+    if tpl.text not in _KEEPS_FINAL_REASONING:
+        probe = [{"role": "user", "content": "q"},
+                 {"role": "assistant", "content": "a", "reasoning_content": _REASONING_PROBE}]
+        _KEEPS_FINAL_REASONING[tpl.text] = _REASONING_PROBE in _apply(tokenizer, tpl, probe, gen=False, thinking=True)
+    return _KEEPS_FINAL_REASONING[tpl.text]
+
+
 def answer_spans(conv: Conversation, tokenizer: Any, template: str | ChatTemplate, thinking: bool,
                  system_prompt: str | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The full rendered text and the character spans [start, end) the loss covers (see module docstring)."""
     tpl = resolve_template(template, tokenizer)
     turns = _with_system(conv.turns, system_prompt)
-    last_user = max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
-    if thinking:  # the template drops reasoning before the last user turn; drop it here too (prefix stability)
-        turns = [t.with_(reasoning=None) if i < last_user else t for i, t in enumerate(turns)]
+    if thinking:  # drop here the reasoning the template drops from the full render (prefix stability)
+        history_end = reasoning_history_end(turns, tpl)
+        turns = [t.with_(reasoning=None) if i <= history_end else t for i, t in enumerate(turns)]
+        if (tpl.tool_style == "kimi" and any(t.reasoning for t in turns if t.role == "assistant")
+                and not keeps_final_reasoning(tokenizer, tpl)):
+            raise TemplateError(
+                f"chat template {tpl.name!r} drops the reasoning of the answer a conversation ends with (Kimi-K2.5's "
+                f"own template keeps reasoning only after the last answer without tool calls), so conversation "
+                f"{conv.id!r} would train without the thinking K2.5 generates, or fail as not prefix-stable. Set "
+                f"data.chat_template=kimi-k2.5: the built-in renders K2.5's prompts byte for byte and keeps each "
+                f"trained answer's reasoning; or set data.thinking=false")
     messages = chat_messages(turns, thinking, tpl)
-    tools = conv.tools
-    full = _apply(tokenizer, tpl, messages, gen=False, thinking=thinking, tools=tools)
+    tools = _tool_kwargs(tpl, conv.tools)
+    full = _apply(tokenizer, tpl, messages, gen=False, thinking=thinking, tool_kwargs=tools)
     spans: list[tuple[int, int]] = []
     for i, t in enumerate(turns):
         if t.role != "assistant":
             continue
-        prompt = _apply(tokenizer, tpl, messages[:i], gen=True, thinking=thinking, tools=tools) if i else ""
-        with_answer = _apply(tokenizer, tpl, messages[: i + 1], gen=False, thinking=thinking, tools=tools)
+        prompt = _apply(tokenizer, tpl, messages[:i], gen=True, thinking=thinking, tool_kwargs=tools) if i else ""
+        with_answer = _apply(tokenizer, tpl, messages[: i + 1], gen=False, thinking=thinking, tool_kwargs=tools)
         if not with_answer.startswith(prompt):
             raise _not_prefix(tpl, conv.id, i, "the generation prompt is not a prefix of the render with the answer",
                               prompt, with_answer)

@@ -1,7 +1,10 @@
 """In-process transformers backend: batched `generate` with left padding, for small targets and tests.
 
 Prompts are rendered by eagle3.data.templates exactly as `prepare` renders conversations (`data.chat_template`:
-the tokenizer's own template or a built-in one), so the answers are generated in the format trained on.
+the tokenizer's own template or a built-in one), so the answers are generated in the format trained on. With the
+built-in `kimi-k2.5` each prompt is the one K2.5's server builds for that turn (TypeScript tool declaration, the
+servers' call ids, every answer's reasoning kept or dropped by K2.5's rule): the training sample's prefix for the
+turn, except for an earlier agent loop's turns with thinking (templates module docstring).
 A batch of conversations advances in lockstep: round r generates the r-th answer of every conversation that
 still has one to give, so multi-turn conversations stay batched and each answer sees the regenerated history.
 

@@ -10,10 +10,11 @@ connections, 5xx and 429; any other 4xx is the request's fault and fails at once
 fails is reported as failed, never dropped.
 
 Tools: a conversation's `tools` go in every request's body, its history in the OpenAI shape (assistant
-`tool_calls` with id, type and function; `tool` messages with `tool_call_id` and `name`), and the reply's
-`message.tool_calls` become the answer's calls, arguments kept as the JSON text the server returned. The server
-parses the calls out of the model's text: start it with the target's tool-call parser (Kimi-K2.5: SGLang
-`--tool-call-parser kimi_k2`, vLLM `--enable-auto-tool-choice --tool-call-parser kimi_k2`; eagle3.regenerate).
+`tool_calls` with id, type and function; `tool` messages with `tool_call_id` and `name`; with thinking, each answer's
+`reasoning_content`), and the reply's `message.tool_calls` become the answer's calls, arguments kept as the JSON text
+the server returned. The server parses the calls out of the model's text: start it with the target's tool-call
+parser (Kimi-K2.5: SGLang `--tool-call-parser kimi_k2`, vLLM `--enable-auto-tool-choice --tool-call-parser kimi_k2`;
+eagle3.regenerate).
 """
 
 from __future__ import annotations
@@ -187,7 +188,10 @@ class OpenAIBackend:
         c = self.cfg
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": openai_messages(history),  # answers only: earlier thinking is never sent back
+            # With thinking, every answer's reasoning goes back as `reasoning_content`, as an agent sends it: the
+            # server's template keeps what K2.5 keeps (an agent loop's calls' thinking) and drops the rest, so each
+            # prompt is the one prepare renders for that turn (eagle3.data.templates).
+            "messages": openai_messages(history, keep_reasoning=c.thinking),
             "temperature": c.temperature,
             "top_p": c.top_p,
             "max_tokens": c.max_tokens,
