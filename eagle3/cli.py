@@ -9,6 +9,7 @@
     eagle3 eval --config configs/smollm2-135m.yaml
     eagle3 export --to sglang runs/smollm2/checkpoints/best runs/smollm2/export/sglang
     eagle3 sglang serve --config configs/kimi-k2.5.yaml     # the capturing SGLang server for extraction
+    eagle3 mooncake master --config configs/kimi-k2.5.yaml  # the store that carries states between machines
     eagle3 cache convert runs/smollm2/cache runs/smollm2/cache-fp8 --storage fp8
 
 Each stage's work lives in its module; this file only parses arguments and hands over a validated Config.
@@ -146,11 +147,38 @@ def cmd_verify_extraction(args: argparse.Namespace) -> int:
 
 
 def cmd_sglang(args: argparse.Namespace) -> int:
+    import os
+
     from eagle3.targets.sglang import serve
+    from eagle3.targets.sglang_store import request_shape
 
     cfg = _cfg(args)
+    if args.mooncake_host:
+        from eagle3.targets.mooncake import ENV_HOSTNAME
+
+        os.environ[ENV_HOSTNAME] = args.mooncake_host
     return serve(cfg.target, cfg.data.max_length, args.port, args.host, dry_run=args.action == "command",
-                 local_rank=args.local_rank)
+                 local_rank=args.local_rank, request=request_shape(cfg.extract, cfg.train))
+
+
+def cmd_mooncake(args: argparse.Namespace) -> int:
+    from eagle3.targets.mooncake import StoreAddress, run_master
+
+    cfg = _cfg(args)
+    if args.action == "check":
+        from eagle3.targets import make_backend
+        from eagle3.targets.sglang_store import request_shape
+
+        if cfg.target.backend != "sglang" or cfg.target.sglang.transport != "mooncake":
+            raise ConfigError("eagle3 mooncake check: the config's target is not served through the store (set "
+                              "target.backend=sglang and target.sglang.transport=mooncake)")
+        backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir,
+                               request=request_shape(cfg.extract, cfg.train), preflight=True)
+        backend.close()
+        print("ok: every server of target.sglang.url hands states over through the Mooncake Store")
+        return 0
+    return run_master(StoreAddress.of(cfg.target.sglang.mooncake), dry_run=args.action == "command",
+                      log_file=args.log)
 
 
 def _add_vocab(sub: Any) -> None:
@@ -195,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("checkpoint", help="a training checkpoint folder (or an eagle3 export)")
     ex.add_argument("out", help="output folder")
     _add_sglang(sub)
+    _add_mooncake(sub)
     _add_cache(sub)
     return parser
 
@@ -238,7 +267,31 @@ def _add_sglang(sub: Any) -> None:
         a.add_argument("--host", default="127.0.0.1")
         a.add_argument("--local-rank", type=int, default=None,
                        help="which entry of a target.sglang.url list this server is (default: LOCAL_RANK, else 0)")
+        a.add_argument("--mooncake-host", default=None,
+                       help="this machine's address as the trainers reach it, for the Mooncake Store (default: "
+                            "$EAGLE3_MOONCAKE_HOSTNAME, else the address that routes to the master)")
         a.set_defaults(fn=cmd_sglang)
+
+
+def _add_mooncake(sub: Any) -> None:
+    """`eagle3 mooncake master|command|check`."""
+    mc = sub.add_parser("mooncake", help="the Mooncake Store that carries states between machines (online training "
+                        "across nodes: target.sglang.transport=mooncake)")
+    mc_sub = mc.add_subparsers(dest="action", required=True)
+    for action, what in (("master", "start the store's master at target.sglang.mooncake.master, health-check it "
+                                    "with a real put and get, and stay in the foreground"),
+                         ("command", "print the master's command line only"),
+                         ("check", "round-trip one probe through every server of target.sglang.url and the store "
+                                   "(the preflight every run does), from this machine")):
+        a = mc_sub.add_parser(action, help=what, description=what)
+        _with_config(a)
+        if action == "master":
+            from pathlib import Path
+
+            a.add_argument("--log", type=Path, default=None, help="the master's own log file (default: this terminal)")
+        else:
+            a.set_defaults(log=None)
+        a.set_defaults(fn=cmd_mooncake)
 
 
 def _add_cache(sub: Any) -> None:

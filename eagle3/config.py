@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from eagle3.config_sglang import MooncakeSettings, Section, SGLangSettings
 from eagle3.config_text import ConfigError, apply_overrides, parse_yaml, validation_message
 from eagle3.layer_ids import ArchFamily, default_layer_ids, validate_layer_ids
 from eagle3.paths import RunPaths
+
+__all__ = ["Config", "ConfigError", "MooncakeSettings", "SGLangSettings", "Section", "load_config"]
 
 Storage = Literal["exact", "fp8", "fp8-aux"]
 """extract.storage: how the offline cache keeps hidden states (eagle3/cache/codec.py)."""
@@ -26,38 +29,7 @@ EvalEngine = Literal["builtin", "vllm", "sglang"]
 """eval.engine: who decodes speculatively (eagle3.evaluate)."""
 
 
-class Section(BaseModel):
-    # Attribute docstrings become field descriptions: `eagle3 config docs` and docs/config.md come from them.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-
-
 # ---------------------------------------------------------------------------------------------------- target
-class SGLangSettings(Section):
-    """How to reach (or start) the SGLang server used as a target backend."""
-
-    url: str | list[str] | None = None
-    """Address of a running server (`http://host:port`); None launches one with `launch_args`. A list gives each
-    process of a node its own server, by LOCAL_RANK (e.g. two TP=4 servers and two extraction processes per node;
-    docs/scale-out.md); server i then dumps into `<dump_dir>/<i>` (`eagle3 sglang serve --local-rank i`)."""
-    tp_size: int = Field(1, ge=1)
-    """Tensor-parallel size when eagle3 launches the server (8 for Kimi-K2.5 on one node)."""
-    launch_args: list[str] = Field(default_factory=list)
-    """Extra `sglang.launch_server` flags."""
-    dump_dir: str = "/dev/shm/eagle3-sglang"
-    """RAM-backed folder where the server drops hidden-state files for the client to read."""
-    timeout_s: float = Field(600.0, gt=0)
-    """Per-request timeout."""
-    startup_timeout_s: float = Field(3600.0, gt=0)
-    """How long to wait for a launched server to become healthy (Kimi-K2.5 takes 10-30 minutes to load)."""
-
-    @field_validator("url")
-    @classmethod
-    def _some_urls(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and not v:
-            raise ValueError("an empty list: give one URL, one per process of a node, or null")
-        return v
-
-
 class TargetConfig(Section):
     """The target model whose hidden states the draft learns from."""
 
@@ -274,7 +246,9 @@ class ExtractConfig(Section):
     storage: Storage = "exact"
     """How the offline cache keeps states (eagle3/cache/codec.py): `exact` (the target dtype's bits, lossless), `fp8`
     (float8_e4m3fn + a float32 scale per token and state: ~0.5x the bytes), `fp8-aux` (aux in fp8, the final
-    state exact: ~0.63x). Online mode never stores states and ignores it. Measured: BENCHMARKS.md "fp8 cache"."""
+    state exact: ~0.63x). Online mode trains on what a cache of it would hold, and the `mooncake` transport sends
+    the states in it (fp8 halves the bytes between machines; the target's argmax then comes from the fp8 final
+    state, where fp8-aux keeps it exact). Measured: BENCHMARKS.md "fp8 cache"."""
     teacher_chunk: int = Field(8192, ge=1)
     """Vocab rows per chunk of the target's full-vocab argmax (computed where states are captured: offline
     extraction, online mode, `eagle3 cache upgrade`; the trainer masks out-of-vocab positions with it): bounds

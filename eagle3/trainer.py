@@ -79,20 +79,23 @@ def _pin(accelerator: Any) -> bool:
 
 
 def open_datasets(target: TargetConfig, extract: ExtractConfig, paths: RunPaths, max_length: int,
-                  verify_cache: bool) -> tuple[Any, Any]:
+                  verify_cache: bool, request_tokens: int | None = None) -> tuple[Any, Any]:
     """(train, eval): cache splits (HiddenStateDataset) or, in online mode, OnlineSource over the prepared data.
     Both have `.lengths` and `iter_collated(index_batches, pin)`, whose batches hold the same keys (eagle3.batching
     .collate): the only place the trainer tells the two modes apart is here. max_length: data.max_length (an online
-    SGLang target's prompts); verify_cache: train.verify_cache."""
+    SGLang target's prompts); verify_cache: train.verify_cache; request_tokens: the tokens of one micro-batch (an
+    online SGLang target's largest request; default extract.batch_tokens)."""
     cache_dir = paths.cache_dir
     if extract.mode == "online":
         from eagle3.targets import make_backend
 
         prepared = load_prepared(paths.prepared_dir)
-        backend = make_backend(target, extract, max_length, paths.logs_dir)
+        backend = make_backend(target, extract, max_length, paths.logs_dir,
+                               request=(request_tokens or extract.batch_tokens, extract.storage))
         argmax = ArgmaxHead.for_backend(backend, target, extract.teacher_chunk)
-        evald = OnlineSource(backend, prepared.eval, extract.prefetch, argmax) if len(prepared.eval) else None
-        return OnlineSource(backend, prepared.train, extract.prefetch, argmax), evald
+        storage = extract.storage
+        evald = OnlineSource(backend, prepared.eval, extract.prefetch, argmax, storage) if len(prepared.eval) else None
+        return OnlineSource(backend, prepared.train, extract.prefetch, argmax, storage), evald
     from eagle3.cache import HiddenStateDataset, check_fingerprint, expected_fingerprint
 
     if not (cache_dir / "meta.json").is_file():
@@ -338,7 +341,8 @@ def set_up(cfg: Config) -> Session:
         log.warning(problem)
     d2t, t2d = load_vocab(cfg.prepared_dir / "vocab.safetensors")
     embed, lm_head, hf_config = load_target_head(cfg.target.path)
-    train_ds, eval_ds = open_datasets(cfg.target, cfg.extract, cfg.paths, cfg.data.max_length, tc.verify_cache)
+    train_ds, eval_ds = open_datasets(cfg.target, cfg.extract, cfg.paths, cfg.data.max_length, tc.verify_cache,
+                                      request_tokens=_budget(tc))
     for split, ds in (("train", train_ds), ("eval", eval_ds)):
         if ds is not None:
             check_fits(ds.lengths, tc.batch_tokens, tc.sequence_parallel, split)

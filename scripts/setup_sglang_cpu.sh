@@ -56,11 +56,16 @@ fi
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" 2>/dev/null \
     || "${PIP[@]}" install -q --no-deps -e "$ROOT"
 
+# The Mooncake Store client (the `mooncake` transport: the capture plugin puts states into the store), and the
+# libibverbs it links.
+bash "$ROOT/scripts/setup_mooncake.sh" "$VENV/bin/python"
+
 PYTHONPATH="$ROOT/tests/sglang_cpu${PYTHONPATH:+:$PYTHONPATH}" SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" - <<'EOF'
 import sglang, torch, transformers
 import sgl_kernel  # the stand-in from tests/sglang_cpu
 from sglang.srt.layers.logits_processor import LogitsProcessor  # noqa: F401 - the import the server needs
 import eagle3
+import mooncake.store  # noqa: F401 - the `mooncake` transport's client
 print(f"OK: sglang {sglang.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"sgl_kernel stand-in {sgl_kernel.__file__}")
 EOF

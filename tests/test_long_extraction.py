@@ -142,8 +142,11 @@ def test_the_capture_server_context_fits_max_length(tmp_path):
     assert longest_prompt({"max_req_input_len": 4097, "context_length": 9999}) == 4096
     assert longest_prompt({"context_length": 4103}) == 4096 and longest_prompt({}) is None
     cfg.target.sglang.launch_args = []
-    fake = SimpleNamespace(target=cfg.target, max_length=cfg.data.max_length, layer_ids=[2, 4, 6], num_layers=8, url="http://127.0.0.1:9", vocab_size=256,
-                           capture=lambda *a, **k: pytest.fail("the preflight probed a server too short for the data"))
+    fake = SimpleNamespace(target=cfg.target, max_length=cfg.data.max_length, layer_ids=[2, 4, 6], num_layers=8,
+                           vocab_size=256, pool=SimpleNamespace(urls=["http://127.0.0.1:9"]), handover=None,
+                           _from_dumps=lambda *a, **k: pytest.fail("the preflight probed a server too short for the "
+                                                                   "data"))
+    fake._check_server_info = lambda url: SGLangTarget._check_server_info(fake, url)
     import eagle3.targets.sglang as sglang
 
     real = sglang.server_info

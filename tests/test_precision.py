@@ -81,3 +81,31 @@ def test_a_cache_of_another_dtype_is_refused(cpu, tmp_path):
     fb = expected_fingerprint(b.target, b.extract.storage, meta)
     assert (fa["dtype"], fb["dtype"]) == ("float32", "bfloat16")
     assert any("dtype" in d for d in fingerprint_diff(fa, fb))
+
+
+def test_all_finite_reads_the_exponent_bits_of_every_dtype_the_states_come_in():
+    """The hand-over's finiteness check (eagle3.precision.all_finite): inf, -inf and NaN found at any position in
+    bf16, fp16, float32 and fp8 (whose only non-finite patterns are NaN), the extremes and -0.0 pass."""
+    import torch
+
+    from eagle3.precision import all_finite
+
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(3000, 50).to(dt)
+        assert all_finite(x)
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            for at in ((0, 0), (1234, 7), (2999, 49)):
+                y = x.clone()
+                y[at] = bad
+                assert not all_finite(y, block=4096), (dt, bad, at)
+        y = x.clone()
+        y[0, 0], y[0, 1], y[-1, -1] = torch.finfo(dt).max, -torch.finfo(dt).max, -0.0
+        assert all_finite(y)
+    q = torch.randn(3000, 50).to(torch.float8_e4m3fn)
+    assert all_finite(q)
+    for nan in (0x7F, 0xFF):
+        q2 = q.clone()
+        q2.view(torch.uint8)[5, 5] = nan
+        assert not all_finite(q2)
+    q2.view(torch.uint8)[5, 5] = 0x7E  # 448, the largest finite e4m3fn
+    assert all_finite(q2) and all_finite(torch.empty(0, dtype=torch.bfloat16))

@@ -16,13 +16,16 @@ if TYPE_CHECKING:  # the package stays torch-free to import: eagle3.config reads
     from eagle3.targets.base import TargetBackend
 
 
-def make_backend(target: TargetConfig, extract: ExtractConfig, max_length: int, logs_dir: Path) -> TargetBackend:
-    """The configured target backend: HF in-process (`target.backend: hf`) or an SGLang server (started with room for
-    `max_length`-token prompts, data.max_length, its log in `logs_dir`)."""
+def make_backend(target: TargetConfig, extract: ExtractConfig, max_length: int, logs_dir: Path,
+                 request: tuple[int, str] | None = None, preflight: bool | None = None) -> TargetBackend:
+    """The configured target backend: HF in-process (`target.backend: hf`) or SGLang servers (one started with room
+    for `max_length`-token prompts, data.max_length, its log in `logs_dir`; `request`: the largest request's tokens and
+    the storage its states travel in, eagle3.targets.sglang.request_shape; `preflight`: None follows
+    extract.preflight)."""
     if target.backend == "hf":
         from eagle3.targets.hf import HFTarget
 
         return HFTarget(target, extract)
     from eagle3.targets.sglang import SGLangTarget
 
-    return SGLangTarget(target, extract, max_length, logs_dir)
+    return SGLangTarget(target, extract, max_length, logs_dir, request=request, preflight=preflight)

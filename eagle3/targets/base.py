@@ -20,6 +20,10 @@ class Captured:
     """[T, 3H]: low/mid/high residual streams concatenated, in eagle3's layer-id convention (eagle3.layer_ids)."""
     final: torch.Tensor
     """[T, H]: the last layer's output *after* the final norm (what the target lm_head reads)."""
+    aux_scale: torch.Tensor | None = None
+    """[T, 3] float32 when `aux` comes fp8-encoded (eagle3.cache.codec: a server sending `extract.storage` fp8)."""
+    final_scale: torch.Tensor | None = None
+    """[T, 1] float32 when `final` comes fp8-encoded."""
 
 
 class TargetBackend(Protocol):

@@ -58,10 +58,12 @@ from eagle3.precision import DTYPES
 from eagle3.process import this_process
 from eagle3.targets.base import Captured
 from eagle3.targets.info import TargetInfo, read_target_info
+from eagle3.targets.mooncake import StoreAddress, StoreError, segment_bytes
 from eagle3.targets.sglang_dump import (
     ENV_DUMP_DIR,
     ENV_FAMILY,
     ENV_LAYER_IDS,
+    ENV_SEGMENT,
     DumpError,
     clean_dump_dir,
     dump_path,
@@ -70,6 +72,7 @@ from eagle3.targets.sglang_dump import (
     remove_dump_dir,
     sequence_key,
 )
+from eagle3.targets.sglang_pool import ServerPool, server_gone
 from eagle3.targets.sglang_server import (
     SGLangServer,
     check_plugin,
@@ -80,6 +83,7 @@ from eagle3.targets.sglang_server import (
     sglang_python,
     wait_healthy,
 )
+from eagle3.targets.sglang_store import LostStates, StoreHandover, server_segment, wire_bytes_per_token
 
 log = logging.getLogger("eagle3")
 
@@ -204,26 +208,36 @@ def server_address(s: SGLangSettings, local_rank: int) -> tuple[str | None, Path
     return s.url[local_rank], (Path(s.dump_dir) / str(local_rank)).absolute()
 
 
-def server_env(dump_dir: str | Path, layer_ids: list[int], family: ArchFamily) -> dict[str, str]:
-    """The EAGLE3_SGLANG_* variables that switch the capture plugin on (inherited by SGLang's TP workers)."""
-    return {
+def server_env(dump_dir: str | Path, layer_ids: list[int], family: ArchFamily,
+               store: tuple[StoreAddress, int] | None = None) -> dict[str, str]:
+    """The EAGLE3_SGLANG_* variables that switch the capture plugin on (inherited by SGLang's TP workers), and with
+    `store` (its address, the bytes this server lends it) the EAGLE3_MOONCAKE_* ones of the Mooncake Store."""
+    env = {
         ENV_DUMP_DIR: str(Path(dump_dir).absolute()),
         ENV_LAYER_IDS: json.dumps(list(layer_ids)),
         ENV_FAMILY: family,
     }
+    if store is not None:
+        env.update({**store[0].env(), ENV_SEGMENT: str(store[1])})
+    return env
 
 
 # ----------------------------------------------------------------------------------------------- the client
 class SGLangTarget:
-    """`TargetBackend` over an SGLang server (launched here, or running at `target.sglang.url`)."""
+    """`TargetBackend` over SGLang servers: one launched here, or those running at `target.sglang.url`."""
 
     name = "sglang"
     dump_grace_s = 5.0
     """How long to wait for a dump the server should already have written (filesystem visibility only)."""
+    lost_retries = 3
+    """Times a request whose states were lost in the store is made again before that is an error."""
 
     def __init__(self, target: TargetConfig, extract: ExtractConfig, max_length: int, logs_dir: Path, *,
-                 preflight: bool | None = None, startup_timeout_s: float | None = None, info: TargetInfo | None = None):
-        """max_length: data.max_length, the longest prompt it captures; logs_dir: where a server started here logs."""
+                 preflight: bool | None = None, startup_timeout_s: float | None = None, info: TargetInfo | None = None,
+                 request: tuple[int, str] | None = None):
+        """max_length: data.max_length, the longest prompt it captures; logs_dir: where a server started here logs;
+        request: (tokens of the largest request, the storage its states travel in), `request_shape` (default: an
+        offline extraction's)."""
         s = target.sglang
         self.target, self.max_length, self.logs_dir = target, max_length, logs_dir
         self.info = info or _target_info(target)
@@ -234,44 +248,71 @@ class SGLangTarget:
         self.layer_ids = target.layer_ids(self.num_layers)
         self.dtype: torch.dtype = DTYPES[target.dtype]
         self.timeout_s = s.timeout_s
-        url, self.dump_dir = server_address(s, this_process().local_rank)
+        self.request_tokens, self.storage = request or (extract.batch_tokens, "exact")
+        place = this_process()
         self.server: SGLangServer | None = None
+        self.handover: StoreHandover | None = None
         self._own_dump_dir = False
         self._closed = False
         # Dumps are named by the prompt's tokens: two threads (online training's train and eval prefetchers) sending
         # the same prompt at once would read and delete each other's file, so one request is in flight at a time.
         self._lock = threading.Lock()
         self.log_file: Path | None = None
-
+        urls = self._handover(s, place.rank, place.local_rank, place.world)
         ensure_dump_dir(self.dump_dir)
-        n = clean_dump_dir(self.dump_dir)
-        if n:
-            log.info("removed %d stale dump file(s) from %s", n, self.dump_dir)
+        if self.handover is None:
+            n = clean_dump_dir(self.dump_dir)
+            if n:
+                log.info("removed %d stale dump file(s) from %s", n, self.dump_dir)
         atexit.register(self.close)
         exit_on_sigterm()
 
         startup_timeout_s = s.startup_timeout_s if startup_timeout_s is None else startup_timeout_s
-        if url:
-            self.url = url.rstrip("/")
-            log.info("using the SGLang server at %s (dump folder %s)", self.url, self.dump_dir)
-            wait_healthy(self.url, startup_timeout_s, refused_grace_s=REFUSED_GRACE_S)
+        if urls[0]:
+            given = [str(u).rstrip("/") for u in urls]
+            log.info("using the SGLang server(s) at %s (%s)", ", ".join(given),
+                     "states through the Mooncake Store" if self.handover else f"dump folder {self.dump_dir}")
+            for u in given:
+                wait_healthy(u, startup_timeout_s, refused_grace_s=REFUSED_GRACE_S)
         else:
             try:
                 self._launch(startup_timeout_s)
             except BaseException:
                 self.close()
                 raise
-        clean_dump_dir(self.dump_dir)
+            given = [self.url]
+        self.url = given[0]
+        self.pool = ServerPool(given, start=place.rank)
+        if self.handover is None:
+            clean_dump_dir(self.dump_dir)
         if extract.preflight if preflight is None else preflight:
             self.preflight()
 
     # -- lifecycle
+    def _handover(self, s: SGLangSettings, rank: int, local_rank: int, world: int) -> list[str | None]:
+        """How states come back (the dump folder, or the store with its reader) and the servers to ask."""
+        if s.transport == "shm":
+            url, self.dump_dir = server_address(s, local_rank)
+            return [url]
+        self.dump_dir = Path(s.dump_dir).absolute()  # a server launched here still dumps other clients' requests
+        if world > s.mooncake.clients:
+            raise StoreError(f"{world} processes ask the capture servers, target.sglang.mooncake.clients is "
+                             f"{s.mooncake.clients}: raise it to {world} and restart the servers (their share of the "
+                             "store is sized by it)")
+        self.handover = StoreHandover(StoreAddress.of(s.mooncake), self.logs_dir, rank, self.storage)
+        return list(s.url) if isinstance(s.url, list) else [s.url]
+
     def _launch(self, startup_timeout_s: float) -> None:
         self._own_dump_dir = True  # our own server: the folder is ours alone, removed on close
-        check_plugin(sglang_python())
+        check_plugin(sglang_python(), mooncake=self.handover is not None)
         self.log_file = self.logs_dir / f"sglang-capture-{os.getpid()}.log"
+        store = None
+        if self.handover is not None:
+            s = self.target.sglang
+            store = (self.handover.store.addr,
+                     server_segment(s, self.hidden_size, self.target.dtype, (self.request_tokens, self.storage)))
         self.server = SGLangServer(capture_flags(self.target, self.max_length, str(self.info.folder)),
-                                   {**server_env(self.dump_dir, self.layer_ids, self.family),
+                                   {**server_env(self.dump_dir, self.layer_ids, self.family, store),
                                     **capture_env(self.target, self.max_length, self.info)}, self.log_file,
                                    startup_timeout_s,
                                    what=f"the SGLang capture server (TP={self.target.sglang.tp_size})")
@@ -281,11 +322,16 @@ class SGLangTarget:
         if self._closed:
             return
         self._closed = True
+        if self.handover is not None:
+            if self.handover.lost or self.pool.failovers:
+                log.info("SGLang capture: %d failover(s), %d request(s) made again for states lost in the store",
+                         self.pool.failovers, self.handover.lost)
+            self.handover.close()
         if self.server is not None:
             self.server.close()
         if self._own_dump_dir:
             remove_dump_dir(self.dump_dir)
-        else:
+        elif self.handover is None:
             clean_dump_dir(self.dump_dir)
 
     def __enter__(self) -> SGLangTarget:
@@ -300,7 +346,8 @@ class SGLangTarget:
         return 4 * self.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
 
     def capture(self, sequences: list[list[int]], names: list[str] | None = None) -> list[Captured]:
-        """States for every token of every sequence, in order; errors name the sample (`names[i]` if given)."""
+        """States for every token of every sequence, in order; errors name the sample (`names[i]` if given). With the
+        `mooncake` transport they come in `request`'s storage (fp8 with their scales, when it says so)."""
         if not sequences:
             return []
         seqs = [[int(t) for t in s] for s in sequences]
@@ -314,27 +361,76 @@ class SGLangTarget:
             if not seqs[i]:
                 raise ValueError(f"sample {labels[i]}: empty token sequence")
             unique.setdefault(k, i)  # identical prompts are sent (and dumped) once
-        order = list(unique.items())
-        body = {"input_ids": [seqs[i] for _, i in order],
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-        out: dict[str, Captured] = {}
+        order = [(seqs[i], labels[i]) for i in unique.values()]
         with self._lock:
-            try:
-                resp = http_json("POST", f"{self.url}/generate", body, timeout=self.timeout_s)
-                if isinstance(resp, dict):
-                    resp = [resp]
-                if not isinstance(resp, list) or len(resp) != len(order):
-                    raise RuntimeError(f"/generate returned {type(resp).__name__} of length "
-                                       f"{len(resp) if isinstance(resp, list) else '?'} for {len(order)} prompts")
-                for (key, i), r in zip(order, resp, strict=True):
-                    self._check_meta(r.get("meta_info") or {}, len(seqs[i]), labels[i])
-                    path = self._await_dump(key, labels[i], len(seqs[i]))
-                    out[key] = read_dump(path, seqs[i], layer_ids=self.layer_ids, hidden_size=self.hidden_size,
-                                         sample=labels[i], dtype=self.dtype)
-            finally:
-                for key, _ in order:
-                    dump_path(self.dump_dir, key).unlink(missing_ok=True)
+            got = self._from_store(order) if self.handover is not None else self._from_dumps(order, list(unique))
+        out = dict(zip(unique, got, strict=True))
         return [out[k] for k in keys]
+
+    def _generate(self, url: str, prompts: list[list[int]], rids: list[str] | None = None) -> list[dict[str, Any]]:
+        """One batched /generate of `prompts` (one new token each: the prefill is the work); their responses."""
+        body: dict[str, Any] = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if rids is not None:
+            body["rid"] = rids
+        resp = http_json("POST", f"{url}/generate", body, timeout=self.timeout_s)
+        if isinstance(resp, dict):
+            resp = [resp]
+        if not isinstance(resp, list) or len(resp) != len(prompts):
+            raise RuntimeError(f"/generate returned {type(resp).__name__} of length "
+                               f"{len(resp) if isinstance(resp, list) else '?'} for {len(prompts)} prompts")
+        return resp
+
+    def _from_dumps(self, order: list[tuple[list[int], str]], keys: list[str]) -> list[Captured]:
+        """The `shm` transport: each prompt's dump file, read, checked and deleted."""
+        try:
+            resp = self._generate(self.url, [ids for ids, _ in order])
+            out = []
+            for key, (ids, label), r in zip(keys, order, resp, strict=True):
+                self._check_meta(r.get("meta_info") or {}, len(ids), label)
+                path = self._await_dump(key, label, len(ids))
+                out.append(read_dump(path, ids, layer_ids=self.layer_ids, hidden_size=self.hidden_size,
+                                     sample=label, dtype=self.dtype))
+            return out
+        finally:
+            for key in keys:
+                dump_path(self.dump_dir, key).unlink(missing_ok=True)
+
+    def _from_store(self, order: list[tuple[list[int], str]], url: str | None = None) -> list[Captured]:
+        """The `mooncake` transport: the request names each prompt's key; the states are read from the store,
+        checked and removed. A server that fails the request is failed over (`url` pins one: the preflight); states
+        lost between the server's put and this read are asked for again (a whole request: nothing half-read)."""
+        assert self.handover is not None
+        lost = 0
+        while True:
+            self.handover.store.check_master()
+            server = url or self.pool.pick()
+            rids = self.handover.keys(len(order))
+            try:
+                resp = self._generate(server, [ids for ids, _ in order], rids)
+            except Exception as e:
+                self.handover.discard(rids)
+                if url is None and server_gone(e):
+                    self.pool.failed(server, e)
+                    continue
+                raise
+            try:
+                out = []
+                for rid, (ids, label), r in zip(rids, order, resp, strict=True):
+                    self._check_meta(r.get("meta_info") or {}, len(ids), label)
+                    out.append(self.handover.read(rid, ids, layer_ids=self.layer_ids, hidden_size=self.hidden_size,
+                                                  sample=label, dtype=self.dtype, server=server))
+                return out
+            except LostStates as e:
+                lost += 1
+                self.handover.lost += 1
+                if lost > self.lost_retries:
+                    raise DumpError(f"{e}, {lost} times in a row: the server at {server} does not hand states over "
+                                    "through the Mooncake Store (started by `eagle3 sglang serve` with "
+                                    "target.sglang.transport mooncake, and eagle3 with Mooncake installed in its Python?)"
+                                    f"{log_tail(self.log_file, 15)}") from None
+                log.warning("%s: the request is made again (%d so far)", e, self.handover.lost)
+            finally:
+                self.handover.discard(rids)
 
     def _check_meta(self, meta: dict[str, Any], n: int, label: str) -> None:
         cached = int(meta.get("cached_tokens") or 0)
@@ -364,44 +460,72 @@ class SGLangTarget:
 
     # -- preflight
     def preflight(self, sample: list[int] | None = None) -> None:
-        """Before hours of extraction: ids valid for the depth, server flags, and a probe's dump checked twice."""
+        """Before hours of extraction: ids valid for the depth, every server's flags, and a probe's states checked
+        twice through each (with the store: the server's share of it against what this run needs)."""
         validate_layer_ids(self.layer_ids, self.num_layers, where="target.aux_layer_ids")
-        info = server_info(self.url)
-        if info is None:
-            log.warning("preflight: %s answers neither /server_info nor /get_server_info; flags not checked", self.url)
-        else:
-            problems = []
-            if info.get("disable_radix_cache") is False:
-                problems.append("the radix cache is on (start with --disable-radix-cache)")
-            cps = info.get("chunked_prefill_size")
-            if cps is not None and int(cps) > 0:
-                problems.append(f"chunked prefill is on (size {cps}; start with --chunked-prefill-size -1)")
-            if info.get("enable_dp_attention") or int(info.get("attn_dp_size") or 1) > 1:
-                problems.append("DP attention is on (hidden states are sharded; start without --attn-dp-size)")
-            if info.get("flashinfer_allreduce_fusion_backend"):
-                problems.append("FlashInfer all-reduce fusion is on (a layer's input is a partial sum over the TP "
-                                "ranks; start with --enforce-disable-flashinfer-allreduce-fusion)")
-            longest = longest_prompt(info)
-            if longest is not None and longest < self.max_length:
-                problems.append(f"it takes prompts of at most {longest} tokens, data.max_length is "
-                                f"{self.max_length} (start it with --context-length "
-                                f"{capture_context(self.target, self.max_length)} and a KV pool that holds as many "
-                                "tokens, or lower data.max_length)")
-            if problems:
-                raise RuntimeError(f"preflight: the SGLang server at {self.url} would drop or split tokens: "
-                                   + "; ".join(problems))
-            tp = info.get("tp_size")
-            if tp is not None and int(tp) != self.target.sglang.tp_size:
-                log.warning("preflight: the server runs TP=%s, target.sglang.tp_size is %d", tp,
-                            self.target.sglang.tp_size)
         probe = sample or [(17 + 7919 * i) % self.vocab_size for i in range(24)]
-        t0 = time.monotonic()
-        # Twice: the second identical prompt would hit a radix cache that the flags above did not reveal.
-        for attempt in ("probe", "repeated probe"):
-            (got,) = self.capture([probe], names=[f"preflight {attempt}"])
-        log.info("preflight ok: %s, %d tokens -> aux %s final %s, layers %s (%s family), %.1f s, %d bytes/token",
-                 self.url, len(probe), tuple(got.aux.shape), tuple(got.final.shape), self.layer_ids, self.family,
-                 time.monotonic() - t0, self.bytes_per_token())
+        for url in self.pool.urls:
+            self._check_server_info(url)
+            t0 = time.monotonic()
+            # Twice: the second identical prompt would hit a radix cache that the flags did not reveal.
+            for attempt in ("probe", "repeated probe"):
+                if self.handover is None:
+                    (got,) = self._from_dumps([(probe, f"preflight {attempt}")], [sequence_key(probe)])
+                else:
+                    (got,) = self._from_store([(probe, f"preflight {attempt}")], url=url)
+            via = "dump folder"
+            if self.handover is not None:
+                via = self._check_segment(url)
+            log.info("preflight ok: %s, %d tokens -> aux %s final %s, layers %s (%s family), %.1f s, %d bytes/token, "
+                     "through the %s", url, len(probe), tuple(got.aux.shape), tuple(got.final.shape), self.layer_ids,
+                     self.family, time.monotonic() - t0, self.bytes_per_token(), via)
+
+    def _check_segment(self, url: str) -> str:
+        """The store's room at `url`'s server against what this run's processes can leave waiting there at once."""
+        assert self.handover is not None
+        meta = self.handover.last_meta
+        lent = int(meta.get("segment_bytes", "0"))
+        world = this_process().world
+        per_token = wire_bytes_per_token(self.hidden_size, self.target.dtype, self.storage)
+        need = segment_bytes(world, self.request_tokens, per_token, margin=1.0)
+        if lent < need:
+            raise StoreError(
+                f"preflight: the store is too small: the server at {url} lends {lent / 1e9:.2f} GB, and {world} "
+                f"process(es) x {self.request_tokens} tokens per request x "
+                f"{per_token} bytes per token need "
+                f"{need / 1e9:.2f} GB when they all wait at one server: restart it with a larger "
+                "target.sglang.mooncake.segment_gb (or clients, from which it is derived)")
+        return f"Mooncake Store (segment {meta.get('segment')}, {lent / 1e9:.2f} GB lent, {self.storage} states)"
+
+    def _check_server_info(self, url: str) -> None:
+        info = server_info(url)
+        if info is None:
+            log.warning("preflight: %s answers neither /server_info nor /get_server_info; flags not checked", url)
+            return
+        problems = []
+        if info.get("disable_radix_cache") is False:
+            problems.append("the radix cache is on (start with --disable-radix-cache)")
+        cps = info.get("chunked_prefill_size")
+        if cps is not None and int(cps) > 0:
+            problems.append(f"chunked prefill is on (size {cps}; start with --chunked-prefill-size -1)")
+        if info.get("enable_dp_attention") or int(info.get("attn_dp_size") or 1) > 1:
+            problems.append("DP attention is on (hidden states are sharded; start without --attn-dp-size)")
+        if info.get("flashinfer_allreduce_fusion_backend"):
+            problems.append("FlashInfer all-reduce fusion is on (a layer's input is a partial sum over the TP "
+                            "ranks; start with --enforce-disable-flashinfer-allreduce-fusion)")
+        longest = longest_prompt(info)
+        if longest is not None and longest < self.max_length:
+            problems.append(f"it takes prompts of at most {longest} tokens, data.max_length is "
+                            f"{self.max_length} (start it with --context-length "
+                            f"{capture_context(self.target, self.max_length)} and a KV pool that holds as many "
+                            "tokens, or lower data.max_length)")
+        if problems:
+            raise RuntimeError(f"preflight: the SGLang server at {url} would drop or split tokens: "
+                               + "; ".join(problems))
+        tp = info.get("tp_size")
+        if tp is not None and int(tp) != self.target.sglang.tp_size:
+            log.warning("preflight: the server at %s runs TP=%s, target.sglang.tp_size is %d", url, tp,
+                        self.target.sglang.tp_size)
 
 
 def longest_prompt(info: dict[str, Any]) -> int | None:
@@ -417,11 +541,12 @@ def longest_prompt(info: dict[str, Any]) -> int | None:
 
 # ------------------------------------------------------------------------------------------------------ CLI
 def serve(target: TargetConfig, max_length: int, port: int | None, host: str, dry_run: bool,
-          local_rank: int | None = None) -> int:
+          local_rank: int | None = None, request: tuple[int, str] | None = None) -> int:
     """`eagle3 sglang serve|command`: print the capture server's command line, then (serve) become that server.
 
-    The port defaults to the one of `target.sglang.url` (its entry `local_rank` when it lists one server per
-    process of a node), else 30000."""
+    The port defaults to the one of `target.sglang.url` (its entry `local_rank` when it lists servers), else 30000.
+    With the `mooncake` transport the server joins the store, lending `server_segment` bytes for `request` (the
+    config's `request_shape`), and checks at start that it can (the master up, Mooncake in SGLang's Python)."""
     s = target.sglang
     url, dump_dir = server_address(s, this_process().local_rank if local_rank is None else local_rank)
     if port is None:
@@ -433,11 +558,23 @@ def serve(target: TargetConfig, max_length: int, port: int | None, host: str, dr
     python = sglang_python()
     cmd = [python, "-m", "sglang.launch_server", *capture_flags(target, max_length, str(info.folder)), "--host", host,
            "--port", str(port)]
-    env = {**server_env(dump_dir, layer_ids, info.family), **capture_env(target, max_length, info)}
+    store = None
+    if s.transport == "mooncake":
+        store = (StoreAddress.of(s.mooncake),
+                 server_segment(s, info.hidden_size, target.dtype, request or (ExtractConfig().batch_tokens, "exact")))
+    env = {**server_env(dump_dir, layer_ids, info.family, store), **capture_env(target, max_length, info)}
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
     if dry_run:
         return 0
-    check_plugin(python)
+    check_plugin(python, mooncake=store is not None)
+    if store is not None:
+        from eagle3.targets.mooncake import master_problem
+
+        problem = master_problem(store[0])
+        if problem:
+            raise StoreError(problem)
+        log.info("the server lends the Mooncake Store %.2f GB (target.sglang.mooncake: %d clients x %d tokens, or "
+                 "segment_gb)", store[1] / 1e9, s.mooncake.clients, (request or (0,))[0])
     ensure_dump_dir(dump_dir)
     clean_dump_dir(dump_dir)
     os.execve(python, cmd, {**os.environ, **env})

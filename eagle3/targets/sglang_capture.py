@@ -26,6 +26,14 @@ The contract with the model code, as SGLang 0.5.23 has it (tests/test_sglang_rea
 Plain TP replicates hidden states on every rank after the all-reduce, so rank 0 alone writes. DP attention
 (token-sharded states) is refused by the client's preflight; states of another length than the batch's
 tokens are never written.
+
+Where the states go (the client chose it with the request's rid, which the forward batch carries):
+- a rid made by eagle3's Mooncake client (`eagle3/.../<storage>`, eagle3.targets.sglang_dump.store_key): into the
+  Mooncake Store under that rid, encoded by the cache codec it names (fp8 quantised on the GPU, before the copy
+  to the host), when the server was started with the EAGLE3_MOONCAKE_* environment (eagle3.targets.mooncake);
+  a failed put leaves `<rid>#error` saying why, for the client to report;
+- any other request: a file in the dump folder (eagle3.targets.sglang_dump), named by its token ids.
+So one server serves clients on its own machine through /dev/shm and clients elsewhere through the store.
 """
 
 from __future__ import annotations
@@ -36,7 +44,18 @@ import sys
 import traceback
 from typing import Any
 
-from eagle3.targets.sglang_dump import ENV_DUMP_DIR, ENV_FAMILY, ENV_LAYER_IDS, ensure_dump_dir, write_dump
+from eagle3.targets.sglang_dump import (
+    ENV_DUMP_DIR,
+    ENV_FAMILY,
+    ENV_LAYER_IDS,
+    ENV_SEGMENT,
+    STORE_KEY_PREFIX,
+    ensure_dump_dir,
+    pack,
+    prompt_states,
+    store_key_storage,
+    write_dump,
+)
 
 ENTRY_POINT = "eagle3_capture"
 """Its name in the `sglang.srt.plugins` group (what `SGLANG_PLUGINS`, SGLang's plugin allow-list, must name)."""
@@ -142,8 +161,9 @@ def pack_aux(aux_hidden_states: Any, num_layers: int, hidden_size: int) -> Any:
 
 
 def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_states: Any, dump_dir: str,
-                  layer_ids: list[int]) -> int:
-    """Write one dump per prompt of a prefill batch; return how many were written (0 for other batches).
+                  layer_ids: list[int], store: Any = None) -> int:
+    """Hand over each prompt of a prefill batch (to `store` when its rid asks for it, else a dump file); return how
+    many were handed over (0 for other batches).
 
     `input_ids` may be None (the Kimi-K2.5 wrapper): the forward batch `meta` then supplies them."""
     if not _is_prefill(meta) or _rank() != 0:
@@ -170,13 +190,71 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
         _warn_once("rows", f"the batch has {sum(lens)} new tokens but the states have {rows} rows (sharded or padded "
                            f"states?); nothing is written")
         return 0
-    # One device->host copy for the whole batch, then cheap CPU slicing.
-    ids_c, aux_c, fin_c = input_ids.to("cpu"), aux.to("cpu"), hidden_states.to("cpu")
-    start = 0
-    for n in lens:
-        write_dump(dump_dir, ids_c[start:start + n], aux_c[start:start + n], fin_c[start:start + n], layer_ids)
-        start += n
-    return len(lens)
+    rids = list(getattr(meta, "rids", None) or [None] * len(lens))
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    to_store = [i for i, rid in enumerate(rids) if isinstance(rid, str) and rid.startswith(STORE_KEY_PREFIX)]
+    if to_store and store is None:
+        _warn_once("nostore", f"request {rids[to_store[0]]!r} asks for the Mooncake Store, but this server was not "
+                              "started with it (EAGLE3_MOONCAKE_*: `eagle3 sglang serve` with target.sglang.transport "
+                              "mooncake); its states are not handed over")
+    elif to_store:
+        _put_in_store(store, [(rids[i], starts[i], lens[i]) for i in to_store], input_ids, aux, hidden_states,
+                      layer_ids)
+    files = [i for i in range(len(lens)) if i not in to_store]
+    if files:
+        # One device->host copy for the whole batch, then cheap CPU slicing.
+        ids_c, aux_c, fin_c = input_ids.to("cpu"), aux.to("cpu"), hidden_states.to("cpu")
+        for i in files:
+            s, n = starts[i], lens[i]
+            write_dump(dump_dir, ids_c[s:s + n], aux_c[s:s + n], fin_c[s:s + n], layer_ids)
+    return len(files) + (len(to_store) if store is not None else 0)
+
+
+def _put_in_store(store: Any, prompts: list[tuple[str, int, int]], input_ids: Any, aux: Any, final: Any,
+                  layer_ids: list[int]) -> None:
+    """Each (rid, start, length) prompt's states into the store under its rid, encoded as the rid asks; a failed
+    put leaves a small `<rid>#error` record with the reason, so the client says why instead of "not found"."""
+    objects, errors = {}, {}
+    for rid, s, n in prompts:
+        try:
+            storage = store_key_storage(rid)
+            tensors, meta = prompt_states(input_ids[s:s + n], aux[s:s + n], final[s:s + n], layer_ids, storage)
+            meta["segment_bytes"] = str(store.segment)
+            meta["segment"] = store.segment_name
+            objects[rid] = pack(tensors, meta)
+        except Exception as e:  # noqa: BLE001 - reported to the client under the request's key
+            errors[rid] = f"the server could not encode the states: {e}"
+    for rid, code in store.put(objects).items():
+        if code != 0:
+            from eagle3.targets.mooncake import describe
+
+            size = len(objects[rid][0]) + sum(p.numel() * p.element_size() for p in objects[rid][1])
+            errors[rid] = (f"the server's put of {size / 1e6:.1f} MB failed: {describe(code)}; its segment lends "
+                           f"{store.segment / 1e9:.2f} GB")
+    for rid, why in errors.items():
+        _warn_once(f"put{why[:40]}", f"request {rid}: {why}")
+        store.put_small(rid + "#error", why.encode())
+
+
+_STORE: list[Any] = []
+"""The Mooncake Store connection of this scheduler process (TP rank 0 only), made once the model is loaded."""
+
+
+def open_store() -> Any:
+    """TP rank 0's connection to the store, lending EAGLE3_MOONCAKE_SEGMENT bytes; None without the environment.
+    A server that should hand over through the store and cannot reach it refuses to start (this runs in the
+    load-model hook, whose errors stop SGLang), naming why."""
+    from eagle3.targets.mooncake import StateStore, StoreAddress
+
+    addr = StoreAddress.from_env()
+    if addr is None or _rank() != 0:
+        return None
+    if not _STORE:
+        segment = int(os.environ.get(ENV_SEGMENT, "0"))
+        _STORE.append(StateStore(addr, segment=segment, what="the SGLang capture server"))
+        _say(f"Mooncake Store joined: master {addr.master}, segment {_STORE[0].segment_name} lending "
+             f"{segment / 1e9:.2f} GB")
+    return _STORE[0]
 
 
 def plugin() -> None:
@@ -187,16 +265,19 @@ def plugin() -> None:
 
     dump_dir, layer_ids, family = _settings()
     ensure_dump_dir(dump_dir)
+    store: list[Any] = []
 
     def after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(runner, "is_draft_worker", False):
             enable_capture(runner.model, layer_ids, family)
+            store[:] = [open_store()]
         return result
 
     def before_logits(processor: Any, input_ids: Any, hidden_states: Any, lm_head: Any, logits_metadata: Any,
                       aux_hidden_states: Any = None, *args: Any, **kwargs: Any) -> None:
         try:
-            capture_batch(input_ids, hidden_states, logits_metadata, aux_hidden_states, dump_dir, layer_ids)
+            capture_batch(input_ids, hidden_states, logits_metadata, aux_hidden_states, dump_dir, layer_ids,
+                          store[0] if store else None)
         except Exception:  # a failed capture must not kill serving; the client reports the missing dump
             _warn_once("exc", "capture failed (the client will report the missing dump):\n" + traceback.format_exc())
 
@@ -204,4 +285,6 @@ def plugin() -> None:
                           HookType.AFTER)
     HookRegistry.register("sglang.srt.layers.logits_processor.LogitsProcessor.forward", before_logits,
                           HookType.BEFORE)
-    _say(f"plugin active: dumps -> {dump_dir}, layer ids {layer_ids} ({family})")
+    _say(f"plugin active: dumps -> {dump_dir}, layer ids {layer_ids} ({family})"
+         + (f", Mooncake Store at {os.environ['EAGLE3_MOONCAKE_MASTER']}"
+            if os.environ.get("EAGLE3_MOONCAKE_MASTER") else ""))

@@ -25,7 +25,9 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.layer_ids import LAYER_ID_CONVENTION
+from eagle3.precision import all_finite
 from eagle3.targets.base import Captured
 
 DUMP_FORMAT = "eagle3-sglang-dump/1"
@@ -42,6 +45,11 @@ ENV_LAYER_IDS = "EAGLE3_SGLANG_LAYER_IDS"
 """JSON list of the aux layer ids in eagle3's convention (input of decoder layer k)."""
 ENV_FAMILY = "EAGLE3_SGLANG_FAMILY"
 """`llama` or `deepseek`: how SGLang spells layer ids for this target (eagle3.layer_ids.to_engine_ids)."""
+ENV_SEGMENT = "EAGLE3_MOONCAKE_SEGMENT"
+"""Bytes the server lends the Mooncake Store (eagle3.targets.mooncake.segment_bytes), with EAGLE3_MOONCAKE_*."""
+STORE_KEY_PREFIX = "eagle3/"
+"""Requests whose rid starts so are handed over through the Mooncake Store, under the rid as its key:
+`eagle3/<run>/r<rank>/<session>/<n>/<storage>` (`store_key`)."""
 MARKER = ".eagle3-sglang-dump"
 """Present in every dump folder eagle3 created; cleanup refuses folders without it that hold other files."""
 
@@ -60,6 +68,25 @@ def sequence_key(token_ids: list[int] | np.ndarray | torch.Tensor) -> str:
     else:
         arr = np.asarray(token_ids, dtype=np.int64)
     return hashlib.sha256(arr.astype("<i8", copy=False).tobytes()).hexdigest()
+
+
+def store_key(run: str, rank: int, session: str, n: int, storage: str) -> str:
+    """The rid (and store key) of a request: the run and rank whose leftovers a later start removes
+    (`store_key_prefix`), a session, a counter, and the storage kind its states travel in (a cache codec's name)."""
+    storage_scaled(storage)  # a known kind
+    return f"{store_key_prefix(run, rank)}{session}/{n}/{storage}"
+
+
+def store_key_prefix(run: str, rank: int) -> str:
+    """Every key of one run's rank."""
+    return f"{STORE_KEY_PREFIX}{run}/r{rank}/"
+
+
+def store_key_storage(key: str) -> str:
+    """The storage kind a store key names (`store_key`)."""
+    storage = key.rsplit("/", 1)[-1]
+    storage_scaled(storage)
+    return storage
 
 
 def dump_path(dump_dir: str | Path, key: str) -> Path:
@@ -104,8 +131,17 @@ def read_dump(path: Path, token_ids: list[int], *, layer_ids: list[int], hidden_
         raise DumpError(f"sample {sample}: no hidden-state dump at {path}") from None
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise DumpError(f"sample {sample}: unreadable dump {path}: {e}") from None
+    return check_states(t, meta, token_ids, layer_ids=layer_ids, hidden_size=hidden_size, sample=sample,
+                        where=str(path), dtype=dtype)
+
+
+def check_states(t: dict[str, torch.Tensor], meta: dict[str, str], token_ids: list[int], *, layer_ids: list[int],
+                 hidden_size: int, sample: str, where: str, dtype: torch.dtype | None = None) -> Captured:
+    """One prompt's states as the server handed them over (a dump file or a store object), checked against the
+    prompt they must describe: format, layer ids, token ids, shapes, finite values. fp8 states (a `storage` in the
+    metadata other than exact) come back quantised, their scales beside them, as an fp8 cache holds them."""
     if meta.get("format") != DUMP_FORMAT:
-        raise DumpError(f"sample {sample}: {path} has format {meta.get('format')!r}, expected {DUMP_FORMAT!r}")
+        raise DumpError(f"sample {sample}: {where} has format {meta.get('format')!r}, expected {DUMP_FORMAT!r}")
     if meta.get("convention") != LAYER_ID_CONVENTION:
         raise DumpError(f"sample {sample}: dump layer-id convention {meta.get('convention')!r}, "
                         f"expected {LAYER_ID_CONVENTION!r}")
@@ -115,9 +151,11 @@ def read_dump(path: Path, token_ids: list[int], *, layer_ids: list[int], hidden_
             f"sample {sample}: the server captured layers {got_ids} but this run uses target.aux_layer_ids "
             f"{list(layer_ids)}: restart the server from the same config"
         )
+    storage = meta.get("storage", "exact")
+    scaled = {s for s in STATE_PARTS if f"{s}_scale" in t}
     missing = {"input_ids", "aux", "final"} - set(t)
     if missing:
-        raise DumpError(f"sample {sample}: dump {path} lacks tensors {sorted(missing)}")
+        raise DumpError(f"sample {sample}: dump {where} lacks tensors {sorted(missing)}")
     n = len(token_ids)
     ids = t["input_ids"]
     if ids.numel() != n:
@@ -131,11 +169,95 @@ def read_dump(path: Path, token_ids: list[int], *, layer_ids: list[int], hidden_
                         f"(3 layers x hidden {hidden_size}); is aux capture enabled in the server?")
     if tuple(final.shape) != (n, hidden_size):
         raise DumpError(f"sample {sample}: final states have shape {tuple(final.shape)}, expected ({n}, {hidden_size})")
-    if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+    scales = {}
+    for state in scaled:
+        sc = t[f"{state}_scale"]
+        if tuple(sc.shape) != (n, STATE_PARTS[state]) or t[state].dtype != FP8_DTYPE:
+            raise DumpError(f"sample {sample}: {where} holds {state} as {t[state].dtype} with scales "
+                            f"{tuple(sc.shape)}, expected float8_e4m3fn with ({n}, {STATE_PARTS[state]})")
+        if not all_finite(sc) or not all_finite(t[state]):
+            raise DumpError(f"sample {sample}: the dump holds NaN/inf values")
+        scales[state] = sc
+    if storage_scaled(storage) != scaled:
+        raise DumpError(f"sample {sample}: {where} says storage {storage!r} but holds fp8 states {sorted(scaled)}")
+    exact = [x for s, x in (("aux", aux), ("final", final)) if s not in scaled]
+    if not all(all_finite(x) for x in exact):
         raise DumpError(f"sample {sample}: the dump holds NaN/inf values")
     if dtype is not None:
-        aux, final = aux.to(dtype), final.to(dtype)
-    return Captured(aux=aux, final=final)
+        aux = aux if "aux" in scaled else aux.to(dtype)
+        final = final if "final" in scaled else final.to(dtype)
+    return Captured(aux=aux, final=final, aux_scale=scales.get("aux"), final_scale=scales.get("final"))
+
+
+# --------------------------------------------------------------------------- one prompt's states as one object
+STATE_PARTS = {"aux": 3, "final": 1}
+"""The states of a prompt, each with the hidden-size parts it holds (as eagle3.cache.codec.STATES)."""
+FP8_DTYPE = torch.float8_e4m3fn
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+              torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", FP8_DTYPE: "F8_E4M3"}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def storage_scaled(storage: str) -> set[str]:
+    """The states a storage kind keeps in fp8 (eagle3.cache.codec.CODECS, without importing pyarrow here)."""
+    return {"exact": set(), "fp8": {"aux", "final"}, "fp8-aux": {"aux"}}[storage]
+
+
+def prompt_states(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, layer_ids: list[int],
+                  storage: str = "exact") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of one prompt's dump, its states encoded by the cache's own codec (`storage`),
+    on whatever device they are (a server quantises on its GPU before copying half the bytes to the host)."""
+    tensors = {"input_ids": input_ids.detach().to(dtype=torch.int64).reshape(-1)}
+    for name, x in (("aux", aux), ("final", final)):
+        if name in storage_scaled(storage):
+            from eagle3.cache.codec import quantize
+
+            tensors[name], tensors[f"{name}_scale"] = quantize(x.detach(), STATE_PARTS[name])
+        else:
+            tensors[name] = x.detach()
+    meta = {"format": DUMP_FORMAT, "layer_ids": json.dumps(list(layer_ids)), "convention": LAYER_ID_CONVENTION,
+            "storage": storage}
+    return tensors, meta
+
+
+def pack(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[torch.Tensor]]:
+    """The safetensors layout of `tensors` as (header, the tensors to write after it in order): the header says
+    where each tensor's bytes lie, so a reader views them in place, and `safetensors.torch.load(blob)` reads the
+    same object. The tensors are not copied here (the caller writes them where they go, from any device)."""
+    entries: dict[str, Any] = {"__metadata__": dict(metadata)}
+    parts, offset = [], 0
+    for name, x in tensors.items():
+        if x.dtype not in _ST_DTYPES:
+            raise DumpError(f"cannot hand over a {x.dtype} tensor ({name})")
+        n = x.numel() * x.element_size()
+        entries[name] = {"dtype": _ST_DTYPES[x.dtype], "shape": list(x.shape), "data_offsets": [offset, offset + n]}
+        parts.append(x.contiguous())
+        offset += n
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors aligns the data to 8 bytes
+    return len(header).to_bytes(8, "little") + header, parts
+
+
+def unpack(blob: memoryview | bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`pack`'s object back as tensors viewing `blob` (copy them before the buffer is reused) and its metadata."""
+    view = memoryview(blob).cast("B")
+    try:
+        n = int.from_bytes(view[:8], "little")
+        entries = json.loads(bytes(view[8:8 + n]))
+        meta = entries.pop("__metadata__", {})
+        body = view[8 + n:]
+        out = {}
+        for name, e in entries.items():
+            start, end = e["data_offsets"]
+            if not 0 <= start <= end <= len(body):
+                raise ValueError(f"{name} lies past the object's end")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only blob: views the caller copies, never writes
+                raw = torch.frombuffer(body[start:end], dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
+            out[name] = raw.view(_ST_NAMES[e["dtype"]]).view(e["shape"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise DumpError(f"{what}: not an eagle3 states object ({e})") from None
+    return out, meta
 
 
 def clean_dump_dir(dump_dir: str | Path) -> int:

@@ -206,8 +206,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
-def check_plugin(python: str) -> None:
-    """Refuse to start a capture server whose Python cannot see eagle3's SGLang plugin (it would dump nothing)."""
+def check_plugin(python: str, mooncake: bool = False) -> None:
+    """Refuse to start a capture server whose Python cannot see eagle3's SGLang plugin (it would dump nothing), or,
+    for the `mooncake` transport, cannot load Mooncake (it would hand nothing over)."""
+    from eagle3.targets.mooncake import INSTALL_HINT
     from eagle3.targets.sglang_capture import ENTRY_POINT
 
     code = ("from importlib.metadata import entry_points; import sys; "
@@ -215,11 +217,18 @@ def check_plugin(python: str) -> None:
     # cwd "/": from a checkout, `-c` would find the checkout's own eagle3.egg-info and pass without an install
     r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     if r.returncode != 0:
-        raise RuntimeError(
+        raise ServerError(
             f"{python} (the Python that runs SGLang) does not have eagle3's capture plugin ({ENTRY_POINT} in the "
             f"sglang.srt.plugins entry points), so the server would write no hidden states: install eagle3 there "
             f"(`{python} -m pip install --no-deps -e <eagle3 checkout>`){(': ' + r.stderr.strip()) if r.stderr else ''}"
         )
+    if mooncake:
+        r = subprocess.run([python, "-c", "from eagle3.targets.mooncake import store_module; store_module()"],
+                           capture_output=True, text=True, timeout=120, cwd="/")
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["?"])[-1]
+            raise ServerError(f"{python} (the Python that runs SGLang) cannot load Mooncake, so the server would hand "
+                              f"no states over ({last}): in that Python, {INSTALL_HINT}")
 
 
 class SGLangServer:
