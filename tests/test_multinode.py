@@ -40,14 +40,14 @@ def _launcher(tmp_path: Path) -> Path:
 
 
 def _machines(tmp_path: Path, config: Path, log: Path, machine1: dict[str, str] | None = None,
-              ) -> list[subprocess.Popen]:
+              both: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """Both machines' processes, each the recipe's per-node command with its own --machine_rank (`machine1`:
-    extra environment of machine 1's)."""
+    extra environment of machine 1's; `both`: of both, before machine 1's)."""
     launcher, port = _launcher(tmp_path), str(free_port())
     procs = []
     for rank in (0, 1):
         env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-               "PYTHONPATH": str(REPO), **((machine1 or {}) if rank == 1 else {})}
+               "PYTHONPATH": str(REPO), **(both or {}), **((machine1 or {}) if rank == 1 else {})}
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher),
                "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
                str(REPO / "train.py"), "--config", str(config)]
@@ -58,12 +58,12 @@ def _machines(tmp_path: Path, config: Path, log: Path, machine1: dict[str, str] 
 
 
 def _run(tmp_path: Path, config: Path, log: Path, machine1: dict[str, str] | None = None,
-         timeout: float = 600) -> list[int]:
+         timeout: float = 600, both: dict[str, str] | None = None) -> list[int]:
     """Both machines to their end: their exit codes. Again on a fresh port when another process bound the probed
     one before the launcher did (test_ddp.run_launcher: a port cannot be held across accelerate's own bind; a
     launch that failed so has not trained a step)."""
     for _ in range(3):
-        codes = [p.wait(timeout) for p in _machines(tmp_path, config, log, machine1)]
+        codes = [p.wait(timeout) for p in _machines(tmp_path, config, log, machine1, both)]
         logs = [log.with_suffix(f".machine{r}.log").read_text() for r in (0, 1)]
         if not any(codes) or not any(m in text for m in PORT_TAKEN for text in logs):
             break

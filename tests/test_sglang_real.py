@@ -9,7 +9,8 @@ SGLang runs in its own virtualenv with its own torch; eagle3's side runs here. T
 plugin; tests/sglang_cpu/ only stands in for the GPU kernels and the CPU backend glue (its README). Nothing of
 eagle3 is faked: the capture plugin, the dump protocol, the cache writer, verify-extraction, the trainer's online
 mode and `eagle3 eval --engine sglang` all run as a user runs them. One capture server per (family, TP) is
-reused by that case's tests; the evaluation tests start their own EAGLE-3 servers through eagle3.
+reused by that case's tests, and hands states over through the dump folder or a Mooncake Store (`mooncake`
+transport) by the request; the evaluation tests start their own EAGLE-3 servers through eagle3.
 """
 
 from __future__ import annotations
@@ -165,10 +166,21 @@ def write_cfg(cfg: Config, path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------------------- capture servers
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A Mooncake master (`eagle3 mooncake master`) every capture server of the module joins: each serves its own
+    machine's clients through the dump folder and any others through the store, by the request."""
+    from store_master import running_master
+
+    with running_master(tmp_path_factory.mktemp("store")) as master:
+        yield master
+
+
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-tp{tp}" for f, tp in CASES])
-def case(request, tmp_path_factory):
+def case(request, tmp_path_factory, store):
     """One (family, TP): target, prepared data, and a running capture server reused by the case's tests."""
     from eagle3.prepare import run as prepare
+    from eagle3.targets.mooncake import StoreAddress
     from eagle3.targets.sglang import capture_flags, server_env
     from eagle3.targets.sglang_server import SGLangServer
 
@@ -178,11 +190,12 @@ def case(request, tmp_path_factory):
     cfg = base_cfg(family, tp, root, target, chats(root / "chats.jsonl"))
     prepare(cfg)
     _omp_bind(tp)
-    env = server_env(cfg.target.sglang.dump_dir, IDS[family], "llama" if family == "llama" else "deepseek")
+    env = server_env(cfg.target.sglang.dump_dir, IDS[family], "llama" if family == "llama" else "deepseek",
+                     (StoreAddress.of(store.settings), 128 << 20))
     with SGLangServer(capture_flags(cfg.target, cfg.data.max_length, str(target)), env, root / "capture-server.log",
                       timeout_s=cfg.target.sglang.startup_timeout_s, what=f"{family} TP={tp}") as server:
         cfg.target.sglang.url = server.url
-        yield {"family": family, "tp": tp, "root": root, "cfg": cfg, "server": server}
+        yield {"family": family, "tp": tp, "root": root, "cfg": cfg, "server": server, "store": store}
 
 
 def test_extract_then_verify_against_hf(case):
@@ -307,6 +320,40 @@ def test_online_training_through_sglang(case):
             for key in ("aux", "final"):
                 torch.testing.assert_close(y[key].float(), x[key].float(), rtol=1e-3, atol=1e-3, msg=key)
             assert (x["target_argmax"] == y["target_argmax"]).float().mean() > 0.98
+
+
+def test_the_store_hands_over_what_the_dump_folder_does(case):
+    """target.sglang.transport mooncake through the same server (dump folders apart: only the store can deliver):
+    every prompt's states are the bytes the dump folder gives for the same requests, the Kimi wrapper's and TP=2's
+    included; in fp8 the bytes the cache codec makes of them; nothing is left in the store."""
+    from eagle3.cache.codec import quantize
+    from eagle3.data.prepared import load_prepared
+    from eagle3.targets.mooncake import StateStore, StoreAddress
+    from eagle3.targets.sglang import SGLangTarget
+
+    cfg = case["cfg"]
+    ids = [list(x) for x in load_prepared(cfg.prepared_dir).train["input_ids"]]
+    batches = [ids[i:i + 4] for i in range(0, len(ids), 4)]
+    with SGLangTarget(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir, preflight=False) as shm:
+        ref = [c for b in batches for c in shm.capture(b)]
+    mc = cfg.model_copy(deep=True)
+    s = mc.target.sglang
+    s.transport, s.mooncake, s.dump_dir = "mooncake", case["store"].settings, str(case["root"] / "elsewhere")
+    for storage in ("exact", "fp8"):
+        with SGLangTarget(mc.target, mc.extract, mc.data.max_length, mc.paths.logs_dir, request=(256, storage)) as t:
+            got = [c for b in batches for c in t.capture(b)]  # the preflight: a probe through the store, twice
+        for r, g in zip(ref, got, strict=True):
+            if storage == "exact":
+                assert torch.equal(g.aux, r.aux) and torch.equal(g.final, r.final)
+                continue
+            for name, parts in (("aux", 3), ("final", 1)):
+                q, scale = quantize(getattr(r, name), parts)
+                assert torch.equal(getattr(g, name).view(torch.uint8), q.view(torch.uint8))
+                assert torch.equal(getattr(g, f"{name}_scale"), scale)
+    assert not list((case["root"] / "elsewhere").glob("*.safetensors"))
+    checker = StateStore(StoreAddress.of(case["store"].settings), what="the test")
+    assert checker.remove_prefix("eagle3/") == 0
+    checker.close()
 
 
 def test_a_launched_capture_server_dies_with_a_killed_client(tmp_path, sglang_env):

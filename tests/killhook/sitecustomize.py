@@ -7,6 +7,8 @@ folder on the child's PYTHONPATH (tests/models.py `kill_after_batches`, `kill_af
   the `.tmp` shard, not yet committed), the point a kill hurts most;
 - EAGLE3_TEST_KILL_AFTER_CHECKPOINT=N: a trainer process killed right after its step-N checkpoint is complete
   (one machine of a multi-node run dying while the others go on).
+And, no kill: EAGLE3_TEST_RECORD_ONLINE=DIR records every item online training is handed (tests/test_sglang_mooncake.py
+compares them with an offline cache byte for byte).
 """
 
 import os
@@ -50,3 +52,30 @@ if _STEP and trainer is not None:
         return path
 
     trainer.save_checkpoint = _save_then_maybe_die
+
+
+_RECORD = os.environ.get("EAGLE3_TEST_RECORD_ONLINE")
+if _RECORD:
+    try:
+        from eagle3 import online
+    except ImportError:
+        online = None
+if _RECORD and online is not None:
+    import itertools
+
+    _capture = online.capture_items
+    _seen = itertools.count()
+
+    def _capture_and_record(*a, **k):  # noqa: ANN002, ANN003, ANN202 - the patched function's own signature
+        """EAGLE3_TEST_RECORD_ONLINE=DIR: every item online training is handed, as a safetensors file per item
+        (`r<RANK>-<n>-<sample id>.safetensors`), for a test to compare byte for byte with an offline cache."""
+        from safetensors.torch import save_file
+
+        items = _capture(*a, **k)
+        rank = os.environ.get("RANK", "0")
+        for it in items:
+            tensors = {key: v.contiguous() for key, v in it.items() if hasattr(v, "contiguous")}
+            save_file(tensors, os.path.join(_RECORD, f"r{rank}-{next(_seen)}-{it['sample_id']}.safetensors"))
+        return items
+
+    online.capture_items = _capture_and_record
