@@ -19,7 +19,9 @@ Parts, in order; each records its figures or its error and the next one runs wha
   4. `profiled_step`: the SmolLM2 head's step that benchmarks/bench_profile.py profiles on a CPU and
      benchmarks/bench_specforge.py compares with SpecForge (2 x 512 tokens, TTT 4), timed on the device.
   5. `extraction`: per token, the stored full-vocab argmax (eagle3.targets.argmax.lm_head_argmax over the 163840-row
-     lm_head) and fp8 quantisation of the states (eagle3.cache.codec.quantize).
+     lm_head) and fp8 quantisation of the states (eagle3.cache.codec.quantize); and the capture plugin's hand-over
+     of device states (`capture_rates`: the dump file, and the Mooncake Store where the package is there), the
+     rate eagle3's capture path adds to a server's prefill and a trainer's read.
 A part over its time share is cut short and says so: the whole run stays inside --budget-s.
 """
 
@@ -300,7 +302,106 @@ def extraction(sizes: Sizes, device: Any, reps: int) -> dict[str, Any]:
     quant_s = _timed(lambda: quantize(states, 3), device, reps)
     return {"tokens": tokens, "argmax_us_per_token": argmax_s / tokens * 1e6,
             "fp8_quantize_us_per_token": quant_s / tokens * 1e6,
-            "argmax_tflops": 2 * tokens * sizes.vocab * sizes.hidden / argmax_s / 1e12}
+            "argmax_tflops": 2 * tokens * sizes.vocab * sizes.hidden / argmax_s / 1e12,
+            "capture": capture_rates(sizes, device, reps, final, states)}
+
+
+def capture_rates(sizes: Sizes, device: Any, reps: int, final: Any, aux: Any) -> list[dict[str, Any]]:
+    """What eagle3's capture plugin adds to a server's prefill, per token of device states at this width: the dump
+    file (`shm`) and the Mooncake Store on loopback (`mooncake`, exact and fp8 quantised on the device), the server's
+    side (inside its forward: what slows its prefill) and the reader's (get, check, copy out, remove), each in
+    tokens/s. The Mooncake rows need the `mooncake` package (and libibverbs): without them they say so."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+
+    from eagle3.targets import sglang_capture
+    from eagle3.targets.sglang_dump import dump_path, read_dump, sequence_key
+
+    tokens, hidden = final.shape
+    ids = torch.randint(3, sizes.vocab, (tokens,), device=device)
+
+    class Extend:
+        def is_extend(self) -> bool:
+            return True
+
+        def is_target_verify(self) -> bool:
+            return False
+
+    def meta(rid: str) -> Any:
+        return SimpleNamespace(forward_mode=Extend(), extend_seq_lens_cpu=[tokens], rids=[rid])
+
+    rows, tmp = [], Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    ids_list = ids.tolist()
+    layer_ids = [2, 30, 58]
+
+    def shm_read() -> None:
+        path = dump_path(tmp, sequence_key(ids_list))
+        read_dump(path, ids_list, layer_ids=layer_ids, hidden_size=hidden, sample="x")
+        path.unlink()
+
+    put_s = _timed(lambda: (sglang_capture.capture_batch(ids, final, meta("plain"), aux, str(tmp), layer_ids),
+                            shm_read()), device, reps)
+    rows.append({"transport": "shm", "storage": "exact", "tokens_per_s": tokens / put_s})
+    try:
+        rows += _store_rates(ids, final, aux, meta, layer_ids, device, reps, tmp)
+    except Exception as e:  # noqa: BLE001 - recorded: a machine without Mooncake measures the dump file only
+        rows.append({"transport": "mooncake", "error": f"{type(e).__name__}: {e}"})
+    return rows
+
+
+def _store_rates(ids: Any, final: Any, aux: Any, meta: Any, layer_ids: list[int], device: Any, reps: int,
+                 tmp: Path) -> list[dict[str, Any]]:
+    """The Mooncake rows of `capture_rates`: a master on loopback, the plugin's put from a server-side client, a
+    reader's get, exact and fp8."""
+    import subprocess
+    import time as _time
+
+    from eagle3.targets.mooncake import StateStore, StoreAddress, master_command, master_problem
+    from eagle3.targets.sglang_server import free_port
+
+    addr = StoreAddress(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metadata")
+    master = subprocess.Popen(master_command(addr), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = _time.monotonic()
+        while master_problem(addr, timeout_s=1.0) and _time.monotonic() - t0 < 30:
+            _time.sleep(0.2)
+        tokens, hidden = final.shape
+        server = StateStore(addr, segment=3 * tokens * 4 * hidden * 2 + (64 << 20), what="the server side")
+        rows = [_store_rate(addr, server, storage, ids, final, aux, meta, layer_ids, device, reps, tmp)
+                for storage in ("exact", "fp8")]
+        server.close()
+        return rows
+    finally:
+        master.terminate()
+        master.wait(timeout=30)
+
+
+def _store_rate(addr: Any, server: Any, storage: str, ids: Any, final: Any, aux: Any, meta: Any,
+                layer_ids: list[int], device: Any, reps: int, tmp: Path) -> dict[str, Any]:
+    from eagle3.targets import sglang_capture
+    from eagle3.targets.sglang_store import StoreHandover, wire_bytes_per_token
+
+    tokens, hidden = final.shape
+    reader = StoreHandover(addr, tmp / "logs", rank=0, storage=storage)
+    keys: list[str] = []
+
+    def put() -> None:
+        keys[:] = reader.keys(1)
+        sglang_capture.capture_batch(ids, final, meta(keys[0]), aux, str(tmp), layer_ids, server)
+
+    def get() -> None:
+        reader.read(keys[0], ids.tolist(), layer_ids=layer_ids, hidden_size=hidden, sample="x", dtype=final.dtype,
+                    server="loopback")
+        reader.discard(keys)
+
+    through_s = _timed(lambda: (put(), get()), device, reps)
+    server_s = _timed(lambda: (put(), reader.discard(keys)), device, reps)
+    reader.close()
+    per_token = wire_bytes_per_token(hidden, str(final.dtype).removeprefix("torch."), storage)
+    return {"transport": "mooncake", "storage": storage, "tokens_per_s": tokens / through_s,
+            "server_tokens_per_s": tokens / server_s, "GB_per_s": tokens * per_token / through_s / 1e9}
 
 
 # -------------------------------------------------------------------------------------------------- driver
@@ -387,6 +488,11 @@ def summary(results: dict[str, Any]) -> str:
     elif x:
         lines.append(f"extraction per token: argmax {x['argmax_us_per_token']:.2f} us, fp8 quantise "
                      f"{x['fp8_quantize_us_per_token']:.3f} us")
+        for c in x.get("capture", []):
+            lines.append(f"  capture hand-over {c['transport']} {c.get('storage', '')}: " + (
+                c["error"] if "error" in c else f"{c['tokens_per_s']:.0f} tok/s through"
+                + (f" ({c['server_tokens_per_s']:.0f} tok/s the server's side, {c['GB_per_s']:.2f} GB/s)"
+                   if "server_tokens_per_s" in c else "")))
     return "\n".join(lines) + "\n"
 
 

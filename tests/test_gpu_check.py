@@ -34,8 +34,13 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert res["profiled_step"]["tokens_per_s"] > 0 and res["profiled_step"]["ttt"] == 4, res["profiled_step"]
     x = res["extraction"]
     assert x["argmax_us_per_token"] > 0 and x["fp8_quantize_us_per_token"] > 0
+    # the capture plugin's hand-over: the dump file, and the Mooncake Store (installed here) exact and fp8
+    assert [(c["transport"], c["storage"]) for c in x["capture"]] == [("shm", "exact"), ("mooncake", "exact"),
+                                                                      ("mooncake", "fp8")], x["capture"]
+    assert all(c["tokens_per_s"] > 0 for c in x["capture"])
     summary = (tmp_path / "summary.txt").read_text()
     assert "tests: 3 run, 0 failed" in summary and "train step" in summary and "SmolLM2 head step" in summary and summary == r.stdout[-len(summary):]
+    assert "capture hand-over mooncake fp8" in summary
 
 
 _FAKE = '''
