@@ -170,3 +170,41 @@ def test_recipe_eval_builtin(kimi_run):
     assert result["greedy_mismatches"] == 0  # speculation never changes the target's greedy output
     assert 1.0 <= result["tau"] <= 1 + cfg.eval.num_steps
     assert (cfg.eval_dir / "report.json").is_file() and (cfg.eval_dir / "report.png").is_file()
+
+
+def test_the_online_recipe_gives_every_machine_its_command(tmp_path):
+    """recipes/kimi-k2.5-8xh200/online.sh, each role with `eagle3` and `accelerate` stood in by scripts that record
+    their command line and environment: one config (configs/kimi-k2.5.yaml with the same overrides) everywhere, valid
+    as every stage loads it; the server listening on every interface and telling the store its address; the trainer
+    nodes' launcher, world size and rank."""
+    import os
+    import shlex
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("eagle3", "accelerate"):
+        (bin_dir / tool).write_text(f'#!/bin/bash\necho "{tool} $* HOST=$EAGLE3_MOONCAKE_HOSTNAME" >> {tmp_path}/calls\n')
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MODEL": "/models/K2.5",
+           "MASTER": "10.0.0.1:50051", "SERVERS": "http://10.0.0.1:30000,http://10.0.0.2:30000",
+           "TRAINER_NODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.1.1", "HOST_IP": "10.0.0.2",
+           "STORAGE": "fp8"}
+    for role in ("master", "server", "prepare", "check", "train"):
+        r = subprocess.run(["bash", "recipes/kimi-k2.5-8xh200/online.sh", role], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[:3] for c in calls] == [["eagle3", "mooncake", "master"], ["eagle3", "sglang", "serve"],
+                                             ["eagle3", "prepare", "--config"], ["eagle3", "mooncake", "check"],
+                                             ["accelerate", "launch", "--config_file"]]
+    assert "--host 0.0.0.0" in calls[1] and calls[1].endswith("HOST=10.0.0.2")
+    train = calls[4]
+    assert "recipes/accelerate/fsdp-2x8gpu.yaml --num_machines 2 --num_processes 16 --machine_rank 1" in train
+    assert "--main_process_ip 10.0.1.1" in train
+    words = shlex.split(calls[2].rsplit(" HOST=", 1)[0])
+    cfg = load_config(REPO / words[words.index("--config") + 1], words[words.index("--config") + 2:])
+    s = cfg.target.sglang
+    assert (cfg.extract.mode, cfg.extract.storage, s.transport) == ("online", "fp8", "mooncake")
+    assert s.url == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"] and s.mooncake.master == "10.0.0.1:50051"
+    assert s.mooncake.clients == 16 and cfg.target.path == "/models/K2.5"
