@@ -22,7 +22,7 @@ from eagle3.batching import plan_batches
 from eagle3.bundled import resolve_target_path
 from eagle3.precision import DTYPES
 from eagle3.targets.base import Captured
-from eagle3.targets.info import read_target_info
+from eagle3.targets.info import llm_config, read_target_info
 
 if TYPE_CHECKING:
     from eagle3.config import ExtractConfig, TargetConfig
@@ -30,15 +30,21 @@ if TYPE_CHECKING:
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False,
                    revision: str | None = None) -> torch.nn.Module:
-    """Load a causal LM for inference; a Kimi-style wrapper loads just its `language_model.*` LLM."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Load a causal LM for inference; a Kimi-style wrapper loads just its `language_model.*` LLM, and a
+    compressed-tensors pack-quantized one (Kimi-K2.5's INT4 experts) goes through eagle3.targets.quantized, which
+    needs no `compressed-tensors` package and keeps the experts packed."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.targets.quantized import load_pack_quantized, pack_scheme
 
     info = read_target_info(path)
+    if pack_scheme(info.text) is not None:
+        return load_pack_quantized(info, dtype, device).eval().requires_grad_(False)
     kw: dict[str, Any] = {"dtype": dtype, "revision": revision}
     if device == "auto":
         kw["device_map"] = "auto"
     if info.wrapped:
-        config = AutoConfig.for_model(**info.text)
+        config = llm_config(info)
         model_cls = AutoModelForCausalLM._model_mapping[type(config)]
         model = model_cls.from_pretrained(path, config=config, key_mapping={r"^language_model\.": ""}, **kw)
     else:

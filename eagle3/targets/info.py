@@ -93,6 +93,21 @@ def read_target_info(path: str | Path) -> TargetInfo:
     return TargetInfo.of(json.loads(path.read_text()), folder)
 
 
+def llm_config(info: TargetInfo, quantization: bool = True) -> Any:
+    """transformers' config of the target's LLM (Kimi-K2.5's `text_config`). Kimi-K2.5 writes `model_type: kimi_k2`
+    there, a name transformers does not register: it is DeepseekV3 (transformers' own Kimi_K25Config and SGLang read
+    it so). `quantization=False` leaves out `quantization_config`, for a loader that reads the weights itself
+    (eagle3.targets.quantized)."""
+    from transformers import AutoConfig
+
+    text = dict(info.text)
+    if text.get("model_type") == "kimi_k2":
+        text["model_type"] = "deepseek_v3"
+    if not quantization:
+        text.pop("quantization_config", None)
+    return AutoConfig.for_model(**text)
+
+
 _SAMPLE_BYTES = 1 << 16
 
 

@@ -77,8 +77,9 @@ stage_extract() {
 
 stage_verify() {
     # Compare a few cached samples with an HF forward of the same model (per-layer cosine, token counts).
-    # transformers loads the INT4 checkpoint across all 8 GPUs (device_map auto): run it with no server up.
-    log "verify: cached states vs HF reference (slow: loads the 554 GB model in transformers)"
+    # eagle3 reads the INT4 checkpoint itself (eagle3/targets/quantized.py, no compressed-tensors package): routed
+    # experts stay packed, ~74 GB per GPU over all 8 (device_map auto), so run it with no server up.
+    log "verify: cached states vs HF reference (slow: reads the 554 GB checkpoint)"
     eagle3 verify-extraction --config "$CFG" "${OV[@]}" target.device=auto --source "$OUT/cache" --num-samples 2
 }
 
