@@ -6,10 +6,10 @@
     python benchmarks/bench_long_context.py --head kimi --device cuda            # Kimi-K2.5's width, on a GPU
     python benchmarks/bench_long_context.py --head kimi --arch mla --device cuda
 
-The heads are scripts/gpu_check.py's synthetic ones: `smollm2` (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536,
+The heads are scripts/gpu_check_train.py's synthetic ones: `smollm2` (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536,
 draft vocab 8192) and `kimi` (hidden 7168, 64 heads of 128, MLP 18432, draft vocab 32000; `--arch mla`: Kimi-K2.5's
 own MLA dimensions), TTT 3 (`--ttt`). One sample of each length, 73% of it assistant tokens (ShareGPT's share), the
-target's argmax in the draft vocab at 97% of them (gpu_check.synthetic_batch), through the real objective
+target's argmax in the draft vocab at 97% of them (gpu_check_train.synthetic_batch), through the real objective
 (eagle3.objective: the rows each step scores, the fused lm_head + soft-CE) and its backward; fp32 weights, bf16 under
 autocast as `train.mixed_precision: bf16` runs it (`--precision`, default: bf16 where the device has it natively;
 `--params bf16`: bf16 weights, as FSDP2's bf16 step computes on, for a Kimi-width head on a 24 GB CPU machine).
@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from bench_step_memory import _status  # noqa: E402  (a /proc/self/status field, in bytes)
-from gpu_check import KIMI, SMOLLM2, _head, synthetic_batch  # noqa: E402
+from gpu_check_train import KIMI, SMOLLM2, _head, synthetic_batch  # noqa: E402
 
 HEADS = {"smollm2": SMOLLM2, "kimi": KIMI}
 

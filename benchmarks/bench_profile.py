@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from gpu_check import SMOLLM2, _head, synthetic_batch  # noqa: E402  (the synthetic head and teacher of the GPU check)
+from gpu_check_train import SMOLLM2, _head, synthetic_batch  # noqa: E402  (the synthetic head and teacher of the GPU check)
 
 
 def main() -> int:

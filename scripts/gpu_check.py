@@ -1,5 +1,6 @@
-"""eagle3 on one GPU in one call, with no network: its device paths on tiny models, a Kimi-K2.5-sized training
-step, and the extraction-side work eagle3 adds; every figure to one JSON and a short summary.
+"""eagle3 on one GPU (or a node) in one call, with no network: its device paths on tiny models, the Kimi-K2.5
+recipe's training step at full size, the trainer on 2 GPUs with the recipe's FSDP2 settings over NCCL, and the
+extraction-side work eagle3 adds; every figure to one JSON, a short summary, and one verdict line.
 
     bash scripts/gpu_check.sh                      # the lent GPU: results under $OUT (else ./gpu-check)
     bash scripts/gpu_check.sh --cpu --tiny         # the same code on the CPU at tiny sizes (tests/test_gpu_check.py)
@@ -10,19 +11,28 @@ Parts, in order; each records its figures or its error and the next one runs wha
      exact head's acceptance). The device is there (else the check stops before), so a test that skips fails the
      check like one that fails: green means every test ran on the device.
   2. `matmul`: the device's measured bf16 matmul rate, the denominator of every utilisation figure below.
-  3. `train_step`: one optimizer step of the head on synthetic Kimi-sized features (hidden 7168, target vocab
-     163840; draft vocab 32000 and the full vocab; 4K and 16K tokens; TTT 3 and 7; each draft layer eagle3 ships;
-     the fused loss and a plain autograd one): tokens/s, peak memory, model FLOP utilisation (FLOPs counted by
-     torch.utils.flop_counter over the step's forward and backward). fp32 weights under bf16 autocast, as
-     `train.mixed_precision: bf16` runs them. The shapes are BENCHMARKS.md "Training speed"'s, so the CPU profile
-     and the GPU figure read together.
-  4. `profiled_step`: the SmolLM2 head's step that benchmarks/bench_profile.py profiles on a CPU and
+  3. `nccl`: train.py in 2 processes launched with recipes/accelerate/fsdp-8gpu.yaml's settings (FSDP2, the head
+     one unit, bf16 mixed precision; num_processes 2), NCCL between GPUs 0 and 1, the recipe's MLA head and TTT 4 on
+     a tiny bf16 cache: a few steps, a sharded checkpoint, the export; passes when both ranks ran FSDP-sharded on
+     NCCL with every loss finite. Fewer than 2 GPUs: skipped, and says so. With --cpu: the same over gloo.
+  4. `train_step`: one optimizer step of the head on synthetic Kimi-sized features (hidden 7168, target vocab
+     163840), most important row first: the recipe's step (MLA, the shipped draft vocab 32000, 32768 tokens, TTT 4,
+     fused loss; configs/kimi-k2.5.yaml) without and with train.activation_checkpointing; then BENCHMARKS.md
+     "Training speed"'s grid (4K and 16K tokens, TTT 3 and 7, the fused loss and a plain autograd one) for MLA and
+     Llama at draft vocab 32000, then both at the full vocab. Per row: tokens/s, peak memory, model FLOP utilisation
+     (FLOPs counted by torch.utils.flop_counter over the step's forward and backward); fp32 weights under bf16
+     autocast, as `train.mixed_precision: bf16` runs them. An out-of-memory row is a measurement ("does not fit: >
+     N GB needed, M GB available"), not an error; rows past the part's time are listed as not measured.
+  5. `profiled_step`: the SmolLM2 head's step that benchmarks/bench_profile.py profiles on a CPU and
      benchmarks/bench_specforge.py compares with SpecForge (2 x 512 tokens, TTT 4), timed on the device.
-  5. `extraction`: per token, the stored full-vocab argmax (eagle3.targets.argmax.lm_head_argmax over the 163840-row
+  6. `extraction`: per token, the stored full-vocab argmax (eagle3.targets.argmax.lm_head_argmax over the 163840-row
      lm_head) and fp8 quantisation of the states (eagle3.cache.codec.quantize); and the capture plugin's hand-over
      of device states (`capture_rates`: the dump file, and the Mooncake Store where the package is there), the
      rate eagle3's capture path adds to a server's prefill and a trainer's read.
-A part over its time share is cut short and says so: the whole run stays inside --budget-s.
+Time: --budget-s (480 s) for the whole run; `tests` and `nccl` have shares, `train_step` runs until what the parts
+after it need is left. The last line is the verdict: `VERDICT: PASS ...` (exit 0) or `VERDICT: FAIL: <the first
+reason>` (exit 1). Only a failed or skipped test, a part's unexpected exception, a row's unexpected exception or a
+failed NCCL run fail it; out-of-memory rows, rows cut by time and a missing second GPU are reported in the PASS line.
 """
 
 from __future__ import annotations
@@ -35,7 +45,6 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,55 +53,17 @@ TESTS = "tests/test_gpu.py"
 """What the `tests` part runs (relative to the repository; tests/test_gpu_check.py points it elsewhere)."""
 
 
-@dataclass(frozen=True)
-class Sizes:
-    hidden: int
-    heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    draft_vocabs: tuple[int, ...]
-    tokens: tuple[int, ...]
-    ttt: tuple[int, ...]
-    mla: dict[str, Any]
-    matmul_n: int
-    kv_heads: int = 0
-    """Llama layer's KV heads (0: as many as `heads`)."""
-
-
-KIMI = Sizes(7168, 64, 128, 18432, 163840, (32000, 163840), (4096, 16384), (3, 7),
-             {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-              "v_head_dim": 128, "max_position_embeddings": 262144,
-              "rope_scaling": {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
-                               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
-             8192)
-"""Kimi-K2.5's head: its hidden size, attention and MLP shapes, vocab, and its own MLA dimensions."""
-SMOLLM2 = Sizes(576, 9, 64, 1536, 49152, (8192,), (1024,), (4,), {}, 0, kv_heads=3)
-"""The SmolLM2-135M recipe's head: benchmarks/bench_profile.py's CPU profile and the SpecForge side-by-side."""
-TINY = Sizes(64, 4, 16, 128, 512, (128, 512), (64, 256), (3, 7),
-             {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
-             256)
-
-
-# ------------------------------------------------------------------------------------------------- helpers
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Any, device: Any, reps: int) -> float:
-    """Median seconds of `reps` calls of fn after one warm-up call."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check_train.py beside it, however this is loaded
+from gpu_check_train import (  # noqa: E402
+    KIMI,
+    TINY,
+    Sizes,
+    _timed,
+    fit_text,
+    nccl_part,
+    profiled_step,
+    run_steps,
+)
 
 
 def environment(device: Any) -> dict[str, Any]:
@@ -102,7 +73,8 @@ def environment(device: Any) -> dict[str, Any]:
                            "cpu": platform.processor() or platform.machine()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 1e9, 1), cuda=torch.version.cuda)
+        env.update(gpu=props.name, gpus=torch.cuda.device_count(), gpu_memory_gb=round(props.total_memory / 1e9, 1),
+                   cuda=torch.version.cuda)
         try:
             env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                            capture_output=True, text=True, timeout=30).stdout.strip()
@@ -165,127 +137,6 @@ def matmul_rate(device: Any, n: int) -> dict[str, Any]:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     s = _timed(lambda: a @ b, device, 10)
     return {"n": n, "bf16_tflops": 2 * n**3 / s / 1e12}
-
-
-def _head(sizes: Sizes, arch: str, draft_vocab: int, device: Any) -> tuple[Any, Any, Any]:
-    """(head, teacher, target lm_head) with synthetic weights, built on the device: fp32 weights, as
-    `train.mixed_precision: bf16` keeps them under bf16 autocast; the frozen embeddings and lm_head in bf16."""
-    import torch
-
-    from eagle3.loss import Teacher
-    from eagle3.model import Eagle3Draft, Eagle3DraftConfig
-
-    h, v = sizes.hidden, sizes.vocab
-    mla = {"arch": "mla", **sizes.mla} if arch == "mla" else {}
-    c = Eagle3DraftConfig(hidden_size=h, num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads or sizes.heads,
-                          head_dim=sizes.head_dim, intermediate_size=sizes.intermediate, vocab_size=v,
-                          draft_vocab_size=draft_vocab, target_hidden_size=h, **mla)
-    torch.manual_seed(0)
-    with torch.device(device):
-        embed = torch.empty(v, h, dtype=torch.bfloat16).normal_(0, 0.02)
-        lm_head = torch.empty(v, h, dtype=torch.bfloat16).normal_(0, 0.02)
-        model = Eagle3Draft(c, embed_weight=embed)
-    ids = torch.arange(draft_vocab) * (v // draft_vocab)
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[ids] = True
-    model.set_vocab(ids - torch.arange(draft_vocab), t2d)
-    return model, Teacher(lm_head, ids - torch.arange(draft_vocab), t2d).to(device), lm_head
-
-
-class PlainSoftCE:
-    """The draft's lm_head and soft cross-entropy as plain autograd (every logit kept for the backward): the
-    "fused loss off" side of the comparison with eagle3.loss.SoftCE."""
-
-    def __init__(self, probs: Any, rows: Any, decay: float, denominators: Any = None, chunk: int = 0):
-        from eagle3.loss import SoftCE
-
-        self.inner = SoftCE(probs, rows, decay, denominators, chunk or 4096)
-
-    def __call__(self, xs: list[Any], weight: Any) -> Any:
-        import torch
-
-        from eagle3.loss import HeadOut
-
-        s = self.inner
-        total, ces, argmax = 0.0, [], []
-        for j, x in enumerate(xs):
-            logits = (x @ weight.T).float()
-            p = s.probs[s.rows.teacher_row[j].to(s.probs.device)].float()
-            ce = -(p * logits.log_softmax(-1)).sum()
-            total = total + s.scales[j] * ce
-            ces.append(ce.detach())
-            argmax.append(logits.detach().argmax(-1))
-        return HeadOut(total, torch.stack(ces), tuple(argmax))
-
-
-IN_VOCAB = 0.97
-"""Share of the synthetic tokens whose target argmax is in the draft vocab (the SmolLM2 recipe's train coverage).
-The argmax of a random lm_head is uniform over the target vocab: a draft vocab of 1/5 of it would score 1/5 of
-the rows, and a step that short is not the one training runs."""
-
-
-def synthetic_batch(teacher: Any, hidden: int, rows: int, length: int) -> dict[str, Any]:
-    """A cache batch of `rows` x `length` random states, 73% of each row scored (ShareGPT's assistant share), the
-    target's argmax in the draft vocab at IN_VOCAB of the tokens, so each TTT step keeps the rows a real one does.
-    The teacher's probabilities come from the random final states, as the timing only needs their shape."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    in_vocab = (teacher.to_draft_host >= 0).nonzero().flatten()
-    out_vocab = (teacher.to_draft_host < 0).nonzero().flatten()
-    argmax = in_vocab[torch.randint(len(in_vocab), (rows, length), generator=g)]
-    if len(out_vocab):
-        miss = torch.rand(rows, length, generator=g) >= IN_VOCAB
-        argmax[miss] = out_vocab[torch.randint(len(out_vocab), (int(miss.sum()),), generator=g)]
-    mask = torch.zeros(rows, length, dtype=torch.long)
-    mask[:, int(length * 0.27):] = 1
-    vocab = len(teacher.to_draft_host)
-    return {"aux": torch.randn(rows, length, 3 * hidden, dtype=torch.bfloat16, generator=g),
-            "final": torch.randn(rows, length, hidden, dtype=torch.bfloat16, generator=g),
-            "input_ids": torch.randint(0, vocab, (rows, length), generator=g), "loss_mask": mask,
-            "lengths": torch.full((rows,), length), "target_argmax": argmax.to(torch.int32)}
-
-
-def train_step(model: Any, teacher: Any, lm_head: Any, tokens: int, ttt: int, fused: bool, device: Any,
-               reps: int, rows: int = 1) -> dict[str, Any]:
-    """One Kimi-shaped micro-batch through eagle3.objective: forward, backward and AdamW step, timed; 73% of the
-    tokens scored (ShareGPT's assistant share), the rest a prompt."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    import eagle3.objective as objective_mod
-    from eagle3.config import TrainConfig
-
-    batch = synthetic_batch(teacher, lm_head.shape[1], rows, tokens // rows)
-    objective = objective_mod.Objective(teacher, TrainConfig(ttt_steps=ttt))
-    planned = objective.plan(batch)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
-    real = objective_mod.SoftCE
-    objective_mod.SoftCE = real if fused else PlainSoftCE
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss, _ = objective.loss(model, planned)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    try:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        with FlopCounterMode(display=False) as counter:  # the warm-up step, counted once
-            step()
-        flops = counter.get_total_flops()
-        seconds = _timed(step, device, reps)
-    finally:
-        objective_mod.SoftCE = real
-    out = {"tokens": tokens, "ttt": ttt, "fused_loss": fused, "step_s": seconds, "tokens_per_s": tokens / seconds,
-           "step_tflop": flops / 1e12, "achieved_tflops": flops / seconds / 1e12,
-           "head_params_m": sum(p.numel() for p in params) / 1e6}
-    if device.type == "cuda":
-        out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-    return out
 
 
 def extraction(sizes: Sizes, device: Any, reps: int) -> dict[str, Any]:
@@ -412,54 +263,63 @@ def _part(results: dict[str, Any], name: str, fn: Any) -> None:
     except Exception as e:  # stop at nothing: the next part still runs
         results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
-    print(f"[gpu_check] {name}: {'error' if 'error' in results[name] else 'done'} in "
-          f"{results['seconds'][name]} s", flush=True)
+    r = results[name]
+    state = "error" if isinstance(r, dict) and "error" in r else "skipped" if isinstance(r, dict) and "skipped" in r \
+        else "done"
+    print(f"[gpu_check] {name}: {state} in {results['seconds'][name]} s", flush=True)
 
 
-def _steps(sizes: Sizes, device: Any, reps: int, deadline: float) -> list[dict[str, Any]]:
-    import torch
-
-    rows = []
-    for arch in ("llama", "mla"):
-        for draft_vocab in sizes.draft_vocabs:
-            head = None
-            for tokens in sizes.tokens:
-                for ttt in sizes.ttt:
-                    for fused in (True, False):
-                        case = {"arch": arch, "draft_vocab": draft_vocab, "tokens": tokens, "ttt": ttt,
-                                "fused_loss": fused}
-                        try:
-                            if time.monotonic() > deadline:
-                                raise TimeoutError("skipped: the part's time share ran out")
-                            head = head or _head(sizes, arch, draft_vocab, device)
-                            rows.append({**case, **train_step(*head, tokens, ttt, fused, device, reps)})
-                        except torch.OutOfMemoryError as e:
-                            rows.append({**case, "error": f"out of memory: {str(e).splitlines()[0]}"})
-                        except Exception as e:
-                            rows.append({**case, "error": f"{type(e).__name__}: {e}"})
-                        if head is not None:
-                            for p in head[0].parameters():
-                                p.grad = None
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                        print(f"[gpu_check]   {rows[-1]}", flush=True)
-            del head
-    return rows
+def _row_key(r: dict[str, Any]) -> str:
+    return (f"{r['arch']:5} {r['draft_vocab']:>6} {r['tokens']:>5} ttt{r['ttt']} "
+            f"{'fused' if r['fused_loss'] else 'plain'}{' ckpt' if r.get('checkpointing') else ''}")
 
 
-def profiled_step(device: Any, reps: int, tiny: bool) -> dict[str, Any]:
-    """The step benchmarks/bench_profile.py profiles on a CPU (SmolLM2's head, 2 x 512 tokens, TTT 4, fused
-    loss), timed on the device: the two figures read side by side."""
-    tokens = 128 if tiny else SMOLLM2.tokens[0]
-    head = _head(SMOLLM2, "llama", SMOLLM2.draft_vocabs[0], device)
-    return train_step(*head, tokens, SMOLLM2.ttt[0], True, device, reps, rows=2)
+def _row_text(r: dict[str, Any], rate: float | None) -> str:
+    if "error" in r:
+        return f"ERROR {r['error']}"
+    if "skipped" in r:
+        return "not measured (the part's time ran out)"
+    if not r.get("fits", True):
+        return fit_text(r)
+    mfu = f"{r['achieved_tflops'] / rate:.0%}" if rate else "?"
+    return f"{r['tokens_per_s']:.0f} tok/s, {r.get('peak_gb', float('nan')):.1f} GB, MFU {mfu}"
+
+
+def _train_lines(rows: Any, rate: float | None) -> list[str]:
+    if not isinstance(rows, list):
+        return [f"train step: {rows.get('error') if isinstance(rows, dict) else rows}"]
+    recipe = [r for r in rows if r.get("recipe")]
+    lines = []
+    if recipe:
+        r = recipe[0]
+        lines.append(f"the recipe's step (MLA, draft vocab {r['draft_vocab']}, {r['tokens']} tokens, TTT {r['ttt']}, "
+                     "fused loss), train.activation_checkpointing:")
+        lines += [f"  {'true ' if r['checkpointing'] else 'false'}: {_row_text(r, rate)}" for r in recipe]
+    lines.append("train step (arch, draft vocab, tokens, TTT, loss): tokens/s, peak GB, MFU")
+    lines += [f"  {_row_key(r)}: {_row_text(r, rate)}" for r in rows if not r.get("recipe")]
+    return lines
+
+
+def _nccl_line(n: dict[str, Any] | None) -> str:
+    if n is None:
+        return "NCCL part: not run (--skip nccl)"
+    if "skipped" in n:
+        return f"NCCL part: {n['skipped']}, skipped"
+    if "error" in n:
+        return f"NCCL part: FAILED ({n['error']})"
+    ranks, losses = n["ranks"], n["losses"]
+    peak = [x["peak_gb"] for x in ranks if x.get("peak_gb") is not None]
+    return (f"NCCL part: {len(ranks)} ranks, FSDP2 sharded over {ranks[0]['backend']}, mixed precision "
+            f"{ranks[0]['mixed_precision']}: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, all finite"
+            + (f", peak {max(peak):.2f} GB a rank" if peak else ""))
 
 
 def summary(results: dict[str, Any]) -> str:
     env, mm = results.get("environment", {}), results.get("matmul", {})
     rate = mm.get("bf16_tflops")
-    lines = [f"eagle3 gpu_check on {env.get('gpu') or env.get('cpu')} (torch {env.get('torch')}, "
-             f"CUDA {env.get('cuda')}, driver {env.get('driver')})"]
+    where = f"{env['gpus']} x {env['gpu']} ({env.get('gpu_memory_gb')} GB)" if env.get("gpu") else env.get("cpu")
+    lines = [f"eagle3 gpu_check on {where} (torch {env.get('torch')}, CUDA {env.get('cuda')}, driver "
+             f"{env.get('driver')})"]
     t = results.get("tests")
     if t is None:
         lines.append("tests: not run (--skip tests)")
@@ -467,16 +327,10 @@ def summary(results: dict[str, Any]) -> str:
         problem = tests_problem(t)
         lines.append(f"tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} "
                      f"errors, {t.get('skipped', '?')} skipped: " + (f"FAILED ({problem})" if problem else "passed"))
-    lines.append(f"bf16 matmul: {rate:.0f} TFLOP/s" if rate else f"bf16 matmul: {mm.get('error')}")
-    lines.append("train step (arch, draft vocab, tokens, TTT, loss): tokens/s, peak GB, MFU")
-    for r in results.get("train_step", []) if isinstance(results.get("train_step"), list) else []:
-        key = f"  {r['arch']:5} {r['draft_vocab']:>6} {r['tokens']:>5} ttt{r['ttt']} " \
-              f"{'fused' if r['fused_loss'] else 'plain'}"
-        if "error" in r:
-            lines.append(f"{key}: {r['error']}")
-        else:
-            mfu = f"{r['achieved_tflops'] / rate:.0%}" if rate else "?"
-            lines.append(f"{key}: {r['tokens_per_s']:.0f} tok/s, {r.get('peak_gb', float('nan')):.1f} GB, MFU {mfu}")
+    lines.append(f"bf16 matmul: {rate:.0f} TFLOP/s" if rate else f"bf16 matmul: {mm.get('error', 'not run')}")
+    lines.append(_nccl_line(results.get("nccl")))
+    if "train_step" in results:
+        lines += _train_lines(results["train_step"], rate)
     ps = results.get("profiled_step", {})
     if ps:
         lines.append(f"SmolLM2 head step (bench_profile.py's shape): {ps['error']}" if "error" in ps else
@@ -493,7 +347,67 @@ def summary(results: dict[str, Any]) -> str:
                 c["error"] if "error" in c else f"{c['tokens_per_s']:.0f} tok/s through"
                 + (f" ({c['server_tokens_per_s']:.0f} tok/s the server's side, {c['GB_per_s']:.2f} GB/s)"
                    if "server_tokens_per_s" in c else "")))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + verdict(results)[1] + "\n"
+
+
+def _failures(results: dict[str, Any]) -> list[str]:
+    """Every reason the check fails, in the order the parts ran."""
+    reasons = []
+    t = results.get("tests")
+    if t is not None and (problem := tests_problem(t)):
+        first = f": {t['failed'][0]}" if t.get("failed") else ""
+        reasons.append(f"tests: {problem}{first} (tests.log)")
+    for name in ("matmul", "nccl", "train_step", "profiled_step", "extraction"):
+        r = results.get(name)
+        if isinstance(r, dict) and "error" in r:
+            reasons.append(f"{name}: {r['error']}" + (" (nccl.log)" if name == "nccl" else ""))
+        if isinstance(r, list):
+            reasons += [f"train step {' '.join(_row_key(x).split())}: {x['error']}" for x in r if "error" in x]
+    return reasons
+
+
+def _recipe_note(rows: list[dict[str, Any]]) -> str | None:
+    """What the recipe's step rows tell a user: fits as configured, needs checkpointing, or does not fit at all."""
+    recipe = {r["checkpointing"]: r for r in rows if r.get("recipe")}
+    if not recipe:
+        return None
+    plain, ckpt = recipe.get(False, {}), recipe.get(True, {})
+    what = f"the recipe's {plain.get('tokens') or ckpt.get('tokens')}-token step"
+    if "skipped" in plain:
+        return f"{what} not measured (time)"
+    if plain.get("fits"):
+        return f"{what} fits without checkpointing" + (f" ({plain['peak_gb']:.0f} GB peak)" if "peak_gb" in plain else "")
+    if ckpt.get("fits"):
+        return (f"{what} needs train.activation_checkpointing: true on this GPU ({fit_text(plain)}; with it "
+                f"{ckpt.get('peak_gb', 0):.0f} GB peak)")
+    if "skipped" in ckpt:
+        return f"{what} {fit_text(plain)}; checkpointed not measured (time)"
+    return (f"{what} {fit_text(plain)}, with checkpointing {fit_text(ckpt)}: use train.sequence_parallel or a smaller "
+            "train.batch_tokens on this GPU")
+
+
+def verdict(results: dict[str, Any]) -> tuple[bool, str]:
+    """(passed, the one line a user acts on): `VERDICT: FAIL: <first reason>` or `VERDICT: PASS: <what it shows>`."""
+    reasons = _failures(results)
+    if reasons:
+        more = f" (and {len(reasons) - 1} more: summary.txt)" if len(reasons) > 1 else ""
+        return False, f"VERDICT: FAIL: {reasons[0]}{more}"
+    env = results.get("environment", {})
+    left_out = [p for p in PARTS if p not in results]
+    notes = [f"every part ran on {env.get('gpu') or 'the CPU'}" if not left_out else
+             f"the parts run passed on {env.get('gpu') or 'the CPU'} (not run: {', '.join(left_out)})"]
+    rows = results.get("train_step")
+    if isinstance(rows, list):
+        notes.append(_recipe_note(rows))
+        oom = sum(1 for r in rows if r.get("fits") is False)
+        cut = sum(1 for r in rows if "skipped" in r)
+        notes += [f"{oom} step rows do not fit (measured)" if oom else None,
+                  f"{cut} step rows not measured (time)" if cut else None]
+    n = results.get("nccl")
+    if n is not None:
+        notes.append(f"NCCL part: {n['skipped']}, skipped" if "skipped" in n else "NCCL part: 2 ranks trained (FSDP2, "
+                     f"{n['ranks'][0]['backend']}, bf16)")
+    return True, "VERDICT: PASS: " + "; ".join(x for x in notes if x)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -503,41 +417,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check", help="results folder ($OUT on the device)")
     ap.add_argument("--budget-s", type=float, default=480, help="wall-clock budget of the whole run")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (after one warm-up)")
-    ap.add_argument("--skip", action="append", default=[], choices=["tests", "matmul", "train_step", "profiled_step",
-                                                                             "extraction"])
+    ap.add_argument("--skip", action="append", default=[], choices=list(PARTS))
     a = ap.parse_args(argv)
     import torch
 
     device = torch.device("cpu" if a.cpu else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device (run with --cpu for the CPU check)", file=sys.stderr)
+        print("VERDICT: FAIL: torch sees no CUDA device")
         return 2
     sizes = TINY if a.tiny else KIMI
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    end = start + a.budget_s
     results: dict[str, Any] = {"environment": environment(device), "sizes": sizes.__dict__, "tiny": a.tiny}
-    shares = {"tests": 0.35, "matmul": 0.05, "train_step": 0.45, "extraction": 0.1}  # profiled_step: seconds
-    parts = {
-        "tests": lambda: run_tests(device, out, shares["tests"] * a.budget_s),
-        "matmul": lambda: matmul_rate(device, sizes.matmul_n),
-        "train_step": lambda: _steps(sizes, device, a.reps, time.monotonic() + shares["train_step"] * a.budget_s),
-        "profiled_step": lambda: profiled_step(device, a.reps, a.tiny),
-        "extraction": lambda: extraction(sizes, device, a.reps),
-    }
-    for name, fn in parts.items():
+    for name in PARTS:
         if name not in a.skip:
-            _part(results, name, fn)
+            _part(results, name, lambda name=name: PARTS[name](device, sizes, out, a, end))
         (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     results["total_s"] = round(time.monotonic() - start, 1)
+    passed, line = verdict(results)
+    results["verdict"] = line
     (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     text = summary(results)
     (out / "summary.txt").write_text(text)
     print(text, end="")
-    failed = [n for n in parts if n not in a.skip and ("error" in results[n] if isinstance(results[n], dict) else
-                                                      any("error" in r for r in results[n]))]
-    tests_failed = "tests" not in a.skip and tests_problem(results["tests"]) is not None
-    return 1 if failed or tests_failed else 0
+    return 0 if passed else 1
+
+
+SHARES = {"tests": 0.35, "nccl": 0.25}
+"""The most of --budget-s the `tests` and `nccl` parts may take (their subprocesses are stopped there)."""
+AFTER_TRAIN = 0.1
+"""The share of --budget-s kept for the parts after `train_step` (profiled_step, extraction): train_step starts no
+row once only this is left."""
+PARTS: dict[str, Any] = {
+    "tests": lambda device, sizes, out, a, end: run_tests(device, out, SHARES["tests"] * a.budget_s),
+    "matmul": lambda device, sizes, out, a, end: matmul_rate(device, sizes.matmul_n),
+    "nccl": lambda device, sizes, out, a, end: nccl_part(
+        device, out, min(SHARES["nccl"] * a.budget_s, end - time.monotonic() - AFTER_TRAIN * a.budget_s)),
+    "train_step": lambda device, sizes, out, a, end: run_steps(sizes, device, a.reps, end - AFTER_TRAIN * a.budget_s),
+    "profiled_step": lambda device, sizes, out, a, end: profiled_step(device, a.reps, a.tiny),
+    "extraction": lambda device, sizes, out, a, end: extraction(sizes, device, a.reps),
+}
+"""The parts in the order they run: each a function of (device, sizes, out folder, the arguments, the budget's end)."""
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tiny_llama", "tiny_deepseek_v3", "kimi_wrapped", "make_prepared", "tiny_target_cfg"]
+__all__ = ["tiny_llama", "llama_config", "tiny_deepseek_v3", "deepseek_v3_config", "kimi_wrapped", "make_prepared", "tiny_target_cfg"]
 
 
 def _save(model: torch.nn.Module, path: Path) -> Path:
@@ -30,39 +30,52 @@ def _save(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
+def llama_config(vocab: int = 256, hidden: int = 64, layers: int = 8, heads: int = 4, kv_heads: int = 2,
+                 intermediate: int = 128, tie: bool = False):
+    """`tiny_llama`'s LlamaConfig."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                       tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def tiny_llama(path: str | Path, vocab: int = 256, hidden: int = 64, layers: int = 8, heads: int = 4,
                kv_heads: int = 2, intermediate: int = 128, seed: int = 0, tie: bool = False) -> Path:
     """A random Llama (SmolLM2's architecture, GQA) saved with save_pretrained; returns the folder.
 
     8 layers by default: eagle3.layer_ids.default_layer_ids(6) gives [2, 3, 3] (not strictly increasing)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = llama_config(vocab, hidden, layers, heads, kv_heads, intermediate, tie)
     torch.manual_seed(seed)
     return _save(LlamaForCausalLM(cfg).eval(), Path(path))
 
 
-def deepseek_v3_config(vocab: int = 256, hidden: int = 64, layers: int = 4):
-    """Kimi-K2.5's LLM in miniature: MLA, routed experts + 1 shared, first layer dense."""
+def deepseek_v3_config(vocab: int = 256, hidden: int = 64, layers: int = 4, **overrides):
+    """Kimi-K2.5's LLM in miniature: MLA, routed experts + 1 shared, first layer dense. `overrides`: any other
+    DeepseekV3Config field (heads, MLA ranks and head dims, experts, widths), e.g. the GPU-shaped fixtures of
+    tests/sglang_cpu/tiny_models.py `target_shape`."""
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(
+    fields = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         max_position_embeddings=4096, num_mtp_layers=0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    return DeepseekV3Config(**{**fields, **overrides})
 
 
-def tiny_deepseek_v3(path: str | Path, vocab: int = 256, hidden: int = 64, layers: int = 4, seed: int = 0) -> Path:
-    """A random DeepseekV3ForCausalLM (MLA + MoE) saved with save_pretrained; returns the folder."""
+def tiny_deepseek_v3(path: str | Path, vocab: int = 256, hidden: int = 64, layers: int = 4, seed: int = 0,
+                     **overrides) -> Path:
+    """A random DeepseekV3ForCausalLM (MLA + MoE) saved with save_pretrained; returns the folder. `overrides` go
+    to `deepseek_v3_config`."""
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(deepseek_v3_config(vocab, hidden, layers)).eval()
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(vocab, hidden, layers, **overrides)).eval()
     # Random init leaves the router's correction bias at zero and weights tiny: make routing non-trivial.
     with torch.no_grad():
         for layer in model.model.layers[1:]:

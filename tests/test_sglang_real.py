@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import kill_after_batches, kimi_wrapped, tiny_llama
-from sglang_cpu.tiny_models import sglang_deepseek_fields, sglang_tiny_deepseek_v3
+from sglang_cpu.tiny_models import kimi_sglang_wrapper, sglang_tiny_deepseek_v3, target_shape
 from tokenizer_builders import kimi_test_tokenizer, llama_test_tokenizer
 
 from eagle3.config import Config
@@ -57,9 +57,7 @@ TPS = [1, 2] if DEVICE == "cpu" else [tp for tp in (1, 2, 8) if tp <= _gpus()]
 IDS = {"llama": [2, 4, 6], "deepseek": [2, 3, 4], "kimi": [2, 3, 4]}
 """eagle3 ids (input of layer k). SGLang spells them [1, 3, 5] for the 8-layer Llama, as-is for the others."""
 CASES = [(family, tp) for family in ("llama", "deepseek", "kimi") for tp in TPS]
-KIMI_VISION = {"patch_size": 2, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 2,
-               "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
-               "text_hidden_size": 64, "vt_hidden_size": 16, "mm_hidden_size": 16}
+KIMI_VISION = target_shape("kimi", DEVICE)["vision"]
 """Kimi-K2.5's MoonViT tower in miniature: SGLang builds it (random, never run: extraction is text only)."""
 
 
@@ -104,27 +102,23 @@ def _omp_bind(tp: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- targets
-def build_target(family: str, path: Path) -> Path:
-    """A tiny random target of `family` with its tokenizer, as a folder both HF and SGLang load."""
+def build_target(family: str, path: Path, device: str = DEVICE) -> Path:
+    """A tiny random target of `family` with its tokenizer, as a folder both HF and SGLang load, in the shape SGLang
+    on `device` takes (tests/sglang_cpu/tiny_models.py `target_shape`: on CUDA, heads that split 8 ways and Kimi's
+    MLA dims; tests/test_sglang_gpu_fixtures.py checks them against SGLang's rules at TP 1/2/8)."""
+    shape = target_shape(family, device)
     if family == "llama":
-        tiny_llama(path, vocab=512, hidden=64, layers=8)
-        llama_test_tokenizer(path, vocab_size=512)
+        tiny_llama(path, **shape["model"])
+        llama_test_tokenizer(path, vocab_size=shape["model"]["vocab"])
         return path
     if family == "deepseek":
-        sglang_tiny_deepseek_v3(path, vocab=512, layers=6)
-        llama_test_tokenizer(path, vocab_size=512)
+        sglang_tiny_deepseek_v3(path, **shape["model"])
+        llama_test_tokenizer(path, vocab_size=shape["model"]["vocab"])
         return path
-    kimi_wrapped(path, vocab=163840, layers=6)
+    kimi_wrapped(path, **shape["model"])
     kimi_test_tokenizer(path)
     conf = path / "config.json"
-    wrapper = json.loads(conf.read_text())
-    wrapper["text_config"] = sglang_deepseek_fields(wrapper["text_config"])
-    wrapper["vision_config"] = {**wrapper["vision_config"], **KIMI_VISION}
-    # The real checkpoint brings its image processor as remote code, which SGLang loads for a multimodal model
-    # even without a tokenizer; the tiny one has none, so it declares itself text-only. SGLang still builds the
-    # KimiK25ForConditionalGeneration wrapper, which embeds the tokens and calls its LLM with input_ids=None.
-    wrapper["language_model_only"] = True
-    conf.write_text(json.dumps(wrapper, indent=2))
+    conf.write_text(json.dumps(kimi_sglang_wrapper(json.loads(conf.read_text()), shape["vision"]), indent=2))
     return path
 
 

@@ -22,13 +22,76 @@ _TESTS = Path(__file__).resolve().parent.parent
 if str(_TESTS) not in sys.path:
     sys.path.insert(0, str(_TESTS))
 
-from models import tiny_deepseek_v3, tiny_llama  # noqa: E402  (tests/models.py)
+from models import deepseek_v3_config, llama_config, tiny_deepseek_v3, tiny_llama  # noqa: E402  (tests/models.py)
 
 __all__ = ["sglang_tiny_llama", "sglang_tiny_deepseek_v3", "sglang_deepseek_fields", "tiny_eagle3_draft",
-           "DEEPSEEK_SGLANG_FIELDS"]
+           "DEEPSEEK_SGLANG_FIELDS", "target_shape", "target_config", "kimi_sglang_wrapper"]
 
 DEEPSEEK_SGLANG_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                           "num_nextn_predict_layers": 0}
+
+
+# ------------------------------------------------------------------ the (family, device) shapes of the real suite
+_MOONVIT_CPU = {"patch_size": 2, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 2,
+                "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
+                "text_hidden_size": None, "vt_hidden_size": 16, "mm_hidden_size": 16}
+"""Kimi-K2.5's MoonViT tower in miniature: SGLang builds it (random, never run: extraction is text only). Its
+projector's `text_hidden_size` is the text model's (`kimi_sglang_wrapper` fills it in)."""
+_MLA_GPU = {"hidden": 256, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 128,
+            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "intermediate_size": 1024, "moe_intermediate_size": 512, "n_routed_experts": 8}
+"""DeepseekV3 / Kimi-K2.5 on GPUs: Kimi's own MLA dims (kv_lora 512 + rope 64, the only latent the CUDA MLA kernels
+take; nope 128 + rope 64 = 192 and v 128, FA3's one Q/K != V prefill shape), 8 heads (one per rank at TP 8), and
+widths that split 8 ways (dense MLP 128 a rank, each expert 64 a rank); hidden 256 keeps it small (a multiple of 256
+like Kimi's 7168, so the same fused q/kv-a GEMM runs). tests/test_sglang_gpu_fixtures.py checks it at TP 1/2/8."""
+_SHAPES = {
+    ("llama", "cpu"): {"model": {"vocab": 512, "hidden": 64, "layers": 8}},
+    ("deepseek", "cpu"): {"model": {"vocab": 512, "layers": 6}},
+    ("kimi", "cpu"): {"model": {"vocab": 163840, "layers": 6}, "vision": _MOONVIT_CPU},
+    # GQA kept: 2 KV heads are replicated at TP 8 (SGLang requires tp % kv_heads == 0 there); head dim 64.
+    ("llama", "cuda"): {"model": {"vocab": 512, "hidden": 512, "layers": 8, "heads": 8, "kv_heads": 2,
+                                  "intermediate": 1024}},
+    ("deepseek", "cuda"): {"model": {"vocab": 512, "layers": 6, **_MLA_GPU}},
+    ("kimi", "cuda"): {"model": {"vocab": 163840, "layers": 6, **_MLA_GPU},
+                       "vision": {**_MOONVIT_CPU, "num_attention_heads": 8, "hidden_size": 64, "intermediate_size": 128,
+                                  "vt_hidden_size": 64, "mm_hidden_size": 64}},
+}
+
+
+def target_shape(family: str, device: str) -> dict:
+    """The tiny target of `family` that tests/test_sglang_real.py builds for SGLang on `device` (`cpu`: the CPU
+    stand-ins, small and fast; `cuda`: SGLang's own kernels at TP 1/2/8): `model`, the keyword arguments of
+    tests/models.py's builder (`tiny_llama`, `tiny_deepseek_v3`, `kimi_wrapped`), and for Kimi `vision`, the
+    MoonViT fields of its wrapper. The CPU shapes are the suite's as they always were."""
+    shape = _SHAPES[(family, "cpu" if device == "cpu" else "cuda")]
+    return {k: dict(v) for k, v in shape.items()}
+
+
+def kimi_sglang_wrapper(wrapper: dict, vision: dict) -> dict:
+    """A Kimi-K2.5 wrapper config.json (tests/models.py `kimi_wrapped`) as SGLang loads it: the DeepSeek fields in
+    its text_config, the miniature vision tower (its projector ends at the text model's width), text only."""
+    text = sglang_deepseek_fields(wrapper["text_config"])
+    # The real checkpoint brings its image processor as remote code, which SGLang loads for a multimodal model
+    # even without a tokenizer; the tiny one has none, so it declares itself text-only. SGLang still builds the
+    # KimiK25ForConditionalGeneration wrapper, which embeds the tokens and calls its LLM with input_ids=None.
+    return {**wrapper, "text_config": text,
+            "vision_config": {**wrapper["vision_config"], **vision, "text_hidden_size": text["hidden_size"]},
+            "language_model_only": True}
+
+
+def target_config(family: str, device: str) -> dict:
+    """The config.json SGLang reads for `family`'s target on `device`, without building its weights (what
+    build_target writes, up to the fields save_pretrained adds: tests/test_sglang_gpu_fixtures.py checks both)."""
+    shape = target_shape(family, device)
+    kw = shape["model"]
+    if family == "llama":
+        return llama_config(**kw).to_dict()
+    text = deepseek_v3_config(kw.pop("vocab"), kw.pop("hidden", 64), kw.pop("layers"), **kw).to_dict()
+    if family == "deepseek":
+        return sglang_deepseek_fields(text)
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": text, "vision_config": {"model_type": "moonvit"}}
+    return kimi_sglang_wrapper(wrapper, shape["vision"])
 
 
 def sglang_tiny_llama(path: str | Path, **kw) -> Path:
