@@ -148,9 +148,9 @@ class _LinearSoftCE(torch.autograd.Function):
         dev = weight.device.type
         cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype  # the matmuls
         acc = torch.promote_types(cd, torch.float32)  # the softmax
-        # The weight's gradient in the weight's own dtype (what autograd would accumulate into it), so neither it
-        # nor a chunk's product is ever copied to another [draft_vocab, H] tensor.
-        gw_dtype = torch.promote_types(weight.dtype, cd)
+        # The weight's gradient is summed over every chunk and step in float32 at least, and handed to autograd in
+        # the weight's dtype: one rounding where bf16 weights (no autocast) would round at every chunk and step.
+        gw_dtype = torch.promote_types(weight.dtype, acc)
         with torch.autocast(dev, enabled=False):
             w = weight.to(cd)
             grad_w = torch.zeros(weight.shape, dtype=gw_dtype, device=weight.device) if want_grad else None
@@ -180,7 +180,7 @@ class _LinearSoftCE(torch.autograd.Function):
                     gx[c0 : c0 + chunk] = g @ w
                     if gw_dtype == cd:
                         grad_w.addmm_(g.T, xc)
-                    else:  # fp32 weights under bf16 autocast: a bf16 product added into the fp32 gradient
+                    else:  # bf16 matmuls (autocast, or bf16 weights): a bf16 product added into the fp32 sum
                         grad_w.add_(g.T @ xc)
                 argmaxes.append(am)
                 grads_x.append(gx)

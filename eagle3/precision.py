@@ -6,7 +6,7 @@ So `auto` is bf16 only on a CUDA device that supports it or a CPU with AVX-512 B
 an explicit bf16 on a CPU without them runs with a warning. One line says what was chosen and why, once per
 process: the config's dtype line when the config has loaded without error (`say_pending`, called by
 `load_config`), the mixed-precision line when training starts. `EAGLE3_NATIVE_BF16=0|1` overrides the CPU detection (the test suite pins it to 0, so every machine runs
-the same float32 tests).
+the same float32 tests). `prepare_like_ddp` makes FSDP2 under mixed precision compute what DDP computes.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 from functools import cache
+from types import MethodType
+from typing import Any
 
 import torch
 
@@ -103,6 +105,34 @@ def resolve_mixed_precision(mixed_precision: str, device: str) -> str:
             _say_once(logging.WARNING, f"train.mixed_precision=bf16 on the CPU: {why}; {EMULATED_SLOWDOWN}. "
                                        "train.mixed_precision=auto (or no) avoids it")
     return mixed_precision
+
+
+def prepare_like_ddp(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    """`accelerator.prepare(model, optimizer)`, with FSDP2 computing under mixed precision what DDP computes.
+
+    Under DDP, accelerate keeps the weights, their gradients and the all-reduce in float32 and runs the forward under
+    autocast (bf16 matmuls; `Accelerator.prepare_model`). Under FSDP2 it does neither: `AcceleratorState` gives the
+    plugin `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)` (`FullyShardedDataParallelPlugin
+    .set_mixed_precision`) and `_prepare_fsdp2` never wraps the forward in autocast. The whole forward then ran in
+    bf16, and each gradient was made, summed (over the TTT steps, the micro-batches of an accumulation group) and
+    reduce-scattered over the ranks in bf16. Here FSDP2 keeps float32 weights, gradients and reductions (the default
+    policy) and the forward runs under DDP's autocast: FSDP2's gradients are DDP's up to the order of float32 sums
+    (tests/test_fsdp.py). The price: the weights are gathered in float32 (Kimi-K2.5's 0.9 B head: 3.6 GB a rank,
+    plus autocast's bf16 copies) and all-gathered / reduce-scattered in float32, twice bf16's traffic."""
+    fsdp2 = getattr(accelerator, "is_fsdp2", False) and accelerator.mixed_precision != "no"
+    if fsdp2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy()
+        _say_once(logging.INFO, f"FSDP2 with mixed precision {accelerator.mixed_precision}: float32 weights, "
+                                "gradients and reductions, the forward under autocast, as DDP")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if fsdp2 and accelerator.native_amp:  # the wrapper `Accelerator.prepare_model` gives a DDP model
+        from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+        autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+        model.forward = MethodType(convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    return model, optimizer
 
 
 # Exponent bits all ones (inf or NaN; e4m3fn has no inf and one NaN pattern per sign), per dtype, read as integers.

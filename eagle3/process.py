@@ -10,7 +10,12 @@ so both stages agree on every launcher accelerate supports.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _RANK = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 _WORLD = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -56,3 +61,30 @@ def this_process() -> Place:
 def local_world() -> int:
     """How many of the launch's processes share this machine (its cores and GPUs); 1 when run alone."""
     return max(1, _env_int(_LOCAL_WORLD, 1))
+
+
+def gather_after(work: Callable[[], T], timeout: timedelta, what: str) -> list[T]:
+    """Every rank's `work()`, in rank order, for work the ranks finish far apart (each hashing its share of a cache).
+
+    They meet over a gloo group of their own that waits up to `timeout`, not over the training's process group: there
+    NCCL's watchdog aborts a collective left waiting 10 minutes (torch's default, which accelerate keeps), and the
+    process with it. The group is made before the work, while the ranks are still together; what is gathered are
+    Python objects, which travel through the CPU anyway. A rank left waiting past `timeout` raises TimeoutError.
+    Without a process group: [work()]."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [work()]
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        mine = work()
+        out: list = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(out, mine, group=group)
+        except RuntimeError as e:  # gloo: "Timed out waiting 7200000ms for recv operation to complete"
+            if "timed out" not in str(e).lower():
+                raise
+            raise TimeoutError(f"rank {dist.get_rank()} waited {timeout} for the other ranks to finish {what}") from e
+        return out
+    finally:
+        dist.destroy_process_group(group)

@@ -23,6 +23,7 @@ import math
 import time
 from contextlib import closing, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,9 @@ from eagle3.model import SHAPE_FIELDS, Eagle3Draft, Eagle3DraftConfig
 from eagle3.objective import Objective
 from eagle3.online import OnlineSource
 from eagle3.paths import RunPaths
-from eagle3.precision import DTYPES
+from eagle3.precision import DTYPES, prepare_like_ddp
 from eagle3.precision import resolve_mixed_precision as resolve_for_device
-from eagle3.process import this_process
+from eagle3.process import gather_after, this_process
 from eagle3.sequence_parallel import SequenceParallel, data_place, describe
 from eagle3.targets.argmax import ArgmaxHead
 from eagle3.targets.info import TargetInfo, read_target_info
@@ -167,16 +168,25 @@ def _budget(train: TrainConfig) -> int:
     return train.batch_tokens * train.sequence_parallel
 
 
+VERIFY_TIMEOUT = timedelta(hours=2)
+"""How long a rank that has checked its share of the cache waits for the slowest. Kimi-K2.5's 1.2 TB cache is 150 GB
+a rank on 8: 2.5 min at 1 GB/s (a local NVMe shared by 8 ranks), 20 min at 125 MB/s (a 1 GB/s network volume
+shared by 8), so one rank can finish 10+ minutes after another (NCCL's watchdog); 2 h covers 6 times that."""
+
+
 def verify_before_training(cache_dir: Path) -> None:
-    """Every shard's checksum, each rank hashing its share; all ranks stop together when one finds damage."""
+    """Every shard's checksum, each rank hashing its share; all ranks stop together when one finds damage. The ranks
+    meet over a gloo group of their own that waits VERIFY_TIMEOUT (eagle3.process.gather_after)."""
     from eagle3.cache import damaged_error, verify_cache
 
     place = this_process()
-    problems = verify_cache(cache_dir, part=(place.rank, place.world))
-    if place.world > 1:
-        from accelerate.utils import gather_object
-
-        problems = [p for part in gather_object([problems]) for p in part]
+    try:
+        parts = gather_after(lambda: verify_cache(cache_dir, part=(place.rank, place.world)), VERIFY_TIMEOUT,
+                             "checking their share of the cache's checksums")
+    except TimeoutError as e:
+        raise UserError(f"{e} (train.verify_cache). Check the cache once outside training (`eagle3 cache info "
+                        f"{cache_dir} --verify`), then train with train.verify_cache=false") from e
+    problems = [p for part in parts for p in part]
     if problems:
         raise damaged_error(cache_dir, sorted(problems))
     log.info("cache %s: every shard's checksum matches its manifest", cache_dir)
@@ -366,7 +376,7 @@ def set_up(cfg: Config) -> Session:
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(tc.warmup_ratio * total_steps), total_steps)
-    model, optimizer = accelerator.prepare(draft, optimizer)
+    model, optimizer = prepare_like_ddp(accelerator, draft, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
     state = resume(accelerator, model, cfg.paths, tc, d2t)

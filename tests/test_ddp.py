@@ -114,6 +114,66 @@ def test_two_process_ddp_ranks_agree(tiny_cache, tmp_path):  # noqa: F811
         assert single[step]["loss"] == pytest.approx(two[step]["loss"], rel=1e-5), step
 
 
+# The cache check before training (trainer.verify_before_training) with rank 1 hashing its share DELAY seconds
+# longer than rank 0, while the training group times out after a quarter of that (on GPUs: NCCL's 10-minute watchdog,
+# which aborts the process). Then the same with VERIFY_TIMEOUT a quarter of the delay: a message, not a hang.
+VERIFY_RUNNER = textwrap.dedent("""
+    import os, sys, time
+    from datetime import timedelta
+    from pathlib import Path
+    import torch.distributed as dist
+    from accelerate import PartialState
+    import eagle3.cache
+    from eagle3 import trainer
+    from eagle3.logs import UserError
+
+    cache, delay = Path(sys.argv[1]), float(sys.argv[2])
+    state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU") == "true")
+    state.wait_for_everyone()
+    say = lambda line: sys.stdout.write(f"rank {state.process_index}: {line}\\n")  # one write: lines never mix
+    real_verify = eagle3.cache.verify_cache
+    def slow_verify(cache_dir, part):
+        problems = real_verify(cache_dir, part=part)
+        time.sleep(delay if part[0] == 1 else 0)
+        return problems
+    eagle3.cache.verify_cache = slow_verify
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=delay / 4))  # the training group's
+    trainer.verify_before_training(cache)
+    state.wait_for_everyone()  # the training group still works
+    say("verified")
+
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=60))
+    trainer.VERIFY_TIMEOUT = timedelta(seconds=delay / 4)
+    try:
+        trainer.verify_before_training(cache)
+    except Exception as e:
+        say(f"{type(e).__name__}: {e}")
+""")
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs 2 GPUs")])])
+def test_ranks_hashing_their_cache_shares_far_apart_still_meet(tiny_cache, tmp_path, backend):  # noqa: F811
+    """A rank that finishes its share of the checksums long after another is waited for over a gloo group of the
+    check's own (eagle3.process.gather_after), not over the training's group, whose timeout the delay exceeds 4x;
+    past the check's own timeout (2 h) the waiting rank ends the run with what to do."""
+    delay = 4
+    script = tmp_path / "verify.py"
+    script.write_text(VERIFY_RUNNER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if backend == "gloo":
+        env["ACCELERATE_USE_CPU"] = "true"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", PORT, str(script), str(tiny_cache["cache"]), str(delay)]
+    r = run_launcher(cmd, env, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "rank 0: verified" in r.stdout and "rank 1: verified" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert (f"rank 0: UserError: rank 0 waited 0:00:01 for the other ranks to finish checking their share of the "
+            f"cache's checksums (train.verify_cache). Check the cache once outside training (`eagle3 cache info "
+            f"{tiny_cache['cache']} --verify`), then train with train.verify_cache=false") in r.stdout, r.stdout
+
+
 @pytest.mark.slow
 def test_train_py_with_the_cpu_recipe(tiny_cache, tmp_path):  # noqa: F811
     """train.py itself through recipes/accelerate/cpu-2proc.yaml."""

@@ -1,5 +1,5 @@
 """FSDP2 with the launcher settings of recipes/accelerate/fsdp-8gpu.yaml, on 2 CPU processes (gloo): a few steps,
-a crash right after a checkpoint, and an exact resume.
+a crash right after a checkpoint, and an exact resume; and under bf16, the gradients DDP makes.
 
 accelerate never selects FSDP for CPU processes (it turns the launch into plain DDP, `MULTI_CPU`), so the runner
 below sets the one field that decides it, `distributed_type = FSDP`, with the FSDP plugin accelerate's launcher
@@ -47,6 +47,8 @@ RUNNER = textwrap.dedent("""
         acc = real_make(*a)
         acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
         acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment
+        if acc.state.mixed_precision != "no":  # and its policy, as AcceleratorState sets it on GPUs
+            acc.state.fsdp_plugin.set_mixed_precision(acc.state.mixed_precision)
         return acc
     trainer.make_accelerator = make_fsdp_accelerator
 
@@ -63,7 +65,46 @@ RUNNER = textwrap.dedent("""
 """)
 
 
-def _launch(tmp_path: Path, config: Path, crash_at: int = 0):
+# One step under DDP (what accelerate makes of the launch on CPU: `ddp`) or FSDP2 (RUNNER's switch: `fsdp`); rank 0
+# saves every parameter's full gradient before clipping to <output_dir>/grads.pt.
+GRADIENTS_RUNNER = textwrap.dedent("""
+    import sys, torch
+    torch.set_num_threads(1)
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.nn.parallel import DistributedDataParallel
+    from eagle3 import trainer
+    from eagle3.config import load_config
+    from eagle3.logs import setup_logging
+
+    real_make, real_set_up = trainer.make_accelerator, trainer.set_up
+    fsdp = sys.argv[2] == "fsdp"
+    def make_accelerator(*a):
+        acc = real_make(*a)
+        if fsdp:
+            acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+            acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+            acc.state.fsdp_plugin.set_mixed_precision(acc.state.mixed_precision)  # as AcceleratorState does
+        return acc
+    def set_up(cfg):
+        s = real_set_up(cfg)
+        assert isinstance(s.model, DistributedDataParallel) != fsdp, type(s.model)
+        clip = s.accelerator.clip_grad_norm_
+        def save_then_clip(params, max_norm):
+            named = s.accelerator.unwrap_model(s.model).named_parameters()
+            grads = {n: (p.grad.full_tensor() if fsdp else p.grad).detach().clone() for n, p in named}
+            if s.accelerator.is_main_process:
+                torch.save(grads, f"{cfg.output_dir}/grads.pt")
+            return clip(params, max_norm)
+        s.accelerator.clip_grad_norm_ = save_then_clip
+        return s
+    trainer.make_accelerator, trainer.set_up = make_accelerator, set_up
+    setup_logging()
+    trainer.run(load_config(sys.argv[1]))
+""")
+
+
+def _launch(tmp_path: Path, *args: Path | str, crash_at: int = 0, runner: str = RUNNER):
 
     settings = yaml.safe_load(FSDP_YAML.read_text())
     assert settings["distributed_type"] == "FSDP" and settings["fsdp_config"]["fsdp_version"] == 2
@@ -71,12 +112,19 @@ def _launch(tmp_path: Path, config: Path, crash_at: int = 0):
     launcher = tmp_path / "fsdp-2proc.yaml"
     launcher.write_text(yaml.safe_dump(settings))
     script = tmp_path / "runner.py"
-    script.write_text(RUNNER)
+    script.write_text(runner)
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "CRASH_AFTER_CHECKPOINT": str(crash_at)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher),
-           "--main_process_port", PORT, str(script), str(config)]
+           "--main_process_port", PORT, str(script), *map(str, args)]
     return run_launcher(cmd, env)
+
+
+def test_the_two_node_launcher_has_the_tested_settings():
+    """fsdp-2x8gpu.yaml is fsdp-8gpu.yaml over more processes: the FSDP settings and precision the tests below run."""
+    one, two = (yaml.safe_load(p.read_text()) for p in (FSDP_YAML, FSDP_YAML.with_name("fsdp-2x8gpu.yaml")))
+    for key in ("distributed_type", "fsdp_config", "mixed_precision", "dynamo_backend"):
+        assert two[key] == one[key], key
 
 
 @pytest.mark.slow
@@ -137,3 +185,31 @@ def test_fsdp2_with_the_8gpu_launcher_settings_trains_and_resumes_exactly(tiny_c
     assert (cfg.export_dir / "sglang" / "model.safetensors").is_file()
     best = load_draft(cfg.checkpoint_dir / "best").config
     assert best.draft_vocab_size == 64 and best.arch == draft.get("arch", "llama")
+
+
+@pytest.mark.slow
+def test_fsdp2_in_bf16_makes_the_gradients_ddp_makes(tiny_cache, tmp_path):  # noqa: F811
+    """bf16 mixed precision, the launcher settings of fsdp-8gpu.yaml, the shipped MLA head: the first step's gradient
+    of every parameter under FSDP2 is DDP's (float32 weights, gradients and reductions, bf16 autocast:
+    eagle3.precision.prepare_like_ddp), over several chunks of the fused loss, 3 TTT steps and 2 micro-batches.
+
+    The two runs differ only in where float32 sums divide by the world: most tensors are bit-equal, the rest under
+    4e-8 apart (relative norm). One bf16 rounding of a gradient leaves ~u / sqrt(3) = 1.1e-3 (u = 2**-9, bf16's unit
+    roundoff), so the bound u / 64 = 3e-5 fails wherever a gradient is made, summed or reduced in bf16. Measured, per
+    tensor: accelerate's own FSDP2 policy (bf16 weights and reduce-scatter, no autocast) 2.8e-3 to 7.5e-3 from DDP;
+    only the reduce-scatter in bf16 1.9e-3 to 2.8e-3; bf16 weights with a float32 reduce-scatter 2.3e-3 to 7.1e-3;
+    float32 throughout without autocast 2.9e-3 to 7.6e-3."""
+    draft = {"arch": "mla", "fc_norm": True, "norm_output": True}
+    for name in ("ddp", "fsdp"):
+        cfg = make_cfg(tiny_cache, tmp_path / name, draft, max_steps=1, grad_accum=2, loss_chunk_rows=16,
+                       mixed_precision="bf16", save_every=100, eval_every=100)
+        (tmp_path / f"{name}.yaml").write_text(cfg.to_yaml())
+        r = _launch(tmp_path, tmp_path / f"{name}.yaml", name, runner=GRADIENTS_RUNNER)
+        assert r.returncode == 0, r.stderr[-6000:]
+        assert "2 process(es), mixed precision bf16" in r.stderr, r.stderr[-3000:]
+    assert "FSDP2 with mixed precision bf16: float32 weights" in r.stderr
+    ddp, fsdp = (torch.load(tmp_path / name / "grads.pt") for name in ("ddp", "fsdp"))
+    assert ddp.keys() == fsdp.keys() and "lm_head.weight" in ddp
+    for k, g in ddp.items():
+        assert g.dtype == fsdp[k].dtype == torch.float32 and float(g.norm()) > 0, k
+        assert float((fsdp[k] - g).norm() / g.norm()) < 2**-9 / 64, k
