@@ -147,7 +147,7 @@ def test_the_capture_server_context_fits_max_length(tmp_path):
                            _from_dumps=lambda *a, **k: pytest.fail("the preflight probed a server too short for the "
                                                                    "data"))
     fake._check_server_info = lambda url: SGLangTarget._check_server_info(fake, url)
-    import eagle3.targets.sglang as sglang
+    import eagle3.targets.sglang_flags as sglang
 
     real = sglang.server_info
     try:

@@ -111,6 +111,10 @@ class FakeSGLang:
                       str(dump_path(self.dump_dir, sequence_key(ids))),
                       metadata={"format": "eagle3-sglang-dump/1", "layer_ids": json.dumps(self.layer_ids),
                                 "convention": LAYER_ID_CONVENTION})
+        elif self.mode == "tp_split":
+            from eagle3.targets.sglang_dump import write_error
+
+            write_error(self.dump_dir, t, "the TP ranks hold different hidden states (partial sums)")
         elif self.mode != "nodump":
             write_dump(self.dump_dir, t, aux, final, self.layer_ids)
         cached = 3 if self.mode == "cached" else 0
@@ -380,6 +384,7 @@ def test_capture_through_fake_server_equals_hf_backend(llama, tmp_path):
 
 
 @pytest.mark.parametrize(("mode", "message"), [
+    ("tp_split", r"sample #0 of this batch \(9 tokens.*did not hand its states over: the TP ranks hold different"),
     ("cached", r"sample #0 of this batch \(9 tokens.*reused 3 cached prefix tokens.*--disable-radix-cache"),
     ("chunk", r"sample #0 of this batch \(9 tokens.*no hidden-state dump.*--chunked-prefill-size -1"),
     ("short", r"sample #0 of this batch \(9 tokens.*returned states for 8 tokens, the prompt has 9"),
@@ -607,3 +612,97 @@ def test_a_python_without_the_plugin_is_refused_before_launch(llama, tmp_path, m
     monkeypatch.setenv("EAGLE3_SGLANG_PYTHON", str(bare / "bin" / "python"))
     with pytest.raises(RuntimeError, match="does not have eagle3's capture plugin"):
         sglang_target(_cfg(llama, tmp_path), startup_timeout_s=60)
+
+
+def test_stopping_a_server_waits_for_every_process_of_its_group(tmp_path):
+    """The launcher exits at once on SIGTERM, but its TP workers may take their time (or ignore it): the server is
+    stopped only when no process of its group is left, SIGKILLed after the grace period, since a worker still
+    tearing down holds the GPU memory the next stage's server needs."""
+    import signal
+    import time
+
+    from eagle3.targets.sglang_server import stop_process_group
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import signal, sys, time\n"
+                      "mode = sys.argv[1]\n"
+                      "if mode == 'slow':\n"
+                      "    signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0)))\n"
+                      "else:\n"
+                      "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "open(sys.argv[2], 'w').write('up')\n"
+                      "time.sleep(120)\n")
+    for mode, grace, took in (("slow", 10.0, (1.0, 8.0)), ("deaf", 2.0, (1.9, 9.0))):
+        ready = tmp_path / f"{mode}.ready"
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", "import subprocess, sys, time\n"
+             f"w = subprocess.Popen([sys.executable, {str(worker)!r}, {mode!r}, {str(ready)!r}])\n"
+             f"open({str(tmp_path / (mode + '.pid'))!r}, 'w').write(str(w.pid))\n"
+             "time.sleep(120)\n"], start_new_session=True)
+        t0 = time.monotonic()
+        while not ready.exists():
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.05)
+        child = int((tmp_path / f"{mode}.pid").read_text())
+        t0 = time.monotonic()
+        stop_process_group(launcher, grace_s=grace)
+        elapsed = time.monotonic() - t0
+        assert launcher.poll() == -signal.SIGTERM  # the launcher went at once
+        assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2], mode
+        assert took[0] <= elapsed < took[1], (mode, elapsed)
+
+
+def _tp_rank(rank: int, init: str, differ: bool, out: str) -> None:
+    """One of two gloo ranks running the plugin's TP check, SGLang's `get_tp_group` stood in by the world group."""
+    import sys as _sys
+    import types
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    fake = types.ModuleType("sglang.srt.distributed")
+    fake.get_tp_group = lambda: SimpleNamespace(world_size=2, device_group=dist.group.WORLD)
+    for name in ("sglang", "sglang.srt"):
+        _sys.modules.setdefault(name, types.ModuleType(name))
+    _sys.modules["sglang.srt.distributed"] = fake
+    aux = [torch.ones(5, 4) * (k + 1) for k in range(3)]
+    final = torch.full((5, 4), 0.5)
+    if differ and rank == 1:
+        aux[1] = aux[1] * 0.5  # this rank's share of a sum the fused all-reduce has not summed yet
+    Path(out).with_suffix(f".{rank}").write_text(repr(sglang_capture.tp_disagreement(aux, final)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_the_plugin_refuses_states_the_tp_ranks_do_not_share(tmp_path, differ):
+    """Plain TP replicates the residual stream on every rank and rank 0 writes it; with all-reduce fusion each rank
+    holds a partial sum. Two gloo ranks compare a checksum of the batch's states: equal states pass, a rank's
+    partial sum is named (and the batch is answered with that reason instead of states)."""
+    import torch.multiprocessing as mp
+
+    from eagle3.targets.sglang_server import free_port
+
+    out = tmp_path / "verdict"
+    mp.spawn(_tp_rank, args=(f"tcp://127.0.0.1:{free_port()}", differ, str(out)), nprocs=2, join=True)
+    verdicts = [out.with_suffix(f".{r}").read_text() for r in (0, 1)]
+    assert verdicts[0] == verdicts[1]
+    if differ:
+        assert "the TP ranks hold different hidden states" in verdicts[0] and "allreduce-fusion" in verdicts[0]
+    else:
+        assert verdicts[0] == "None"
+
+
+def test_a_batch_the_tp_ranks_disagree_on_is_answered_with_the_reason(tmp_path, monkeypatch):
+    """No dump is written for such a batch: each prompt gets an `.error` file in its dump's place, which the client
+    raises naming the sample (tests above), so no partial sum is ever trained on."""
+    from eagle3.targets.sglang_dump import error_path
+
+    monkeypatch.setattr(sglang_capture, "tp_disagreement", lambda aux, final: "partial sums, look")
+    H = 4
+    meta = SimpleNamespace(forward_mode=_Mode(extend=True), extend_seq_lens_cpu=[3, 5])
+    ids = torch.arange(10, 18)
+    assert sglang_capture.capture_batch(ids, torch.randn(8, H), meta, torch.randn(8, 3 * H), str(tmp_path), IDS) == 0
+    assert not list(tmp_path.glob("*.safetensors"))
+    for part in ([10, 11, 12], [13, 14, 15, 16, 17]):
+        assert error_path(tmp_path, sequence_key(part)).read_text() == "partial sums, look"
+    assert clean_dump_dir(tmp_path) == 2  # cleaned like dumps

@@ -316,6 +316,20 @@ def test_online_training_through_sglang(case):
             assert (x["target_argmax"] == y["target_argmax"]).float().mean() > 0.98
 
 
+def test_the_server_reports_what_the_preflight_reads(case):
+    """The preflight's guards read real fields of SGLang 0.5.23's /server_info, and eagle3's command sets them:
+    prefill CUDA graphs off, all-reduce fusion off (at TP 2 the plugin also compares the ranks' states on every
+    prefill: the extraction tests above pass through it), the radix cache off."""
+    from eagle3.targets.sglang import prefill_graphs
+    from eagle3.targets.sglang_server import server_info
+
+    info = server_info(case["server"].url)
+    assert info["cuda_graph_config"]["prefill"]["backend"] == "disabled" and prefill_graphs(info) is None
+    assert "flashinfer_allreduce_fusion_backend" in info and info["flashinfer_allreduce_fusion_backend"] is None
+    assert info["enforce_disable_flashinfer_allreduce_fusion"] is True and info["disable_radix_cache"] is True
+    assert prefill_graphs({**info, "cuda_graph_config": {"prefill": {"backend": "breakable"}}}) is not None
+
+
 def test_the_store_hands_over_what_the_dump_folder_does(case):
     """target.sglang.transport mooncake through the same server (dump folders apart: only the store can deliver):
     every prompt's states are the bytes the dump folder gives for the same requests, the Kimi wrapper's and TP=2's
@@ -438,7 +452,7 @@ def test_two_servers_and_two_extraction_ranks_write_one_cache(tmp_path, sglang_e
         errs = [p.communicate(timeout=900)[1] for p in procs]
         assert procs[0].returncode == 0, errs[0][-3000:]
         assert procs[1].returncode == -signal.SIGKILL, errs[1][-3000:]
-        assert f"using the SGLang server at {servers[1].url}" in errs[1]
+        assert f"using the SGLang server(s) at {servers[1].url} (dump folder" in errs[1]
         r = eagle3_cli("extract", "--config", str(two_file), env={"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"})
         assert r.returncode == 0, r.stderr[-4000:]
     finally:

@@ -117,3 +117,15 @@ def test_concurrent_captures_on_one_backend(targets, tmp_path):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_the_argmax_head_says_when_its_gpu_has_no_room_left():
+    """Beside an SGLang server, the extraction's lm_head and its working memory share a GPU with one of the server's
+    ranks: counted (working_bytes) and refused in one line naming the fix when it does not fit."""
+    from eagle3.targets.argmax import LOGITS_PER_BLOCK, room_problem, working_bytes
+
+    need = working_bytes(32768, 7168, 2)
+    assert need == 32768 * 7168 * 2 + 2 * LOGITS_PER_BLOCK * 4 + 32768 * 16  # Kimi at 32K: 0.74 GB
+    assert room_problem(need + (1 << 30), need, "cuda:0", 2_348_810_240) is None
+    msg = room_problem(need // 2, need, "cuda:0", 2_348_810_240)
+    assert "needs 0.74 GB on cuda:0 beside its lm_head (2.35 GB, loaded)" in msg and "--mem-fraction-static" in msg

@@ -91,8 +91,36 @@ class ArgmaxHead:
             if device == "auto" or (device.startswith("cuda") and not torch.cuda.is_available()):
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             weight = load_lm_head(target.path).to(device, DTYPES[target.dtype])
+            if weight.device.type == "cuda":
+                tokens = int(getattr(backend, "request_tokens", 0) or 0)
+                free, _ = torch.cuda.mem_get_info(weight.device)
+                problem = room_problem(free, working_bytes(tokens, weight.shape[1], weight.element_size()),
+                                       weight.device, weight.numel() * weight.element_size())
+                if problem:
+                    from eagle3.logs import UserError
+
+                    raise UserError(problem)
         return cls(weight, chunk)
 
     def __call__(self, final: Tensor) -> Tensor:
         """[T] int32 target ids (on the CPU) of final [T, H]."""
         return lm_head_argmax(self.weight, final.to(self.weight.device), self.chunk).to("cpu", torch.int32)
+
+
+def working_bytes(tokens: int, hidden: int, item_size: int) -> int:
+    """What `lm_head_argmax` holds on the device beside the weight for a request of `tokens` tokens: the final
+    states moved there, one block of float32 logits and its top-2 temporaries, and the per-row results."""
+    return tokens * hidden * item_size + 2 * LOGITS_PER_BLOCK * 4 + tokens * 16
+
+
+def room_problem(free: int, need: int, device: Any, weight_bytes: int) -> str | None:
+    """Why the full-vocab argmax cannot run on `device` (with `free` bytes left once its lm_head is there), or None.
+    Beside an SGLang server on the same node that GPU is also one of the server's: its rank's static share, and the
+    activations of the largest prefill the preflight just ran, are already taken."""
+    if free >= need + (256 << 20):
+        return None
+    return (f"the target's full-vocab argmax needs {need / 1e9:.2f} GB on {device} beside its lm_head "
+            f"({weight_bytes / 1e9:.2f} GB, loaded), {free / 1e9:.2f} GB is free there (an SGLang server on this node "
+            "holds its share of that GPU): lower the server's --mem-fraction-static in target.sglang.launch_args "
+            "(docs/kimi-k2.5.md 'Memory while extracting'), or give this process another GPU "
+            "(target.device=cuda:N)")

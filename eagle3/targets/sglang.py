@@ -68,9 +68,21 @@ from eagle3.targets.sglang_dump import (
     clean_dump_dir,
     dump_path,
     ensure_dump_dir,
+    error_path,
     read_dump,
     remove_dump_dir,
     sequence_key,
+)
+from eagle3.targets.sglang_flags import (  # noqa: F401 - the capture server's flags, re-exported for its users
+    CONTEXT_MARGIN,
+    capture_context,
+    capture_env,
+    capture_flags,
+    check_launch_args,
+    check_server_info,
+    longest_prompt,
+    prefill_graphs,
+    target_flags,
 )
 from eagle3.targets.sglang_pool import ServerPool, server_gone
 from eagle3.targets.sglang_server import (
@@ -79,7 +91,6 @@ from eagle3.targets.sglang_server import (
     exit_on_sigterm,
     http_json,
     log_tail,
-    server_info,
     sglang_python,
     wait_healthy,
 )
@@ -93,24 +104,6 @@ REFUSED_GRACE_S = 10.0
 nothing listening there is a wrong URL or a server not started, and waiting the whole startup timeout for it
 (an hour by default) would hide that."""
 
-# Flags eagle3 sets itself, or that would drop/split tokens or shard the states: refused in launch_args.
-_REFUSED_FLAGS = {
-    "--model-path": "set target.path",
-    "--model": "set target.path",
-    "--tp-size": "set target.sglang.tp_size",
-    "--tp": "set target.sglang.tp_size",
-    "--port": "set target.sglang.url (or let eagle3 pick a free port)",
-    "--host": "set target.sglang.url",
-    "--dtype": "set target.dtype",
-    "--chunked-prefill-size": "chunked prefill splits prompts; eagle3 disables it (-1)",
-    "--enable-mixed-chunk": "mixed chunks split prompts",
-    "--enable-dp-attention": "DP attention shards hidden states across ranks; rank 0 would dump a part",
-    "--attn-dp-size": "DP attention shards hidden states across ranks; rank 0 would dump a part",
-    "--speculative-algorithm": "extraction serves the target alone",
-    "--pp-size": "pipeline parallelism puts the aux layers on different ranks",
-}
-
-
 def _target_info(target: TargetConfig) -> TargetInfo:
     """The target's config.json (eagle3.targets.info), with what to do when this machine cannot see it."""
     try:
@@ -119,81 +112,6 @@ def _target_info(target: TargetConfig) -> TargetInfo:
         raise FileNotFoundError(
             f"target.path={target.path!r}: no config.json there; the SGLang backend reads the target's shape "
             "from it, so the model folder must be visible on this machine") from None
-
-
-# ----------------------------------------------------------------------------------------------- the server
-def check_launch_args(args: list[str]) -> None:
-    """Refuse extra flags that eagle3 owns or that would silently drop, split or shard tokens."""
-    for a in args:
-        flag = a.split("=", 1)[0]
-        if flag in _REFUSED_FLAGS:
-            raise ValueError(f"target.sglang.launch_args: {flag} is not allowed here ({_REFUSED_FLAGS[flag]})")
-        if flag.startswith("--speculative-"):
-            raise ValueError(f"target.sglang.launch_args: {flag}: extraction serves the target without a draft")
-
-
-def target_flags(target: TargetConfig, model_path: str, role_flags: list[str]) -> list[str]:
-    """`sglang.launch_server` flags serving the configured target (host and port apart): the target's own, then
-    `role_flags` (what the capture server or the EAGLE-3 server adds), then `target.sglang.launch_args`."""
-    s = target.sglang
-    check_launch_args(s.launch_args)
-    flags = ["--model-path", model_path, "--tp-size", str(s.tp_size), "--dtype", target.dtype, *role_flags]
-    if target.trust_remote_code:
-        flags.append("--trust-remote-code")
-    if target.revision:
-        flags += ["--revision", target.revision]
-    return flags + list(s.launch_args)
-
-
-CONTEXT_MARGIN = 7
-"""Tokens SGLang 0.5.23 keeps beyond the longest prompt it takes: a prompt must be shorter than
-`max_req_input_len` = min(context length, KV pool) - 6 (`tp_worker.py`), and `max_new_tokens` fits after it."""
-
-
-def capture_context(target: TargetConfig, max_length: int) -> int:
-    """The capture server's `--context-length`: room for a `data.max_length` prompt (CONTEXT_MARGIN), or the one
-    `target.sglang.launch_args` gives, which must leave that room."""
-    need = max_length + CONTEXT_MARGIN
-    args = target.sglang.launch_args
-    for i, a in enumerate(args):
-        flag, _, value = a.partition("=")
-        if flag == "--context-length":
-            given = int(value or (args[i + 1] if i + 1 < len(args) else 0))
-            if given < need:
-                raise ValueError(f"target.sglang.launch_args: --context-length {given} is too short for "
-                                 f"data.max_length {max_length} (SGLang needs {need}: each prompt plus "
-                                 f"{CONTEXT_MARGIN}); drop it, eagle3 sets it from data.max_length")
-            return given
-    return need
-
-
-def capture_env(target: TargetConfig, max_length: int, info: TargetInfo) -> dict[str, str]:
-    """SGLang refuses a context longer than the model's window unless told otherwise; a `data.max_length` prompt at
-    the very end of the window needs CONTEXT_MARGIN slots past it, never prefilled (`max_new_tokens: 1` stops after
-    the prefill), so the capture server is told when that is all it is."""
-    from eagle3.rope import context_window
-
-    window = context_window(info.text)
-    if window is not None and max_length <= window < capture_context(target, max_length):
-        return {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
-    return {}
-
-
-def capture_flags(target: TargetConfig, max_length: int, model_path: str) -> list[str]:
-    """The capture server's flags for this target and data.max_length (host and port apart)."""
-    context = capture_context(target, max_length)  # refuses a launch_args one that is too short
-    given = any(a.partition("=")[0] == "--context-length" for a in target.sglang.launch_args)
-    return target_flags(target, model_path, [
-        *([] if given else ["--context-length", str(context)]),  # a data.max_length prompt fits
-        "--disable-radix-cache",          # a prefix hit would prefill (and dump) only the tail of a prompt
-        "--chunked-prefill-size", "-1",   # a chunk would be dumped as a separate, partial prompt
-        "--disable-cuda-graph",           # graphs serve decode only; extraction is prefill, and startup is faster
-        "--skip-server-warmup",           # its request would only leave a stray dump
-        # At TP>1 on Hopper/Blackwell SGLang fuses the all-reduce into the next layer's residual RMSNorm for
-        # DeepSeek/Kimi (and other MoE) models: the residual stream a layer hands on is then not yet summed over
-        # the TP ranks, and rank 0 would dump its own partial sum as the layer's input.
-        "--enforce-disable-flashinfer-allreduce-fusion",
-    ])
 
 
 def server_address(s: SGLangSettings, local_rank: int) -> tuple[str | None, Path]:
@@ -444,9 +362,13 @@ class SGLangTarget:
 
     def _await_dump(self, key: str, label: str, n: int) -> Path:
         """The server writes before it answers; the grace period only covers slow filesystem visibility."""
-        path = dump_path(self.dump_dir, key)
+        path, error = dump_path(self.dump_dir, key), error_path(self.dump_dir, key)
         t0 = time.monotonic()
         while not path.exists():
+            if error.exists():
+                why = error.read_text()
+                error.unlink(missing_ok=True)
+                raise DumpError(f"sample {label}: the server did not hand its states over: {why}")
             if time.monotonic() - t0 > self.dump_grace_s:
                 raise DumpError(
                     f"sample {label}: no hidden-state dump for its {n} tokens appeared in {self.dump_dir}. Either the "
@@ -460,25 +382,33 @@ class SGLangTarget:
 
     # -- preflight
     def preflight(self, sample: list[int] | None = None) -> None:
-        """Before hours of extraction: ids valid for the depth, every server's flags, and a probe's states checked
-        twice through each (with the store: the server's share of it against what this run needs)."""
+        """Before hours of extraction: ids valid for the depth, every server's flags, a probe's states checked twice
+        through each (with the store: the server's share of it against what this run needs), then one prompt of
+        data.max_length tokens, the largest prefill the run will ask for (its KV pool, its activations and the
+        hand-over of its states: at 32K never met by a short probe)."""
         validate_layer_ids(self.layer_ids, self.num_layers, where="target.aux_layer_ids")
         probe = sample or [(17 + 7919 * i) % self.vocab_size for i in range(24)]
+        longest = [(29 + 104729 * i) % self.vocab_size for i in range(self.max_length)]
         for url in self.pool.urls:
             self._check_server_info(url)
             t0 = time.monotonic()
             # Twice: the second identical prompt would hit a radix cache that the flags did not reveal.
             for attempt in ("probe", "repeated probe"):
-                if self.handover is None:
-                    (got,) = self._from_dumps([(probe, f"preflight {attempt}")], [sequence_key(probe)])
-                else:
-                    (got,) = self._from_store([(probe, f"preflight {attempt}")], url=url)
-            via = "dump folder"
-            if self.handover is not None:
-                via = self._check_segment(url)
+                got = self._probe(url, probe, f"preflight {attempt}")
+            via = "dump folder" if self.handover is None else self._check_segment(url)
             log.info("preflight ok: %s, %d tokens -> aux %s final %s, layers %s (%s family), %.1f s, %d bytes/token, "
                      "through the %s", url, len(probe), tuple(got.aux.shape), tuple(got.final.shape), self.layer_ids,
                      self.family, time.monotonic() - t0, self.bytes_per_token(), via)
+            if len(longest) > len(probe):
+                t0 = time.monotonic()
+                self._probe(url, longest, f"preflight probe of data.max_length ({len(longest)} tokens)")
+                log.info("preflight ok: %s took a data.max_length prompt (%d tokens) in %.1f s", url, len(longest),
+                         time.monotonic() - t0)
+
+    def _probe(self, url: str, ids: list[int], label: str) -> Captured:
+        if self.handover is None:
+            return self._from_dumps([(ids, label)], [sequence_key(ids)])[0]
+        return self._from_store([(ids, label)], url=url)[0]
 
     def _check_segment(self, url: str) -> str:
         """The store's room at `url`'s server against what this run's processes can leave waiting there at once."""
@@ -498,45 +428,7 @@ class SGLangTarget:
         return f"Mooncake Store (segment {meta.get('segment')}, {lent / 1e9:.2f} GB lent, {self.storage} states)"
 
     def _check_server_info(self, url: str) -> None:
-        info = server_info(url)
-        if info is None:
-            log.warning("preflight: %s answers neither /server_info nor /get_server_info; flags not checked", url)
-            return
-        problems = []
-        if info.get("disable_radix_cache") is False:
-            problems.append("the radix cache is on (start with --disable-radix-cache)")
-        cps = info.get("chunked_prefill_size")
-        if cps is not None and int(cps) > 0:
-            problems.append(f"chunked prefill is on (size {cps}; start with --chunked-prefill-size -1)")
-        if info.get("enable_dp_attention") or int(info.get("attn_dp_size") or 1) > 1:
-            problems.append("DP attention is on (hidden states are sharded; start without --attn-dp-size)")
-        if info.get("flashinfer_allreduce_fusion_backend"):
-            problems.append("FlashInfer all-reduce fusion is on (a layer's input is a partial sum over the TP "
-                            "ranks; start with --enforce-disable-flashinfer-allreduce-fusion)")
-        longest = longest_prompt(info)
-        if longest is not None and longest < self.max_length:
-            problems.append(f"it takes prompts of at most {longest} tokens, data.max_length is "
-                            f"{self.max_length} (start it with --context-length "
-                            f"{capture_context(self.target, self.max_length)} and a KV pool that holds as many "
-                            "tokens, or lower data.max_length)")
-        if problems:
-            raise RuntimeError(f"preflight: the SGLang server at {url} would drop or split tokens: "
-                               + "; ".join(problems))
-        tp = info.get("tp_size")
-        if tp is not None and int(tp) != self.target.sglang.tp_size:
-            log.warning("preflight: the server at %s runs TP=%s, target.sglang.tp_size is %d", url, tp,
-                        self.target.sglang.tp_size)
-
-
-def longest_prompt(info: dict[str, Any]) -> int | None:
-    """The longest prompt a server with these /server_info answers takes: one less than its scheduler's
-    `max_req_input_len` (context length and KV pool both count), else its context length less CONTEXT_MARGIN;
-    None when it says neither."""
-    if info.get("max_req_input_len") is not None:
-        return int(info["max_req_input_len"]) - 1
-    if info.get("context_length") is not None:
-        return int(info["context_length"]) - CONTEXT_MARGIN
-    return None
+        check_server_info(url, self.target, self.max_length)
 
 
 # ------------------------------------------------------------------------------------------------------ CLI

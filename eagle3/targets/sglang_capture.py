@@ -55,6 +55,7 @@ from eagle3.targets.sglang_dump import (
     prompt_states,
     store_key_storage,
     write_dump,
+    write_error,
 )
 
 ENTRY_POINT = "eagle3_capture"
@@ -166,7 +167,10 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
     many were handed over (0 for other batches).
 
     `input_ids` may be None (the Kimi-K2.5 wrapper): the forward batch `meta` then supplies them."""
-    if not _is_prefill(meta) or _rank() != 0:
+    if not _is_prefill(meta):
+        return 0
+    differ = tp_disagreement(aux_hidden_states, hidden_states)  # every TP rank takes part: before any return
+    if _rank() != 0:
         return 0
     if input_ids is None:
         input_ids = getattr(meta, "input_ids", None)
@@ -192,6 +196,9 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
         return 0
     rids = list(getattr(meta, "rids", None) or [None] * len(lens))
     starts = [sum(lens[:i]) for i in range(len(lens))]
+    if differ:
+        _refuse_batch(differ, rids, starts, lens, input_ids, dump_dir, store)
+        return 0
     to_store = [i for i, rid in enumerate(rids) if isinstance(rid, str) and rid.startswith(STORE_KEY_PREFIX)]
     if to_store and store is None:
         _warn_once("nostore", f"request {rids[to_store[0]]!r} asks for the Mooncake Store, but this server was not "
@@ -208,6 +215,46 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
             s, n = starts[i], lens[i]
             write_dump(dump_dir, ids_c[s:s + n], aux_c[s:s + n], fin_c[s:s + n], layer_ids)
     return len(files) + (len(to_store) if store is not None else 0)
+
+
+def tp_disagreement(aux_hidden_states: Any, hidden_states: Any) -> str | None:
+    """Why the TP ranks hold different states, or None when they agree (or there is one rank). Plain TP replicates
+    the residual stream on every rank after each all-reduce, and rank 0 writes on that ground; a server that fuses
+    the all-reduce into the next layer's norm (FlashInfer/AITER all-reduce fusion, turned on by SGLang for
+    DeepSeek/Kimi at TP > 1 on Hopper) hands each rank a partial sum, which would be written as the layer's input
+    without a word. A checksum of the batch's states, gathered over the TP group, tells the two apart."""
+    import torch
+
+    try:
+        import torch.distributed as dist
+        from sglang.srt.distributed import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # noqa: BLE001 - no SGLang (the CPU tests' fakes) or no TP group: one rank
+        return None
+    if group.world_size <= 1 or aux_hidden_states is None:
+        return None
+    parts = [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)
+    mine = torch.stack([s for x in [*parts, hidden_states] for s in (x.double().sum(), x.double().abs().sum())])
+    everyone = [torch.empty_like(mine) for _ in range(group.world_size)]
+    dist.all_gather(everyone, mine, group=group.device_group)
+    if all(torch.allclose(x, everyone[0], rtol=1e-6, atol=0.0) for x in everyone):
+        return None
+    return ("the TP ranks hold different hidden states (partial sums: all-reduce fusion is on; start the server "
+            "with --enforce-disable-flashinfer-allreduce-fusion, as `eagle3 sglang serve` does), so nothing is "
+            "written")
+
+
+def _refuse_batch(why: str, rids: list[Any], starts: list[int], lens: list[int], input_ids: Any, dump_dir: str,
+                  store: Any) -> None:
+    """Every prompt of the batch answered with `why` instead of states (a store's error record, a dump folder's
+    `.error` file), so the client raises it, naming the sample."""
+    _warn_once("tp", why)
+    for rid, s, n in zip(rids, starts, lens, strict=True):
+        if store is not None and isinstance(rid, str) and rid.startswith(STORE_KEY_PREFIX):
+            store.put_small(rid + "#error", why.encode())
+        else:
+            write_error(dump_dir, input_ids[s:s + n].to("cpu"), why)
 
 
 def _put_in_store(store: Any, prompts: list[tuple[str, int, int]], input_ids: Any, aux: Any, final: Any,
@@ -230,7 +277,8 @@ def _put_in_store(store: Any, prompts: list[tuple[str, int, int]], input_ids: An
 
             size = len(objects[rid][0]) + sum(p.numel() * p.element_size() for p in objects[rid][1])
             errors[rid] = (f"the server's put of {size / 1e6:.1f} MB failed: {describe(code)}; its segment lends "
-                           f"{store.segment / 1e9:.2f} GB")
+                           f"{store.segment / 1e9:.2f} GB: raise target.sglang.mooncake.segment_gb (or clients) and "
+                           "restart the servers")
     for rid, why in errors.items():
         _warn_once(f"put{why[:40]}", f"request {rid}: {why}")
         store.put_small(rid + "#error", why.encode())

@@ -53,7 +53,7 @@ STORE_KEY_PREFIX = "eagle3/"
 MARKER = ".eagle3-sglang-dump"
 """Present in every dump folder eagle3 created; cleanup refuses folders without it that hold other files."""
 
-_DUMP_RE = re.compile(r"^[0-9a-f]{64}\.safetensors$")
+_DUMP_RE = re.compile(r"^[0-9a-f]{64}\.(safetensors|error)$")
 _TMP_RE = re.compile(r"^\.[0-9a-f]{64}\.tmp-\d+$")
 
 
@@ -91,6 +91,19 @@ def store_key_storage(key: str) -> str:
 
 def dump_path(dump_dir: str | Path, key: str) -> Path:
     return Path(dump_dir) / f"{key}.safetensors"
+
+
+def error_path(dump_dir: str | Path, key: str) -> Path:
+    """Where the server says why a prompt's dump is not coming (`write_error`), for the client to raise."""
+    return Path(dump_dir) / f"{key}.error"
+
+
+def write_error(dump_dir: str | Path, input_ids: torch.Tensor, why: str) -> None:
+    """The server's reason for not writing a prompt's dump, under its name (atomically, as dumps are)."""
+    key = sequence_key(input_ids)
+    tmp = Path(dump_dir) / f".{key}.tmp-{os.getpid()}"
+    tmp.write_text(why)
+    os.replace(tmp, error_path(dump_dir, key))
 
 
 def ensure_dump_dir(dump_dir: str | Path) -> Path:

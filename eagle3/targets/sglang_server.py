@@ -175,19 +175,46 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group (SGLang's TP workers included), then SIGKILL after `grace_s`."""
-    if proc.poll() is not None:
-        return
+    """SIGTERM the server's process group (SGLang's scheduler and TP worker processes included), SIGKILL what is
+    left after `grace_s`, and return only once no process of the group is left: the launcher exits first, and a TP
+    worker still tearing down holds its GPU's memory, which the next stage's server needs."""
+    pgid = proc.pid  # the server runs in its own session: its group id is its pid
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
+            proc.poll()
             return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the launcher, or it stays in the group as a zombie
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.1)
+    log.warning("processes of the SGLang server's group %d outlived SIGKILL by 10 s", pgid)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs: read from /proc where there is one (a zombie whose parent does
+    not reap it, as a container's PID 1 may not, holds nothing but answers signal 0), else signal 0."""
+    proc_fs = Path("/proc")
+    if proc_fs.is_dir():
+        for entry in proc_fs.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)": state ppid pgrp ...
+            if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def exit_on_sigterm() -> None:

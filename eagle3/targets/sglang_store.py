@@ -104,8 +104,7 @@ class StoreHandover:
         error = self.store.get_small(key + "#error")
         if error is not None:
             self.store.remove([key + "#error"])
-            return StoreError(f"sample {sample}: {error.decode(errors='replace')} (server {server}): raise "
-                              "target.sglang.mooncake.segment_gb (or clients) and restart the servers")
+            return StoreError(f"sample {sample}: {server}: {error.decode(errors='replace')}")
         if "(-800)" in why:
             return StoreError(f"sample {sample}: the states are in the store but this machine cannot read them from "
                               f"the segment of {server} ({why}): that server advertised an address this machine does not "
