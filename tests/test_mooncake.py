@@ -466,3 +466,28 @@ def test_online_items_are_what_a_cache_of_that_storage_holds(llama, tmp_path):
                                                  for c in exact], dtype=torch.float32)
     for it, c in zip(capture_items(sent, Rows(), [0, 1], argmax, storage="fp8"), items, strict=True):
         assert all(torch.equal(it[k].view(torch.uint8), c[k].view(torch.uint8)) for k in ("aux", "final"))
+
+
+def test_a_server_without_mooncake_or_its_master_is_refused_before_it_serves(tmp_path, monkeypatch):
+    """The two ways a capture server would hand nothing over, each refused in one line before it serves: its Python
+    cannot load Mooncake (here a `mooncake` whose library is missing, as without libibverbs), checked before
+    `eagle3 sglang serve` or a launch; the store's master not there when the server loads its model (the plugin's
+    load-model hook raises, which stops SGLang's start)."""
+    from eagle3.targets.sglang_server import ServerError, check_plugin, free_port
+
+    fake = tmp_path / "site" / "mooncake"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "store.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file')\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    with pytest.raises(ServerError, match=r"cannot load Mooncake, so the server would hand no states over .*"
+                                          r"libibverbs.*apt-get install -y libibverbs1") as e:
+        check_plugin(sys.executable, mooncake=True)
+    assert "\n" not in user_message(e.value)
+    check_plugin(sys.executable)  # the plugin alone is there: fine without the store
+    monkeypatch.delenv("PYTHONPATH")
+    addr = StoreAddress(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metadata")
+    for k, v in addr.env().items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(StoreError, match="the Mooncake master at .* does not answer"):
+        sglang_capture.open_store()
