@@ -249,7 +249,7 @@ def test_online_nan_samples_are_blanked_never_trained_on(world, tmp_path, monkey
                 out.append(c)
             return out
 
-    monkeypatch.setattr(hf, "make_backend", lambda *a: NaNFor(real(*a)))
+    monkeypatch.setattr(hf, "make_backend", lambda *a, **kw: NaNFor(real(*a, **kw)))
     cfgd = _copy(world["cfgd"], output_dir=str(tmp_path / "run"))
     cfgd["extract"] = {**cfgd["extract"], "mode": "online", "cache_dir": str(tmp_path / "no-cache")}
     cfgd["train"] = {**cfgd["train"], "batch_tokens": 8000, "max_steps": 2, "eval_every": 2}  # one batch: all
