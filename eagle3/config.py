@@ -112,6 +112,10 @@ class SourceConfig(Section):
     regenerate: bool | None = None
     """Opt-in for `eagle3 regenerate`: when any source says true, only those are re-answered by the target (e.g. the
     code prompts, not a hand-written tool set); when none does, every source is."""
+    image_dir: str | None = None
+    """The folder a record's relative image paths are read from (LLaVA's `image` / `images`, an `image_url` part
+    holding a path); default the source file's folder. Images make a conversation a vision-language sample
+    (eagle3.data.images): a target without an image processor skips it (`non_text_part`)."""
 
 
 class DataConfig(Section):

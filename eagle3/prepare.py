@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from eagle3.config import Config, DataConfig, DraftConfig
+from eagle3.config import Config, DataConfig, DraftConfig, TargetConfig
+from eagle3.data.images import ImageError, VisionInputs, images_identity
 from eagle3.data.prepared import (
     PREPARE_VERSION,
     VOCAB_KEYS,
@@ -40,6 +41,7 @@ from eagle3.data.prepared import (
     fingerprint,
     fingerprint_inputs,
     is_prepared,
+    prepared_images,
     read_prepared_meta,
     save_vocab,
     target_vocab_size,
@@ -110,9 +112,12 @@ def read_all(data: DataConfig) -> tuple[list[Conversation], list[SourceStats], d
 
 
 Rendered = tuple[Conversation, list[int], list[int], str]
-"""(conversation, input_ids, loss_mask, error): error is a template error's text ("" when it rendered)."""
-Sample = tuple[str, np.ndarray, np.ndarray, str | None, int | None]
-"""(id, input_ids, loss_mask, source, record): one row of the prepared folder."""
+"""(conversation, input_ids, loss_mask, error): error is a template error's text, or SKIPPED + a skip reason ("" when
+it rendered)."""
+Sample = tuple[str, np.ndarray, np.ndarray, str | None, int | None, tuple[str, ...]]
+"""(id, input_ids, loss_mask, source, record, images): one row of the prepared folder."""
+SKIPPED = "skipped: "
+"""A Rendered error that is a counted skip (an image the target cannot take), not a template failure."""
 
 
 def _conv_to_row(c: Conversation) -> dict[str, Any]:
@@ -126,17 +131,23 @@ def _conv_from_row(r: dict[str, Any]) -> Conversation:
                         r["source"], r["record"])
 
 
+def _render_one(conv: Conversation, tokenizer: Any, tpl: ChatTemplate, thinking: bool, system_prompt: str | None,
+                vision: VisionInputs | None) -> tuple[list[int], list[int], str]:
+    """(ids, mask, error) of one conversation: a template error or an image skip kept as text."""
+    try:
+        return *render(conv, tokenizer, tpl, thinking, system_prompt, vision), ""
+    except TemplateError as e:
+        return [], [], str(e)
+    except ImageError as e:
+        return [], [], SKIPPED + e.reason
+
+
 def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, system_prompt: str | None,
-                 ) -> dict[str, list]:
+                 vision: VisionInputs | None = None) -> dict[str, list]:
     """datasets.map worker (num_proc > 1): render a batch, keeping a template error as text instead of raising."""
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "error": []}
     for row in ({k: batch[k][i] for k in batch} for i in range(len(batch["id"]))):
-        conv = _conv_from_row(row)
-        try:
-            ids, mask = render(conv, tokenizer, tpl, row["thinking"], system_prompt)
-            err = ""
-        except TemplateError as e:
-            ids, mask, err = [], [], str(e)
+        ids, mask, err = _render_one(_conv_from_row(row), tokenizer, tpl, row["thinking"], system_prompt, vision)
         out["input_ids"].append(ids)
         out["loss_mask"].append(mask)
         out["error"].append(err)
@@ -144,26 +155,24 @@ def _render_rows(batch: dict[str, list], tokenizer: Any, tpl: ChatTemplate, syst
 
 
 def render_all(convs: list[Conversation], d: DataConfig, tokenizer: Any, tpl: ChatTemplate,
-               thinking: list[bool] | None = None) -> list[Rendered]:
+               thinking: list[bool] | None = None, vision: VisionInputs | None = None) -> list[Rendered]:
     """(conversation, input_ids, loss_mask, error) per conversation, in order; a plain loop or
-    datasets.map(num_proc). `thinking`: each conversation's setting (its source's), default `data.thinking`."""
+    datasets.map(num_proc). `thinking`: each conversation's setting (its source's), default `data.thinking`;
+    `vision`: the target's processor, for conversations with images."""
     thinking = [d.thinking] * len(convs) if thinking is None else thinking
     if d.num_proc > 1:
         from datasets import Dataset
 
         ds = Dataset.from_list([_conv_to_row(c) | {"thinking": t} for c, t in zip(convs, thinking, strict=True)])
         ds = ds.map(_render_rows, batched=True, batch_size=64, num_proc=d.num_proc, remove_columns=ds.column_names,
-                    fn_kwargs={"tokenizer": tokenizer, "tpl": tpl, "system_prompt": d.system_prompt}, desc="render")
+                    fn_kwargs={"tokenizer": tokenizer, "tpl": tpl, "system_prompt": d.system_prompt, "vision": vision},
+                    desc="render")
         return list(zip(convs, ds["input_ids"], ds["loss_mask"], ds["error"], strict=True))
     results = []
     tokens = 0
     with Progress(len(convs), "render", unit="conv") as bar:
         for c, think in zip(convs, thinking, strict=True):
-            try:
-                ids, mask = render(c, tokenizer, tpl, think, d.system_prompt)
-                err = ""
-            except TemplateError as e:
-                ids, mask, err = [], [], str(e)
+            ids, mask, err = _render_one(c, tokenizer, tpl, think, d.system_prompt, vision)
             tokens += len(ids)
             results.append((c, ids, mask, err))
             bar.update(1, tokens=tokens)
@@ -171,14 +180,19 @@ def render_all(convs: list[Conversation], d: DataConfig, tokenizer: Any, tpl: Ch
 
 
 def fit_length(rendered: list[Rendered], max_length: int, overlength: str, stats: Counter[str],
-               min_length: int = 0) -> list[Sample]:
+               min_length: int = 0, image_token_id: int | None = None) -> list[Sample]:
     """Drop samples shorter than min_length, apply max_length (truncate or drop) and drop samples with no
-    loss-masked token; count what was lost."""
+    loss-masked token; count what was lost. A cut never splits an image's tokens (the vision tower makes them all
+    or none): it moves to the image's first token, and the images after it leave the sample."""
     kept = []
     for conv, ids, mask, err in rendered:
+        if err.startswith(SKIPPED):
+            stats[err[len(SKIPPED):]] += 1
+            continue
         if err:
             stats["template_error"] += 1
             continue
+        images = tuple(conv.images)
         if len(ids) < min_length:
             stats["dropped_shorter_than_min_length"] += 1
             continue
@@ -186,18 +200,38 @@ def fit_length(rendered: list[Rendered], max_length: int, overlength: str, stats
             if overlength == "drop":
                 stats["dropped_overlength"] += 1
                 continue
+            cut, images = image_cut(ids, images, max_length, image_token_id) if images else (max_length, images)
             stats["truncated_samples"] += 1
-            stats["truncated_tokens"] += len(ids) - max_length
-            stats["truncated_loss_tokens"] += int(sum(mask[max_length:]))
-            ids, mask = ids[:max_length], mask[:max_length]
+            stats["truncated_tokens"] += len(ids) - cut
+            stats["truncated_loss_tokens"] += int(sum(mask[cut:]))
+            ids, mask = ids[:cut], mask[:cut]
         m = np.asarray(mask, dtype=np.int8)
         if not m.any():
             stats["dropped_no_loss_tokens"] += 1
             continue
-        kept.append((conv.id, np.asarray(ids, dtype=np.int32), m, conv.source, conv.record))
+        kept.append((conv.id, np.asarray(ids, dtype=np.int32), m, conv.source, conv.record, images))
         if conv.has_tools:
             stats["tool_conversations"] += 1
+        if images:
+            stats["image_conversations"] += 1
+            stats["images"] += len(images)
     return kept
+
+
+def image_cut(ids: list[int], images: tuple[str, ...], max_length: int, image_token_id: int | None
+              ) -> tuple[int, tuple[str, ...]]:
+    """Where a sample with images is cut to max_length tokens, and the images it keeps: an image whose tokens the
+    cut would split (or leave out) goes, with everything after its first token."""
+    if image_token_id is None:
+        raise ValueError("a sample with images needs the processor's image token id to be cut")
+    arr = np.asarray(ids)
+    is_img = arr == image_token_id
+    starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
+    ends = np.flatnonzero(is_img & ~np.concatenate([is_img[1:], [False]])) + 1
+    if len(starts) != len(images):
+        raise ValueError(f"{len(starts)} runs of image tokens for {len(images)} images")
+    whole = int(np.sum(ends <= max_length))
+    return (max_length if whole == len(images) or starts[whole] >= max_length else int(starts[whole])), images[:whole]
 
 
 def eval_count(n: int, eval_size: float) -> int:
@@ -207,11 +241,13 @@ def eval_count(n: int, eval_size: float) -> int:
     return int(eval_size)
 
 
-def _to_dataset(samples: list[Sample]) -> Any:
+def _to_dataset(samples: list[Sample], with_images: bool = False) -> Any:
     """Build the Arrow table straight from numpy (offsets + flat values): no per-token Python objects."""
     from datasets import Dataset
 
     lengths = np.array([len(s[1]) for s in samples], dtype=np.int64)
+    # a text-only folder keeps the columns it always had
+    images = {"images": pa.array([list(s[5]) for s in samples], type=pa.list_(pa.string()))} if with_images else {}
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     flat_ids = np.concatenate([s[1] for s in samples]) if samples else np.zeros(0, np.int32)
     flat_mask = np.concatenate([s[2] for s in samples]) if samples else np.zeros(0, np.int8)
@@ -222,6 +258,7 @@ def _to_dataset(samples: list[Sample]) -> Any:
         # where each sample came from, for `eagle3 data show` (eagle3.data.show)
         "source": pa.array([s[3] for s in samples], type=pa.string()),
         "record": pa.array([s[4] for s in samples], type=pa.int64()),
+        **images,
     })
     return Dataset(table)
 
@@ -301,7 +338,10 @@ def run(cfg: Config) -> dict[str, Any]:
         return reused
     _check_replaceable(out)
 
-    read, eval_s, train_s = _read_and_render(cfg.data, tokenizer, tpl)
+    read, eval_s, train_s = _read_and_render(cfg.data, tokenizer, tpl, cfg.target)
+    if any(s[5] for s in train_s + eval_s):  # the pictures' bytes decide the samples as much as the text
+        fp_in = {**fp_in, "images": images_identity([s[5] for s in train_s + eval_s])}
+        fp = fingerprint(fp_in)
     train_ids, train_mask = _flat(train_s)
     eval_ids, eval_mask = _flat(eval_s)
     top = max(int(train_ids.max(initial=0)), int(eval_ids.max(initial=0)))
@@ -340,9 +380,11 @@ def run(cfg: Config) -> dict[str, Any]:
     return summary
 
 
-def _read_and_render(data: DataConfig, tokenizer: Any, tpl: Any) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
+def _read_and_render(data: DataConfig, tokenizer: Any, tpl: Any, target: TargetConfig
+                     ) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
     """(what reading and rendering did, for the summary; eval samples; train samples): every source read, the
-    conversations shuffled with data.seed, the first data.max_samples rendered and split."""
+    conversations shuffled with data.seed, the first data.max_samples rendered and split. The target's processor is
+    loaded only when a conversation has images."""
     convs, src_stats, origin = read_all(data)
     if not convs:
         raise ValueError(f"data.sources: no usable conversation in {[s.path for s in data.sources]}")
@@ -351,7 +393,8 @@ def _read_and_render(data: DataConfig, tokenizer: Any, tpl: Any) -> tuple[dict[s
     rstats: Counter[str] = Counter()
     thinking = [data.sources[origin[c.id]].thinking for c in used]
     thinking = [data.thinking if t is None else t for t in thinking]
-    eval_s, train_s, render_s = _render_and_split(used, data, tokenizer, tpl, rstats, thinking)
+    vision = VisionInputs.of(target) if any(c.images for c in used) else None
+    eval_s, train_s, render_s = _render_and_split(used, data, tokenizer, tpl, rstats, thinking, vision)
     read = {"sources": [s.summary() for s in src_stats], "records_read": sum(s.records_read for s in src_stats),
             "conversations": len(convs), "used": len(used), "render": dict(sorted(rstats.items())),
             "render_s": render_s}
@@ -389,7 +432,7 @@ def train_sources(data: DataConfig, seed: int, train_s: list[Sample]) -> list[di
 
     rows = {n: {"name": n, "samples": 0, "tokens": 0, "loss_tokens": 0}
             for n in dict.fromkeys(source_name(s) for s in data.sources)}
-    for _, ids, mask, src, _ in train_s:
+    for _, ids, mask, src, *_ in train_s:
         r = rows.setdefault(str(src), {"name": str(src), "samples": 0, "tokens": 0, "loss_tokens": 0})
         r["samples"] += 1
         r["tokens"] += len(ids)
@@ -416,6 +459,13 @@ def _reusable(out: Path, fp: str, fp_in: dict[str, Any]) -> dict[str, Any] | Non
     except PreparedError as e:
         log.warning(f"{e}; rebuilding")
         return None
+    if "images" in meta.get("fingerprint_inputs", {}):  # the same records name the same files: are they the same?
+        try:
+            fp_in = {**fp_in, "images": images_identity(prepared_images(out))}
+        except ImageError as e:
+            log.info(f"prepared data at {out} has an image that changed ({e}); rebuilding")
+            return None
+        fp = fingerprint(fp_in)
     if meta.get("fingerprint") == fp:
         log.info(f"reusing prepared data at {out} (fingerprint {fp[:12]})")
         print(f"reusing prepared data at {out} (fingerprint {fp[:12]})", flush=True)
@@ -427,15 +477,17 @@ def _reusable(out: Path, fp: str, fp_in: dict[str, Any]) -> dict[str, Any] | Non
 
 
 def _render_and_split(used: list[Any], d: DataConfig, tokenizer: Any, tpl: Any, rstats: Counter[str],
-                      thinking: list[bool] | None = None) -> tuple[list[Any], list[Any], float]:
+                      thinking: list[bool] | None = None, vision: VisionInputs | None = None
+                      ) -> tuple[list[Any], list[Any], float]:
     """Render the conversations with the template (`thinking`: each one's setting), fit them to data.max_length;
     (eval samples, train samples, seconds spent rendering)."""
     check_renders_tools(tokenizer, tpl, sum(c.has_tools for c in used), len(used), "conversations")
     t_render = time.monotonic()
-    rendered = render_all(used, d, tokenizer, tpl, thinking)
+    rendered = render_all(used, d, tokenizer, tpl, thinking, vision)
     render_s = time.monotonic() - t_render
-    errors = [e for *_, e in rendered if e]
-    samples = fit_length(rendered, d.max_length, d.overlength, rstats, d.min_length)
+    errors = [e for *_, e in rendered if e and not e.startswith(SKIPPED)]
+    samples = fit_length(rendered, d.max_length, d.overlength, rstats, d.min_length,
+                         vision.image_token_id if vision else None)
     if errors:
         log.warning(f"{len(errors)} conversations could not be rendered; first: {errors[0]}")
         if len(errors) > MAX_TEMPLATE_ERROR_SHARE * len(used):
@@ -485,8 +537,9 @@ def _write(out: Path, meta: dict[str, Any], train_s: list[Any], eval_s: list[Any
         try:
             # An empty split (data.eval_size=0) must be saved as one empty shard: with the default it gets no data
             # file at all, and load_from_disk then fails deep inside datasets (IndexError in concat_tables).
+            with_images = any(s[5] for s in train_s + eval_s)
             for name, split in (("train", train_s), ("eval", eval_s)):
-                _to_dataset(split).save_to_disk(str(tmp / name), num_shards=None if split else 1)
+                _to_dataset(split, with_images).save_to_disk(str(tmp / name), num_shards=None if split else 1)
         finally:
             if bars:
                 enable_progress_bar()

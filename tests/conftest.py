@@ -18,6 +18,12 @@ os.environ.setdefault("EAGLE3_CPU_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Before any test imports transformers (which decides once whether torchvision is there): vision-language processors
+# need it, and PyPI's wheel needs a stand-in beside the CPU torch (tests/vision_cpu).
+from vision_cpu.torchvision_stand_in import load as _load_torchvision  # noqa: E402
+
+TORCHVISION = _load_torchvision()
+
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
@@ -61,7 +67,7 @@ def _no_accelerate_state_left():
 
 
 # ----------------------------------------------------------------------------------- CI: engines must run
-ENGINE_MARKERS = ("sglang", "vllm")
+ENGINE_MARKERS = ("sglang", "vllm", "vision")
 """Suites against a real engine: CI builds their venvs, so there a skip means the engine did not run at all."""
 
 

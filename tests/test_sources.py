@@ -126,7 +126,8 @@ def test_messages_format_parts_and_reasoning(tmp_path: Path):
             {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]},
             {"role": "assistant", "content": "hi", "reasoning_content": "think"},
         ]},
-        {"id": "m2", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+        # an audio part: no target eagle3 serves takes it (images are read: tests/test_images.py)
+        {"id": "m2", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]},
                                   {"role": "assistant", "content": "a"}]},
         {"id": "m3", "messages": [{"role": "user", "content": "q"}, {"role": "narrator", "content": "t"},
                                   {"role": "assistant", "content": "a"}]},

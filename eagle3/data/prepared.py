@@ -92,6 +92,17 @@ def load_prepared(prepared_dir: str | Path) -> Prepared:
     return Prepared(load_from_disk(str(d / "train")), load_from_disk(str(d / "eval")), d2t, t2d, meta)
 
 
+def prepared_images(prepared_dir: str | Path) -> list[list[str]]:
+    """Every sample's images (train split, then eval), [] per sample where the folder has none."""
+    from datasets import load_from_disk
+
+    out: list[list[str]] = []
+    for split in ("train", "eval"):
+        ds = load_from_disk(str(Path(prepared_dir) / split))
+        out += ds["images"] if "images" in ds.column_names else [[] for _ in range(len(ds))]
+    return out
+
+
 def samples_seen_in(samples: Any, split: Any) -> int:
     """How many of `samples` appear, token for token, in `split` (both prepared splits: rows with `input_ids`).
     A held-out split is held out from its own config's training only: prepare shuffles every source's samples together,
@@ -226,6 +237,11 @@ def check_prepared(data: DataConfig, draft: DraftConfig, target: TargetConfig, p
     then = meta.get("fingerprint_inputs")
     if then is None:
         return
+    if "images" in then:
+        raise PreparedError(f"the prepared data in {prepared_dir} holds samples with images, and `eagle3 {stage}` "
+                            "cannot run a target's vision tower yet (their states would be computed without the "
+                            "pictures); prepare from the text records only, or with a text-only target (which skips "
+                            "image records as non_text_part)")
     # The sources as the config names them, never read: the raw data need not be on a training machine.
     now = {**_settings(data, draft), "sources": [_naming(src, data.thinking) for src in data.sources]}
     try:

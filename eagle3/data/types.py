@@ -49,6 +49,9 @@ class Turn:
     """A `tool` turn: the id of the call it answers."""
     name: str | None = None
     """A `tool` turn: the function whose result it is."""
+    images: tuple[str, ...] = ()
+    """The images of a user (or system) turn, in the order of the IMAGE_MARKs in `content` (eagle3.data.images): an
+    absolute path or a `data:` URL each."""
 
     def with_(self, **changes: Any) -> Turn:
         return replace(self, **changes)
@@ -68,6 +71,11 @@ class Conversation:
     of a datasets folder), so `eagle3 data show` can print the record a sample was made from."""
 
     @property
+    def images(self) -> list[str]:
+        """Every image of the conversation, in the order a render meets them."""
+        return [i for t in self.turns for i in t.images]
+
+    @property
     def has_tools(self) -> bool:
         return bool(self.tools) or any(t.tool_calls or t.role == "tool" for t in self.turns)
 
@@ -76,9 +84,10 @@ def turn_to_row(t: Turn) -> dict[str, Any]:
     """A JSON/Arrow-friendly dict of a turn (the prepare workers' and the output files' shape)."""
     return {"role": t.role, "content": t.content, "reasoning": t.reasoning,
             "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in t.tool_calls],
-            "tool_call_id": t.tool_call_id, "name": t.name}
+            "tool_call_id": t.tool_call_id, "name": t.name, "images": list(t.images)}
 
 
 def turn_from_row(r: dict[str, Any]) -> Turn:
     calls = tuple(ToolCall(c["name"], c["arguments"], c.get("id")) for c in r.get("tool_calls") or [])
-    return Turn(r["role"], r["content"], r.get("reasoning"), calls, r.get("tool_call_id"), r.get("name"))
+    return Turn(r["role"], r["content"], r.get("reasoning"), calls, r.get("tool_call_id"), r.get("name"),
+                tuple(r.get("images") or ()))

@@ -74,6 +74,8 @@ class Summary:
     """Ids seen earlier in the sources (only the first is regenerated)."""
     skipped_no_prompt: int = 0
     """Conversations without a user turn: nothing to answer."""
+    skipped_images: int = 0
+    """Conversations with images: regenerate sends text prompts only (their answers stay as recorded)."""
     truncated_turns: int = 0
     """Answers cut at regenerate.max_tokens (finish_reason "length")."""
     truncated_conversations: int = 0
@@ -105,7 +107,8 @@ class Summary:
             f"conversations), {self.cut_at_max_length} ended early at data.max_length, "
             f"{self.cut_at_different_call} ended at a tool call that differs from the record's{self._tool_detail()}, "
             f"{self.skipped_done} skipped as already done, {self.skipped_duplicate} duplicate ids "
-            f"and {self.skipped_no_prompt} without a user turn skipped; {self.tokens} tokens in "
+            f"and {self.skipped_no_prompt} without a user turn skipped"
+            f"{f', {self.skipped_images} with images skipped' if self.skipped_images else ''}; {self.tokens} tokens in "
             f"{self.seconds:.1f}s ({self.tokens_per_s:.1f} tok/s, "
             f"{self.regenerated / self.seconds if self.seconds else 0:.2f} conv/s). "
             f"{self.output} holds {self.total_in_output} conversations: train on it with "
@@ -169,6 +172,9 @@ def run(cfg: Config, conversations: Iterable[Conversation] | None = None, backen
         seen.add(conv.id)
         if conv.id in done:
             summary.skipped_done += 1
+            continue
+        if conv.images:
+            summary.skipped_images += 1
             continue
         d = Dialogue(conv, cfg.data.system_prompt, cfg.data.max_length)
         if not d.has_prompt:
