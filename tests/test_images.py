@@ -290,3 +290,55 @@ def test_a_vision_target_whose_processor_cannot_load_is_an_error_not_a_text_targ
     shutil.copytree(target, text_only)
     (text_only / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4}))
     assert VisionInputs.of(TargetConfig(path=str(text_only))) is None
+
+
+# ------------------------------------------------------------------------------------------------ extraction
+@needs_torchvision
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "kimi-k2.5"])
+def test_hf_capture_runs_the_vision_tower(tmp_path, family):
+    """HFTarget(images=True) captures, for a batch of image and text samples of different lengths, exactly the
+    states the vision-language model's own forward computes from its processor's inputs (hidden_states[k] for each
+    layer id; the post-norm last one as `final`): the pictures merged at their tokens and, for Qwen2.5-VL, M-RoPE's
+    3-D positions. The same ids without the pictures give other states."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from eagle3.config import ExtractConfig, TargetConfig
+    from eagle3.targets.hf import HFTarget
+
+    build, tpl = (tiny_qwen25_vl, "auto") if family == "qwen2.5-vl" else (tiny_kimi_k25_vl, "kimi-k2.5")
+    path = build(tmp_path / family, with_model=True)
+    proc = processor(path)
+    vision = VisionInputs.from_processor(proc)
+    refs = [str(image_file(tmp_path / "a.png", 56)), str(image_file(tmp_path / "b.png", 112, seed=1))]
+    convs = [Conversation("two", [Turn("user", f"See {IMAGE_MARK}{IMAGE_MARK}?", images=tuple(refs)),
+                                  Turn("assistant", "Two.")]),
+             Conversation("text", [Turn("user", "No picture here, a longer question?"), Turn("assistant", "Fine.")]),
+             Conversation("one", [Turn("user", f"{IMAGE_MARK} this?", images=(refs[1],)), Turn("assistant", "Yes.")])]
+    seqs = [render(c, proc.tokenizer, tpl, thinking=False, vision=vision)[0] for c in convs]
+    target = TargetConfig(path=str(path), aux_layer_ids=[1, 2, 3], dtype="float32")
+    backend = HFTarget(target, ExtractConfig(batch_tokens=4096), images=True)
+    caps = backend.capture(seqs, [list(c.images) for c in convs])
+
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    for conv, ids, cap in zip(convs, seqs, caps, strict=True):
+        text, _ = answer_spans(conv, proc.tokenizer, tpl, thinking=False)
+        enc = proc(text=[text], images=[load_image(r) for r in conv.images] or None, return_tensors="pt")
+        assert enc["input_ids"][0].tolist() == ids
+        if hasattr(model.model, "rope_deltas"):
+            model.model.rope_deltas = None
+        with torch.no_grad():
+            hs = model(**enc, output_hidden_states=True).hidden_states
+        torch.testing.assert_close(cap.aux, torch.cat([hs[k][0] for k in (1, 2, 3)], -1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cap.final, hs[-1][0], atol=1e-5, rtol=1e-5)
+        at = torch.tensor(ids) == vision.image_token_id
+        assert cap.image_embeds.shape == (int(at.sum()), hs[0].shape[-1])
+        torch.testing.assert_close(cap.image_embeds, hs[0][0][at], atol=1e-6, rtol=1e-6)  # the merged pictures
+        if at.any():
+            plain = model.get_input_embeddings()(torch.tensor(ids)[at])
+            assert not torch.allclose(cap.image_embeds, plain, atol=1e-3)
+    with pytest.raises(ValueError, match="image tokens in a batch without images"):
+        backend.capture([seqs[0]], [[]])
+    with torch.no_grad():  # the LLM alone on the same ids (the pictures' tokens as plain embeddings) differs
+        blind = model.model.language_model(input_ids=torch.tensor([seqs[0]])).last_hidden_state[0]
+    assert not torch.allclose(blind, caps[0].final, atol=1e-3)

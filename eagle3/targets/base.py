@@ -24,6 +24,9 @@ class Captured:
     """[T, 3] float32 when `aux` comes fp8-encoded (eagle3.cache.codec: a server sending `extract.storage` fp8)."""
     final_scale: torch.Tensor | None = None
     """[T, 1] float32 when `final` comes fp8-encoded."""
+    image_embeds: torch.Tensor | None = None
+    """[n, H] for a sample with images: the target's input embeddings at its n image tokens, in order (the vision
+    projector's outputs merged there), what SGLang feeds an EAGLE-3 draft at those positions; None without images."""
 
 
 class TargetBackend(Protocol):

@@ -8,10 +8,16 @@ never run: for Kimi-K2.5 the [T, 163840] logits would cost more than the rest of
 Kimi-K2.5 ships as a multimodal wrapper (`KimiK25ForConditionalGeneration`, LLM config in `text_config`, weights
 prefixed `language_model.`); the LLM is a plain DeepseekV3ForCausalLM, so it is built from `text_config` and
 loaded with the prefix stripped. No remote code is needed for extraction.
+
+Image samples (`HFTarget(..., images=True)`) need the whole vision-language model: transformers' image-text-to-text
+class (Kimi-K2.5's native `Kimi_K25ForConditionalGeneration`, Qwen2.5-VL), whose base model merges the vision
+projector's outputs into the input embeddings at the image tokens and runs its LLM with that family's positions
+(Qwen2.5-VL's 3-D M-RoPE from `mm_token_type_ids`; Kimi's stay 1-D). The hooks sit on that LLM's layers as before.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +32,7 @@ from eagle3.targets.info import llm_config, read_target_info
 
 if TYPE_CHECKING:
     from eagle3.config import ExtractConfig, TargetConfig
+    from eagle3.data.images import VisionInputs
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False,
@@ -49,6 +56,25 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_rem
         model = model_cls.from_pretrained(path, config=config, key_mapping={r"^language_model\.": ""}, **kw)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kw)
+    if device != "auto":
+        model.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_vision_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False,
+                   revision: str | None = None) -> torch.nn.Module:
+    """The whole vision-language model (vision tower, projector, LLM) for inference on image samples."""
+    from transformers import AutoModelForImageTextToText
+
+    from eagle3.targets.quantized import pack_scheme
+
+    if pack_scheme(read_target_info(path).text) is not None:
+        raise NotImplementedError(f"{path}: image samples through a pack-quantized (INT4) checkpoint are not "
+                                  "supported by the HF backend; extract them with the SGLang backend")
+    kw: dict[str, Any] = {"dtype": dtype, "revision": revision, "trust_remote_code": trust_remote_code}
+    if device == "auto":
+        kw["device_map"] = "auto"
+    model = AutoModelForImageTextToText.from_pretrained(path, **kw)
     if device != "auto":
         model.to(device)
     return model.eval().requires_grad_(False)
@@ -162,11 +188,24 @@ class HFTarget:
 
     name = "hf"
 
-    def __init__(self, target: TargetConfig, extract: ExtractConfig):
+    def __init__(self, target: TargetConfig, extract: ExtractConfig, images: bool = False):
+        """`images`: the samples hold images: the whole vision-language model is loaded, with its processor."""
         self.path = resolve_target_path(target.path)
         self.dtype = DTYPES[target.dtype]
-        self.model = load_causal_lm(self.path, self.dtype, target.device, target.trust_remote_code, target.revision)
-        self.config = self.model.config
+        self.vision: VisionInputs | None = None
+        if images:
+            from eagle3.data.images import VisionInputs
+
+            self.vision = VisionInputs.of(target)
+            if self.vision is None:
+                raise ValueError(f"target.path={target.path!r} takes no images (no image processor)")
+            self.model = load_vision_lm(self.path, self.dtype, target.device, target.trust_remote_code,
+                                        target.revision)
+            self.config = self.model.config.get_text_config()
+        else:
+            self.model = load_causal_lm(self.path, self.dtype, target.device, target.trust_remote_code,
+                                        target.revision)
+            self.config = self.model.config
         info = read_target_info(self.path)
         self.architectures: list[str] = info.architectures
         self.model_type: str = info.model_type
@@ -188,8 +227,28 @@ class HFTarget:
         """The loaded model's lm_head [V, H] (eagle3.targets.argmax.ArgmaxHead uses it rather than a second copy)."""
         return self.model.get_output_embeddings().weight
 
+    def _vision_inputs(self, ids: torch.Tensor, images: list[list[str]]) -> dict[str, Any]:
+        """The image tensors of a batch (its images in row-major order, as the base model scatters them over the
+        image tokens) and Qwen2.5-VL's token types, without which its LLM silently falls back to 1-D positions."""
+        assert self.vision is not None
+        refs = [r for rs in images for r in rs]
+        n_tokens = int((ids == self.vision.image_token_id).sum())
+        if not refs:
+            if n_tokens:
+                raise ValueError(f"{n_tokens} image tokens in a batch without images")
+            return {}
+        inputs = {k: v.to(self.device) for k, v in self.vision.inputs(refs).items()}
+        if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        vlm_base = self.model.model
+        if "mm_token_type_ids" in inspect.signature(vlm_base.forward).parameters:
+            inputs["mm_token_type_ids"] = (ids == self.vision.image_token_id).long().to(self.device)
+        if hasattr(vlm_base, "rope_deltas"):
+            vlm_base.rope_deltas = None  # Qwen2.5-VL keeps the last batch's position offsets between calls
+        return inputs
+
     @torch.inference_mode()
-    def _forward(self, seqs: list[list[int]]) -> list[Captured]:
+    def _forward(self, seqs: list[list[int]], images: list[list[str]] | None = None) -> list[Captured]:
         lengths = [len(s) for s in seqs]
         T = max(lengths)
         ids = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -200,24 +259,42 @@ class HFTarget:
         # Right padding + causal attention: real tokens never see pads; pads are cut off below.
         attn = None if min(lengths) == T else mask.to(self.device)
         self.tap.states.clear()
+        extra = self._vision_inputs(ids, images or [[] for _ in seqs]) if self.vision is not None else {}
+        if self.vision is None and images and any(images):
+            raise ValueError("samples with images need HFTarget(..., images=True)")
+        merged: dict[str, torch.Tensor] = {}
+        hook = None
+        if self.vision is not None:  # the LLM's input: the token embeddings with the pictures merged in
+            hook = self.base.register_forward_pre_hook(
+                lambda _m, _a, kw: merged.__setitem__("embeds", kw["inputs_embeds"]), with_kwargs=True)
         try:
-            self.base(input_ids=ids.to(self.device), attention_mask=attn, use_cache=False)
+            base = self.model.model if self.vision is not None else self.base  # the VLM's base merges the images
+            base(input_ids=ids.to(self.device), attention_mask=attn, use_cache=False, **extra)
             aux, final = self.tap.aux(), self.tap.final()  # on the host already, one copy each
             # Each sequence's rows are a contiguous view of the batch's states (no third copy); they are written
             # and dropped together.
-            return [Captured(aux=aux[j, :n], final=final[j, :n]) for j, n in enumerate(lengths)]
+            caps = [Captured(aux=aux[j, :n], final=final[j, :n]) for j, n in enumerate(lengths)]
+            if self.vision is not None:
+                at = ids == self.vision.image_token_id
+                for j, c in enumerate(caps):
+                    c.image_embeds = merged["embeds"][j][at[j].to(self.device)].to("cpu")
+            return caps
         finally:
             self.tap.states.clear()
+            if hook is not None:
+                hook.remove()
 
-    def capture(self, sequences: list[list[int]]) -> list[Captured]:
-        """States for every token of every sequence, in input order, computed in length-sorted batches."""
+    def capture(self, sequences: list[list[int]], images: list[list[str]] | None = None) -> list[Captured]:
+        """States for every token of every sequence, in input order, computed in length-sorted batches; `images`: each
+        sequence's images (eagle3.data.images references), in the order of its image tokens."""
         if any(len(s) == 0 for s in sequences):
             raise ValueError("cannot capture states of an empty sequence")
         out: list[Captured | None] = [None] * len(sequences)
         for batch in plan_batches([len(s) for s in sequences], self.batch_tokens, self.max_batch_size):
             with self._lock:
                 threads.adjust()  # in the thread that runs the forward (online capture runs in its own)
-                caps = self._forward([sequences[i] for i in batch])
+                caps = self._forward([sequences[i] for i in batch],
+                                     None if images is None else [images[i] for i in batch])
             for i, c in zip(batch, caps, strict=True):
                 out[i] = c
         for s, c in zip(sequences, out, strict=True):
