@@ -171,6 +171,12 @@ class DraftConfig(Section):
     repeat factor when `data.sources[].weight` is set; the full target vocab when this is at least the target's (the
     published Kimi-K2.5 MLA head's choice: nothing is out of reach, at the cost of a bigger lm_head).
     `eagle3 vocab coverage` prints the share of the target's greedy output that a prepared vocab cannot propose."""
+    image_inputs: Literal["placeholder", "target-embeddings"] | None = None
+    """What the head gets as its input embedding at an image token, as the engine that will serve it feeds it:
+    `placeholder` (vLLM 0.32: the embedding of the image placeholder id, `<|media_pad|>` for Kimi-K2.5, at every
+    image position) or `target-embeddings` (SGLang 0.5.23: the target's merged input embeddings, the vision
+    projector's outputs there; not built yet). Needed only when the prepared data has images, and then required:
+    a head trained for one engine's inputs meets other inputs in the other (docs/kimi-k2.5.md "Images")."""
     vocab_from: Literal["answers", "answers+prompts"] = "answers"
     """What the draft vocab counts: `answers` (loss-masked tokens, what the head is trained to predict) or
     `answers+prompts` (the prompt tokens too: an answer that re-emits code or text from its prompt needs the prompt's

@@ -82,9 +82,9 @@ def _check_backend(backend: Any, fp: dict[str, Any]) -> None:
         raise CacheError(f"the loaded target does not match its config.json: backend reports {got}, expected {want}")
 
 
-def _preflight_sample(backend: Any, ids: list[int], hidden: int) -> None:
+def _preflight_sample(backend: Any, ids: list[int], hidden: int, images: list[str] | None = None) -> None:
     t0 = time.monotonic()
-    c = backend.capture([ids])[0]
+    c = backend.capture([ids])[0] if images is None else backend.capture([ids], [images])[0]
     if c.aux.shape != (len(ids), 3 * hidden) or c.final.shape != (len(ids), hidden):
         raise CacheError(f"preflight: a {len(ids)}-token prompt came back with states {tuple(c.aux.shape)} / "
                          f"{tuple(c.final.shape)}; expected ({len(ids)}, {3 * hidden}) / ({len(ids)}, {hidden}). "
@@ -145,6 +145,11 @@ class Work:
         return self.cfg.cache_dir
 
     @property
+    def images(self) -> bool:
+        """The samples hold images (a prepared `images` column): the target runs its vision tower."""
+        return "images" in self.data["train"].column_names
+
+    @property
     def samples(self) -> int:
         return sum(len(j.rows) for j in self.jobs)
 
@@ -191,11 +196,12 @@ def open_target(work: Work, backend: Any = None) -> Any:
         from eagle3.targets import make_backend
 
         cfg = work.cfg
-        backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir)
+        backend = make_backend(cfg.target, cfg.extract, cfg.data.max_length, cfg.paths.logs_dir, images=work.images)
     _check_backend(backend, work.fp)
     if work.cfg.extract.preflight and work.jobs:
         first = work.jobs[0]
-        _preflight_sample(backend, list(work.data[first.split][first.rows[0]]["input_ids"]), work.fp["hidden_size"])
+        row = work.data[first.split][first.rows[0]]
+        _preflight_sample(backend, list(row["input_ids"]), work.fp["hidden_size"], row.get("images"))
     return backend
 
 
@@ -264,7 +270,8 @@ def _extract_shard(ec: ExtractConfig, cache_dir: Path, backend: Any, argmax: Any
     try:
         for batch in plan_batches([int(lens[i]) for i in job.rows], ec.batch_tokens, ec.max_batch_size):
             rows = ds[[job.rows[b] for b in batch]]
-            caps = backend.capture(rows["input_ids"])
+            caps = backend.capture(rows["input_ids"], rows["images"]) if "images" in rows else backend.capture(
+                rows["input_ids"])
             keep = []
             for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True):
                 if finite(c):

@@ -342,3 +342,48 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
     with torch.no_grad():  # the LLM alone on the same ids (the pictures' tokens as plain embeddings) differs
         blind = model.model.language_model(input_ids=torch.tensor([seqs[0]])).last_hidden_state[0]
     assert not torch.allclose(blind, caps[0].final, atol=1e-3)
+
+
+@needs_torchvision
+def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_path):
+    """prepare -> extract -> train on a tiny Qwen2.5-VL with image and text samples, draft.image_inputs=placeholder
+    (vLLM's inputs): the cache holds, for an image sample, the states the vision-language model computes for it
+    alone, and a few training steps stay finite. Without draft.image_inputs, with target-embeddings (not built) and
+    online, each stage refuses by name."""
+    import torch
+
+    from eagle3.cache import HiddenStateDataset, expected_fingerprint
+    from eagle3.data.prepared import PreparedError
+    from eagle3.extract import run as extract
+    from eagle3.logs import UserError
+    from eagle3.targets.hf import HFTarget
+    from eagle3.trainer import run as train
+
+    target = tiny_qwen25_vl(tmp_path / "qwen", with_model=True)
+    data = _image_data(tmp_path)
+    more = ("target.dtype=float32", "extract.shard_samples=4", "extract.batch_tokens=512", "train.batch_tokens=512",
+            "train.max_steps=2", "train.eval_every=2", "draft.vocab_size=320")
+    prepare.run(_prep_cfg(tmp_path, target, data, *more))
+    with pytest.raises(PreparedError, match="set draft.image_inputs"):
+        extract(_prep_cfg(tmp_path, target, data, *more))
+    with pytest.raises(PreparedError, match="target-embeddings .* not built yet"):
+        extract(_prep_cfg(tmp_path, target, data, *more, "draft.image_inputs=target-embeddings"))
+    cfg = _prep_cfg(tmp_path, target, data, *more, "draft.image_inputs=placeholder")
+    assert extract(cfg)["samples"] == 12  # both splits
+
+    ds = HiddenStateDataset(cfg.cache_dir, "train", expected=expected_fingerprint(cfg.target, cfg.extract.storage,
+                                                                                  cfg.prepared_dir))
+    prepared = load_prepared(cfg.prepared_dir)
+    backend = HFTarget(cfg.target, cfg.extract, images=True)
+    item = next(ds[i] for i in range(len(ds)) if 261 in ds[i]["input_ids"].tolist())
+    row = prepared.train[prepared.train["id"].index(item["sample_id"])]
+    c = backend.capture([row["input_ids"]], [row["images"]])[0]
+    torch.testing.assert_close(item["aux"], c.aux, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(item["final"], c.final, rtol=1e-5, atol=1e-5)
+
+    m = train(cfg)
+    assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0
+    online = _prep_cfg(tmp_path, target, data, *more, "draft.image_inputs=placeholder", "extract.mode=online",
+                       f"output_dir={tmp_path / 'online'}", f"data.output_dir={cfg.prepared_dir}")
+    with pytest.raises(UserError, match="online training does not capture them yet"):
+        train(online)

@@ -228,6 +228,21 @@ def _config_part(fp_in: dict[str, Any]) -> dict[str, Any]:
     return {**fp_in, "sources": [{k: s.get(k) for k in _SOURCE_NAMING} for s in fp_in.get("sources", [])]}
 
 
+def check_image_inputs(draft: DraftConfig, target: TargetConfig, prepared_dir: Path, stage: str) -> None:
+    """Prepared data with images: what `extract` and `train` can do with it today, or why not, in one error."""
+    where = f"the prepared data in {prepared_dir} holds samples with images"
+    if draft.image_inputs is None:
+        raise PreparedError(f"{where}: set draft.image_inputs to the engine the head will serve in: `placeholder` "
+                            "(vLLM: the placeholder token's embedding at image positions) or `target-embeddings` "
+                            "(SGLang: the target's merged image embeddings)")
+    if draft.image_inputs == "target-embeddings":
+        raise PreparedError(f"{where}: draft.image_inputs=target-embeddings (SGLang's convention) is not built yet "
+                            "(the cache does not keep the target's image embeddings); `placeholder` (vLLM's) is")
+    if target.backend != "hf":
+        raise PreparedError(f"{where}: `eagle3 {stage}` runs image samples through target.backend=hf only (the "
+                            f"SGLang backend does not send images yet); target.backend is {target.backend!r}")
+
+
 def check_prepared(data: DataConfig, draft: DraftConfig, target: TargetConfig, prepared_dir: Path,
                    meta: dict[str, Any], stage: str) -> None:
     """Refuse a config that changed the data since `prepare` made it (data.max_length, the template, the sources,
@@ -238,10 +253,7 @@ def check_prepared(data: DataConfig, draft: DraftConfig, target: TargetConfig, p
     if then is None:
         return
     if "images" in then:
-        raise PreparedError(f"the prepared data in {prepared_dir} holds samples with images, and `eagle3 {stage}` "
-                            "cannot run a target's vision tower yet (their states would be computed without the "
-                            "pictures); prepare from the text records only, or with a text-only target (which skips "
-                            "image records as non_text_part)")
+        check_image_inputs(draft, target, prepared_dir, stage)
     # The sources as the config names them, never read: the raw data need not be on a training machine.
     now = {**_settings(data, draft), "sources": [_naming(src, data.thinking) for src in data.sources]}
     try:
