@@ -55,6 +55,11 @@ def _is_replaceable(out: Path) -> bool:
         return False
 
 
+IMAGE_INPUTS_OF = {"sglang": "target-embeddings", "vllm": "placeholder"}
+"""What each engine feeds an EAGLE-3 draft at an image token (docs/kimi-k2.5.md "Images"): SGLang 0.5.23 the
+target's merged input embeddings, vLLM 0.32 the placeholder token's embedding."""
+
+
 @writes(lambda out, **_: out, "export")
 def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype: str | None = "bfloat16",
            num_speculative_tokens: int = 3, target_family: ArchFamily | None = None,
@@ -73,6 +78,12 @@ def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or None")
     folder = resolve_draft_folder(checkpoint)
     config, tensors = read_draft(folder)
+    served = IMAGE_INPUTS_OF[to]
+    if config.image_inputs not in (None, served):
+        raise ExportError(f"{folder}: the head was trained with draft.image_inputs={config.image_inputs!r}, and {to} "
+                          f"feeds a draft {served!r} inputs at image tokens: it would meet inputs it never saw there "
+                          f"(export for {'vllm' if to == 'sglang' else 'sglang'}, or train with "
+                          f"draft.image_inputs={served})")
     tensors.pop("embed_tokens.weight", None)  # engines use the target's embeddings
     validate(config, tensors, str(folder))
     if config.features == "top":

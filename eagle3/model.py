@@ -156,6 +156,9 @@ class Eagle3DraftConfig:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     """MLA dimensions (arch `mla` only; DeepSeek-V3's names)."""
+    image_inputs: str | None = None
+    """The input the head was trained with at image tokens (`draft.image_inputs`: `placeholder`, vLLM's, or
+    `target-embeddings`, SGLang's); None for a head of a run without images."""
 
     @classmethod
     def from_target(cls, draft: Any, target: Any, target_hf_config: Any, draft_vocab_size: int) -> Eagle3DraftConfig:
@@ -210,6 +213,7 @@ class Eagle3DraftConfig:
             fc_norm=d.fc_norm,
             norm_output=d.norm_output,
             num_layers=d.num_layers,
+            image_inputs=getattr(d, "image_inputs", None),
             **mla,
         )
 

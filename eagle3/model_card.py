@@ -113,9 +113,12 @@ def _target_lines(c: Any, meta: dict[str, Any], engine: str, target_family: Arch
 
 
 def _head_lines(c: Any) -> list[str]:
+    images = getattr(c, "image_inputs", None)
     return [f"- layer: `{c.arch}`, hidden {c.hidden_size}, {c.num_attention_heads} heads, MLP {c.intermediate_size}; "
             f"EAGLE-3.1 fc_norm {c.fc_norm}, norm_output {c.norm_output}; features `{c.features}`",
-            f"- draft vocab {c.draft_vocab_size} of {c.vocab_size}; RoPE scaling {json.dumps(c.rope_scaling)}"]
+            f"- draft vocab {c.draft_vocab_size} of {c.vocab_size}; RoPE scaling {json.dumps(c.rope_scaling)}",
+            *([f"- trained on image samples with `{images}` inputs at image tokens (draft.image_inputs: "
+               f"{'vLLM' if images == 'placeholder' else 'SGLang'}'s convention)"] if images else [])]
 
 
 def _data_lines(paths: RunPaths | None, cache: dict[str, Any] | None) -> list[str]:

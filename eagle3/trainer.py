@@ -259,9 +259,16 @@ def sglang_spelling_problem(target: TargetConfig) -> str | None:
     return None
 
 
-def export_best(target: TargetConfig, paths: RunPaths, best: Path) -> None:
+def export_best(target: TargetConfig, paths: RunPaths, best: Path, image_inputs: str | None = None) -> None:
+    """The best head exported for SGLang, the default engine; a head trained with vLLM's image inputs
+    (draft.image_inputs=placeholder) for vLLM instead, which serves what it was trained on."""
     from eagle3.export import export
 
+    if image_inputs == "placeholder":
+        out = paths.export_dir / "vllm"
+        export(best, out, to="vllm", paths=paths)
+        log.info("exported the best draft for vLLM (trained with its image inputs): %s", out)
+        return
     if problem := sglang_spelling_problem(target):
         log.warning("%s; the best head stays in %s", problem, best)
         return
@@ -509,6 +516,6 @@ def finish(s: Session) -> None:
     if not (best / "config.json").is_file():
         save_best(s.accelerator, s.model, s.cfg.checkpoint_dir)  # no eval split: the last weights are the best we know
     if s.tracker.main:
-        export_best(s.cfg.target, s.cfg.paths, best)
+        export_best(s.cfg.target, s.cfg.paths, best, s.cfg.draft.image_inputs)
     s.accelerator.wait_for_everyone()
     s.accelerator.end_training()

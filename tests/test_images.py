@@ -383,6 +383,15 @@ def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_pat
 
     m = train(cfg)
     assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0
+    # the convention travels with the head: into vLLM's export and its card; SGLang's export refuses it
+    from eagle3.export import ExportError, export
+
+    step = Path(cfg.output_dir) / "checkpoints" / "best"
+    out = cfg.paths.export_dir / "vllm"  # the trainer's own export of its best head: for the engine it serves
+    assert json.loads((out / "config.json").read_text())["eagle3"]["image_inputs"] == "placeholder"
+    assert "with `placeholder` inputs at image tokens" in (out / "README.md").read_text()
+    with pytest.raises(ExportError, match="trained with draft.image_inputs='placeholder'"):
+        export(step, tmp_path / "sglang-head", to="sglang")
     online = _prep_cfg(tmp_path, target, data, *more, "draft.image_inputs=placeholder", "extract.mode=online",
                        f"output_dir={tmp_path / 'online'}", f"data.output_dir={cfg.prepared_dir}")
     with pytest.raises(UserError, match="online training does not capture them yet"):
