@@ -605,6 +605,48 @@ def test_a_server_that_loses_its_port_is_launched_again_on_another(tmp_path, mon
     assert len(drawn) > 1  # drawn at random: two eagle3 processes do not race for one port
 
 
+_IMPOSTER = """
+import http.server, json, subprocess, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+def serve(who, seconds):
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"who": who}).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
+    srv.timeout = 0.1
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        srv.handle_request()
+    srv.server_close()
+
+if sys.argv[1:2] == ["imposter"]:
+    serve("imposter", 3.0)
+    sys.exit(0)
+# another process (its own session) holds the port for a moment while the server loads, answering everything
+other = subprocess.Popen([sys.executable, __file__, "imposter", "--port", str(port)], start_new_session=True)
+other.wait()
+serve("sglang", 3600)
+"""
+
+
+def test_a_health_answer_from_another_process_is_not_the_server(tmp_path, monkeypatch):
+    """A process that holds the server's port for a moment while it loads (CI: /health answered 200 half a minute
+    before SGLang's uvicorn started, and the next stage found nothing there) is not taken for the server: it is
+    healthy only when its own processes answer."""
+    from eagle3.targets.sglang_server import SGLangServer, http_json
+
+    fake = _fake_sglang_package(tmp_path / "fake", _IMPOSTER)
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    with SGLangServer([], {}, tmp_path / "server.log", timeout_s=60) as server:
+        assert http_json("GET", f"{server.url}/server_info") == {"who": "sglang"}
+
+
 def test_a_python_without_the_plugin_is_refused_before_launch(llama, tmp_path, monkeypatch):
     """SGLang in a Python where eagle3 is not installed would serve without capturing: refused up front."""
     bare = tmp_path / "bare"

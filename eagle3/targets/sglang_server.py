@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -141,22 +142,55 @@ def _refused(e: BaseException) -> bool:
     return isinstance(reason, (ConnectionRefusedError, socket.gaierror))
 
 
+def listener_sessions(port: int) -> set[int] | None:
+    """The session ids of the processes listening on TCP `port` (Linux /proc), or None where that cannot be read."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    inodes.add(f[9])
+    except (OSError, ValueError, IndexError):
+        return None
+    sessions: set[int] = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd).removeprefix("socket:[").rstrip("]") in inodes for fd in fd_dir.iterdir()):
+                sessions.add(os.getsid(int(fd_dir.parent.name)))
+        except (OSError, ValueError):
+            continue
+    return sessions if inodes else set()
+
+
+def _answered_by(proc: subprocess.Popen, port: int) -> bool:
+    """Whether what answers on `port` belongs to the launched server (its own session: start_new_session), not a
+    process that held the port for a moment while the server loaded (seen in CI: /health answered 200 half a
+    minute before SGLang's uvicorn started, and the next stage found nothing there). Unknown counts as ours."""
+    sessions = listener_sessions(port)
+    return sessions is None or not sessions or proc.pid in sessions
+
+
 def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
                  log_file: Path | None = None, refused_grace_s: float | None = None) -> None:
     """Poll `/health` until it answers 200; fail early when the launched process dies (with its log tail), and,
     with `refused_grace_s`, when nothing has listened at `url` for that long (a server loading its weights
-    already listens, or is not yet started by a launcher; a refused connection past the grace is a wrong URL)."""
+    already listens, or is not yet started by a launcher; a refused connection past the grace is a wrong URL).
+    For a launched server (`proc`) the answer must come from its own processes."""
     t0 = time.monotonic()
     last_note = t0
     refused_since: float | None = None
+    port = urllib.parse.urlsplit(url).port
     while True:
         if proc is not None and proc.poll() is not None:
             raise ServerError(f"the SGLang server exited with code {proc.returncode} before it was healthy"
                               f"{log_tail(log_file)}")
         try:
             http_json("GET", f"{url}/health", timeout=5.0)
-            log.info("SGLang server at %s is healthy (%.0f s)", url, time.monotonic() - t0)
-            return
+            if proc is None or port is None or _answered_by(proc, port):
+                log.info("SGLang server at %s is healthy (%.0f s)", url, time.monotonic() - t0)
+                return
+            refused_since = None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as e:
             refused_since = (refused_since or time.monotonic()) if _refused(e) else None
         now = time.monotonic()
