@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
+from eagle3.data.types import Turn
+
 if TYPE_CHECKING:
     from eagle3.config import TargetConfig
 
@@ -108,6 +110,62 @@ def load_image(ref: str) -> Any:
 def check_image(ref: str) -> None:
     """Raise ImageError when the image is missing or cannot be decoded (read time: a bad image skips its record)."""
     load_image(ref)
+
+
+# ------------------------------------------------------------------------------------------------ records
+def has_mark(value: Any) -> bool:
+    if isinstance(value, str):
+        return IMAGE_MARK in value
+    if isinstance(value, list):
+        return any(has_mark(v) for v in value)
+    return isinstance(value, dict) and any(has_mark(v) for v in value.values())
+
+
+def replace_marks(value: Any) -> Any:
+    """A source's own U+FFFC (eagle3's image mark) as U+FFFD."""
+    if isinstance(value, str):
+        return value.replace(IMAGE_MARK, "\ufffd")
+    if isinstance(value, list):
+        return [replace_marks(v) for v in value]
+    return {k: replace_marks(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
+def part_image(part: dict[str, Any], images_in: Path | None) -> str:
+    """An OpenAI `image_url` part (`{"url": ...}` or the URL itself), or the `image` / `input_image` shapes other
+    clients send (`"image"`, `"image_url"`, `"url"` or `"path"` holding the path or URL)."""
+    url = part.get(part["type"])
+    if url is None:
+        url = part.get("image_url", part.get("url", part.get("path")))
+    if isinstance(url, dict):
+        url = url.get("url")
+    return image_ref(url, images_in)
+
+
+def with_llava_images(turns: list[Turn], body: dict[str, Any], images_in: Path | None) -> list[Turn]:
+    """The LLaVA / ShareGPT-VL shape: `<image>` in the text, the files in the record's `images` (or `image`), in
+    order. Counts that differ skip the record (`image_count_mismatch`); without such a field `<image>` is text."""
+    listed = body.get("images", body.get("image"))
+    listed = [] if listed is None else [listed] if isinstance(listed, str) else listed
+    if not isinstance(listed, list):
+        raise ImageError("image_not_a_reference", f"`images` is {type(listed).__name__}, not a list")
+    if not listed:
+        return turns
+    marks = sum(t.content.count(LLAVA_IMAGE) for t in turns)
+    if marks != len(listed):
+        raise ImageError("image_count_mismatch", f"{marks} {LLAVA_IMAGE} in the text for {len(listed)} images")
+    refs = iter([image_ref(x, images_in) for x in listed])
+    out = []
+    for t in turns:
+        n = t.content.count(LLAVA_IMAGE)
+        if n and t.role == "assistant":
+            raise ImageError("image_in_assistant_turn", "an answer cannot hold an image")
+        if n:
+            t = t.with_(content=t.content.replace(LLAVA_IMAGE, IMAGE_MARK), images=tuple(next(refs) for _ in range(n)))
+        out.append(t)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the processor

@@ -85,7 +85,16 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import SourceConfig
-from eagle3.data.images import IMAGE_MARK, LLAVA_IMAGE, ImageError, check_image, image_ref
+from eagle3.data.images import (
+    IMAGE_MARK,
+    IMAGE_PARTS,
+    ImageError,
+    check_image,
+    has_mark,
+    part_image,
+    replace_marks,
+    with_llava_images,
+)
 from eagle3.data.readers import SourceStats as SourceStats  # a source's reading stats, where callers read them
 from eagle3.data.readers import iter_hf, iter_json_array, iter_jsonl, join_parts
 from eagle3.data.readers import sniff_format as sniff_format
@@ -262,12 +271,12 @@ def _to_conversation(record: Any, index: int, name: str, shape: str | None, stat
     body, replaced = _replace_lone_surrogates(body)
     if replaced:
         fixes["lone_surrogate_replaced"] += 1
-    if _has_mark(body):
-        body = _replace_marks(body)
+    if has_mark(body):
+        body = replace_marks(body)
         fixes["object_replacement_char_replaced"] += 1
     try:
         if shape == "sharegpt" or (shape is None and "conversations" in body):
-            raw = _with_llava_images(_sharegpt_turns(body.get("conversations"), images_in), body, images_in)
+            raw = with_llava_images(_sharegpt_turns(body.get("conversations"), images_in), body, images_in)
         elif shape == "messages" or (shape is None and "messages" in body):
             raw = _messages_turns(body.get("messages"), images_in)
         else:
@@ -308,37 +317,6 @@ def _replace_lone_surrogates(value: Any) -> tuple[Any, bool]:
     return value, False
 
 
-def _has_mark(value: Any) -> bool:
-    if isinstance(value, str):
-        return IMAGE_MARK in value
-    if isinstance(value, list):
-        return any(_has_mark(v) for v in value)
-    return isinstance(value, dict) and any(_has_mark(v) for v in value.values())
-
-
-def _replace_marks(value: Any) -> Any:
-    """A source's own U+FFFC (eagle3's image mark) as U+FFFD."""
-    if isinstance(value, str):
-        return value.replace(IMAGE_MARK, "\ufffd")
-    if isinstance(value, list):
-        return [_replace_marks(v) for v in value]
-    return {k: _replace_marks(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-
-_IMAGE_PARTS = ("image_url", "image", "input_image")
-
-
-def _part_image(part: dict[str, Any], images_in: Path | None) -> str:
-    """An OpenAI `image_url` part (`{"url": ...}` or the URL itself), or the `image` / `input_image` shapes other
-    clients send (`"image"`, `"image_url"`, `"url"` or `"path"` holding the path or URL)."""
-    url = part.get(part["type"])
-    if url is None:
-        url = part.get("image_url", part.get("url", part.get("path")))
-    if isinstance(url, dict):
-        url = url.get("url")
-    return image_ref(url, images_in)
-
-
 def _content(content: Any, images_in: Path | None = None) -> tuple[str, tuple[str, ...]]:
     """A message's text, IMAGE_MARK where an image part stands, and its images (eagle3.data.images)."""
     if content is None:
@@ -353,8 +331,8 @@ def _content(content: Any, images_in: Path | None = None) -> tuple[str, tuple[st
                 parts.append(part)
             elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
-            elif isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
-                images.append(_part_image(part, images_in))
+            elif isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                images.append(part_image(part, images_in))
                 parts.append(IMAGE_MARK)
             else:
                 raise _Skip("non_text_part")
@@ -372,30 +350,6 @@ def _result(content: Any, images_in: Path | None = None) -> tuple[str, tuple[str
             if not isinstance(content, list):
                 raise
     return json.dumps(content, ensure_ascii=False), ()
-
-
-def _with_llava_images(turns: list[Turn], body: dict[str, Any], images_in: Path | None) -> list[Turn]:
-    """The LLaVA / ShareGPT-VL shape: `<image>` in the text, the files in the record's `images` (or `image`), in
-    order. Counts that differ skip the record (`image_count_mismatch`); without such a field `<image>` is text."""
-    listed = body.get("images", body.get("image"))
-    listed = [] if listed is None else [listed] if isinstance(listed, str) else listed
-    if not isinstance(listed, list):
-        raise ImageError("image_not_a_reference", f"`images` is {type(listed).__name__}, not a list")
-    if not listed:
-        return turns
-    marks = sum(t.content.count(LLAVA_IMAGE) for t in turns)
-    if marks != len(listed):
-        raise ImageError("image_count_mismatch", f"{marks} {LLAVA_IMAGE} in the text for {len(listed)} images")
-    refs = iter([image_ref(x, images_in) for x in listed])
-    out = []
-    for t in turns:
-        n = t.content.count(LLAVA_IMAGE)
-        if n and t.role == "assistant":
-            raise ImageError("image_in_assistant_turn", "an answer cannot hold an image")
-        if n:
-            t = t.with_(content=t.content.replace(LLAVA_IMAGE, IMAGE_MARK), images=tuple(next(refs) for _ in range(n)))
-        out.append(t)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ tools
