@@ -217,15 +217,23 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
-            proc.poll()
+            _reap(proc)
             return
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             proc.poll()  # reap the launcher, or it stays in the group as a zombie
             if not _group_alive(pgid):
+                _reap(proc)  # it may have exited between the poll and the look at the group
                 return
             time.sleep(0.1)
     log.warning("processes of the SGLang server's group %d outlived SIGKILL by 10 s", pgid)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _group_alive(pgid: int) -> bool:
