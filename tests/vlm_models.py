@@ -27,7 +27,6 @@ QWEN_VL_TEMPLATE = (
 
 def tiny_qwen25_vl(path: str | Path, with_model: bool = True, seed: int = 0) -> Path:
     """Qwen2.5-VL: 4 text layers of 64 (M-RoPE sections 2/3/3), a 2-block vision tower of 32, vocab 320."""
-    import torch
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -50,18 +49,12 @@ def tiny_qwen25_vl(path: str | Path, with_model: bool = True, seed: int = 0) -> 
                        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
                        "fullatt_block_indexes": [1]},
         image_token_id=261, video_token_id=262, vision_start_token_id=259, vision_end_token_id=260)
-    if with_model:
-        torch.manual_seed(seed)
-        Qwen2_5_VLForConditionalGeneration(cfg).eval().save_pretrained(str(path))
-    else:
-        cfg.save_pretrained(str(path))
-    return path
+    return _save(path, cfg, Qwen2_5_VLForConditionalGeneration if with_model else None, seed)
 
 
 def tiny_kimi_k25_vl(path: str | Path, with_model: bool = False, seed: int = 0) -> Path:
     """Kimi-K2.5 with its real special ids (vocab 163840, `<|media_pad|>` 163605) and the built-in kimi-k2.5
     template: a DeepSeek-V3 text model of 64 (4 layers, MLA) behind a 2-layer MoonViT of 32."""
-    import torch
     from transformers import (
         DeepseekV3Config,
         Kimi_K25Config,
@@ -87,11 +80,18 @@ def tiny_kimi_k25_vl(path: str | Path, with_model: bool = False, seed: int = 0) 
                                   num_attention_heads=2, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4,
                                   merge_kernel_size=[2, 2])
     cfg = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32)
-    if with_model:
-        torch.manual_seed(seed)
-        Kimi_K25ForConditionalGeneration(cfg).eval().save_pretrained(str(path))
-    else:
+    return _save(path, cfg, Kimi_K25ForConditionalGeneration if with_model else None, seed)
+
+
+def _save(path: Path, cfg: Any, model_cls: Any, seed: int) -> Path:
+    """The config alone (processor tests), or a random model of `model_cls` from it, seeded, into `path`."""
+    if model_cls is None:
         cfg.save_pretrained(str(path))
+        return path
+    import torch
+
+    torch.manual_seed(seed)
+    model_cls(cfg).eval().save_pretrained(str(path))
     return path
 
 
