@@ -231,7 +231,21 @@ def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         out["loss_mask"][i, :n] = torch.as_tensor(it["loss_mask"]).to(torch.int64)
         for k in states:
             out[k][i, :n] = it[k]
+    if "image_embeds" in items[0]:
+        out |= _image_rows(items, b, t)
     return out
+
+
+def _image_rows(items: list[dict[str, Any]], b: int, t: int) -> dict[str, torch.Tensor]:
+    """The batch's image embeddings [N, H] (its items' in order) and `image_rank` [B, T]: at an image position the
+    row of its embedding, -1 elsewhere (eagle3.objective feeds them to the draft under target-embeddings)."""
+    rank = torch.full((b, t), -1, dtype=torch.int64)
+    k = 0
+    for i, it in enumerate(items):
+        pos = it["image_positions"]
+        rank[i, pos] = torch.arange(k, k + len(pos))
+        k += len(pos)
+    return {"image_embeds": torch.cat([it["image_embeds"] for it in items]), "image_rank": rank}
 
 
 class Prefetch:

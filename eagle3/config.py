@@ -26,6 +26,7 @@ Storage = Literal["exact", "fp8", "fp8-aux"]
 DraftArch = Literal["llama", "mla"]
 """draft.arch: the head's decoder layer (eagle3.model: ATTENTIONS, ARCH_DIMS)."""
 EvalEngine = Literal["builtin", "vllm", "sglang"]
+ImageInputs = Literal["placeholder", "target-embeddings"]
 """eval.engine: who decodes speculatively (eagle3.evaluate)."""
 
 
@@ -171,12 +172,13 @@ class DraftConfig(Section):
     repeat factor when `data.sources[].weight` is set; the full target vocab when this is at least the target's (the
     published Kimi-K2.5 MLA head's choice: nothing is out of reach, at the cost of a bigger lm_head).
     `eagle3 vocab coverage` prints the share of the target's greedy output that a prepared vocab cannot propose."""
-    image_inputs: Literal["placeholder", "target-embeddings"] | None = None
+    image_inputs: ImageInputs | None = None
     """What the head gets as its input embedding at an image token, as the engine that will serve it feeds it:
     `placeholder` (vLLM 0.32: the embedding of the image placeholder id, `<|media_pad|>` for Kimi-K2.5, at every
     image position) or `target-embeddings` (SGLang 0.5.23: the target's merged input embeddings, the vision
-    projector's outputs there; not built yet). Needed only when the prepared data has images, and then required:
-    a head trained for one engine's inputs meets other inputs in the other (docs/kimi-k2.5.md "Images")."""
+    projector's outputs there, which the cache keeps at image rows). Needed only when the prepared data has images,
+    and then required: a head trained for one engine's inputs meets other inputs in the other (docs/kimi-k2.5.md
+    "Images"). The evaluator feeds a head what its recorded convention names."""
     vocab_from: Literal["answers", "answers+prompts"] = "answers"
     """What the draft vocab counts: `answers` (loss-masked tokens, what the head is trained to predict) or
     `answers+prompts` (the prompt tokens too: an answer that re-emits code or text from its prompt needs the prompt's
@@ -356,7 +358,9 @@ class EvalConfig(Section):
     `code-edit` (those 164 functions, each to return whole with one edit: answers that copy the prompt), `bfcl`
     (BFCL v4's single-turn function calling, 7 categories, from `bfcl-eval`), `sharegpt-long` (200 long ShareGPT
     histories, each conversation's split records joined back, 8K-28K characters: 1.6K-9K SmolLM2 tokens, median
-    3.3K; the last answer generated; BENCHMARKS.md "A head trained on long conversations"), `eval-split`
+    3.3K; the last answer generated; BENCHMARKS.md "A head trained on long conversations"), `images` (12 pictures the
+    project draws: charts, shapes, rendered text, code screenshots, one question each; a vision-language target),
+    `eval-split`
     (held-out prepared data), a path to a JSONL of prompts (text turns, or agentic `{"tools", "messages"}` histories), or a local HF
     `datasets` folder as `FOLDER:FIELD` (FIELD: the text column)."""
     max_prompts: int | None = Field(None, ge=1)

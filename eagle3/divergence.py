@@ -74,13 +74,14 @@ class Divergence:
 
 
 def explain(dec: Any, prompt_id: str, turn: int, prompt: list[int], spec: list[int], plain: list[int],
-            num_layers: int) -> Divergence:
-    """The Divergence of one turn (`dec`: the eagle3.specdec.SpeculativeDecoder that produced both outputs)."""
+            num_layers: int, images: list[str] | None = None) -> Divergence:
+    """The Divergence of one turn (`dec`: the eagle3.specdec.SpeculativeDecoder that produced both outputs;
+    `images`: the prompt's)."""
     p = first_difference(spec, plain)
     spec_tok = spec[p] if p < len(spec) else None
     plain_tok = plain[p] if p < len(plain) else None
     if plain_tok is None:  # the plain path had stopped: nothing it chose between
         return Divergence(prompt_id, turn, p, spec_tok, None, math.inf, 0.0)
-    top1, top2 = dec.top2(prompt, plain[:p])
+    top1, top2 = dec.top2(prompt, plain[:p], images or [])
     return Divergence(prompt_id, turn, p, spec_tok, plain_tok, top1 - top2,
                       near_tie_bound(dec.target.dtype, num_layers, top1, top2))

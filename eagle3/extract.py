@@ -266,7 +266,9 @@ def _extract_shard(ec: ExtractConfig, cache_dir: Path, backend: Any, argmax: Any
 
     name = shard_name(rank, world, job.shard)
     skipped: list[str] = []
-    writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], backend.dtype, storage=fp["storage"])
+    images = bool(fp.get("image_embeds"))
+    writer = ShardWriter(cache_dir / job.split / name, fp["hidden_size"], backend.dtype, storage=fp["storage"],
+                         images=images)
     try:
         for batch in plan_batches([int(lens[i]) for i in job.rows], ec.batch_tokens, ec.max_batch_size):
             rows = ds[[job.rows[b] for b in batch]]
@@ -277,6 +279,9 @@ def _extract_shard(ec: ExtractConfig, cache_dir: Path, backend: Any, argmax: Any
                 if finite(c):
                     keep.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "aux": c.aux,
                                  "final": c.final, "target_argmax": argmax(c.final)})
+                    if images:  # where the serving engine feeds the draft the pictures: those rows only
+                        keep[-1] |= {"image_positions": np.flatnonzero(np.asarray(ids) == backend.vision.image_token_id),
+                                     "image_embeds": c.image_embeds.to(backend.dtype)}
                 else:  # skipped and counted; the manifest lists it, so `cache info` shows it
                     skipped.append(sid)
                     log.warning("%s sample %r: the target returned NaN/inf hidden states; skipped (not written to "

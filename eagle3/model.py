@@ -452,17 +452,26 @@ class Eagle3Draft(nn.Module):
             aux = aux * keep
         return self.fc(aux)
 
-    def embed(self, input_ids: Tensor) -> Tensor:
+    def embed(self, input_ids: Tensor, extra: Tensor | None = None) -> Tensor:
+        """Token embeddings; with `extra` [N, H], id `vocab + k` embeds as `extra[k]`: how the target's merged
+        input embeddings reach the head at image positions (draft.image_inputs=target-embeddings, SGLang's
+        convention) while the ids still shift like tokens through the training-time test."""
         w = self.embed_tokens.weight
         if w.shape[0] == 0:
             raise RuntimeError("the draft has no token embeddings: pass embed_weight or call set_embeddings()")
-        return F.embedding(input_ids, w)
+        if extra is None:
+            return F.embedding(input_ids, w)
+        v = w.shape[0]
+        out = F.embedding(input_ids.clamp(max=v - 1), w)
+        at = input_ids >= v
+        return out.masked_scatter(at[..., None], extra.to(out.dtype)[input_ids[at] - v])
 
-    def attention_inputs(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def attention_inputs(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor,
+                         extra: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, heads, S, D], k and v [B, kv_heads, S, D] (RoPE applied) for tokens + features at positions;
-        D is the query width (MLA's values are zero-padded to it, see MLAAttention)."""
+        D is the query width (MLA's values are zero-padded to it, see MLAAttention). `extra`: see `embed`."""
         layer = self.midlayer
-        emb = self.embed(input_ids).to(hidden.dtype)
+        emb = self.embed(input_ids, extra).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
         return layer.self_attn.qkv(x, position_ids)
 
@@ -484,11 +493,11 @@ class Eagle3Draft(nn.Module):
         h = hidden + attn.o_proj(attn_flat)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def layer_inputs(self, i: int, input_ids: Tensor, hidden: Tensor, position_ids: Tensor
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+    def layer_inputs(self, i: int, input_ids: Tensor, hidden: Tensor, position_ids: Tensor,
+                     extra: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """`attention_inputs` of layer i: the first takes tokens + features, a stacked one the stream `hidden`."""
         if i == 0:
-            return self.attention_inputs(input_ids, hidden, position_ids)
+            return self.attention_inputs(input_ids, hidden, position_ids, extra=extra)
         layer = self.layers[str(i)]
         return layer.self_attn.qkv(layer.input_layernorm(hidden), position_ids)
 
@@ -513,15 +522,17 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, aux: Tensor, input_ids: Tensor, rows: TTTPlan, attention: Attention = "fast",
                 head: Callable[[list[Tensor], Tensor], Any] | None = None, over: LocalAttention | None = None,
-                checkpoint: bool = False) -> Any:
+                checkpoint: bool = False, extra: Tensor | None = None) -> Any:
         """Training: the TTT unroll over `rows` (`ttt_unroll_rows` below) -> head(final-normed scored rows of
         each step, lm_head weight); without `head`, each step's logits. Lives in `forward`, the head included,
         so that DDP/FSDP wrappers see the whole computation (their gradient hooks need the call to go through
         them, and FSDP holds the unsharded lm_head weight only inside it). The trainer's head is the fused,
         chunked lm_head + loss (eagle3.loss.SoftCE), which never holds a step's [rows, draft_vocab] logits.
         `over`: a sequence-parallel group's attention (eagle3.sequence_parallel) when `rows` plans this rank's share
-        of the positions; `checkpoint`: recompute each TTT step's layer in the backward (train.activation_checkpointing)."""
-        states = ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention, over or LOCAL, checkpoint)
+        of the positions; `checkpoint`: recompute each TTT step's layer in the backward (train.activation_checkpointing);
+        `extra`: the embeddings of ids past the vocab (`embed`)."""
+        states = ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention, over or LOCAL, checkpoint,
+                                 extra)
         if head is None:
             return [self.lm_head(x) for x in states]
         return head(states, self.lm_head.weight)
@@ -533,19 +544,20 @@ class Eagle3Draft(nn.Module):
         position_ids: Tensor,
         past_kv: KVCache | None,
         attn_mask: Tensor | None = None,
+        extra: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, KVCache]:
         """One incremental draft forward over S new positions, through every layer.
 
         past_kv: one (keys, values) per layer, each [B, kv_heads, K, head_dim] (keys post-RoPE); the returned cache
         is past + this call's. attn_mask: bool [B, S, K_total] over past+new keys (True = may attend), the same for
         every layer; None = every past key plus causal among the new ones. Returns (the hidden the next step
-        receives [B,S,H] (`handoff`), logits [B,S,draft_vocab], the cache).
+        receives [B,S,H] (`handoff`), logits [B,S,draft_vocab], the cache). `extra`: see `embed`.
         """
         if past_kv is not None and len(past_kv) != self.num_layers:
             raise ValueError(f"past_kv holds {len(past_kv)} layers' keys; the head has {self.num_layers}")
         h, cache = hidden, []
         for i in range(self.num_layers):
-            q, k, v = self.layer_inputs(i, input_ids, h, position_ids)
+            q, k, v = self.layer_inputs(i, input_ids, h, position_ids, extra)
             if past_kv is not None:
                 k = torch.cat([past_kv[i][0].to(k.dtype), k], dim=2)
                 v = torch.cat([past_kv[i][1].to(v.dtype), v], dim=2)

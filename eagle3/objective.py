@@ -47,17 +47,22 @@ class PlannedBatch:
 class Objective:
     """EAGLE-3's training-time test against the target's distribution over the draft vocab (eagle3.loss)."""
 
-    def __init__(self, teacher: Teacher, train: TrainConfig, sp: SequenceParallel | None = None):
-        self.teacher, self.train, self.sp = teacher, train, sp
+    def __init__(self, teacher: Teacher, train: TrainConfig, sp: SequenceParallel | None = None,
+                 image_inputs: str | None = None):
+        """`image_inputs`: draft.image_inputs, what the head reads at image tokens (a cache of image samples)."""
+        self.teacher, self.train, self.sp, self.image_inputs = teacher, train, sp, image_inputs
         self.device = teacher.device
 
     def plan(self, batch: dict[str, Tensor]) -> PlannedBatch:
         if self.train.copy_weight != 1.0:  # before sharding: a lookup needs the whole context before a position
             copy = copy_positions(batch["input_ids"], batch["target_argmax"])
             batch = {**batch, "position_weight": 1.0 + (self.train.copy_weight - 1.0) * copy.float()}
+        batch, extra = self._image_inputs(batch)
         own, start = None, 0
         if self.sp is not None:
             batch, own, start = self.sp.shard(batch, self.train.ttt_steps)
+        if extra is not None:
+            batch["image_embeds"] = extra
         draft_argmax = self.teacher.to_draft_host[batch["target_argmax"]]
         return PlannedBatch(batch, plan_rows(batch["loss_mask"], draft_argmax, self.train.ttt_steps,
                                              self.train.mask_out_of_vocab, own, start))
@@ -73,10 +78,26 @@ class Objective:
         if "position_weight" in batch:
             probs.mul_(batch["position_weight"].flatten()[rows.teacher_pos, None])
         head = SoftCE(probs, rows, self.train.step_decay, denominators, self.train.loss_chunk_rows)
-        out = model(batch["aux"], batch["input_ids"], rows, head=head, over=self.sp,
-                    checkpoint=self.train.activation_checkpointing)
+        out = model(batch["aux"], batch.get("draft_ids", batch["input_ids"]), rows, head=head, over=self.sp,
+                    checkpoint=self.train.activation_checkpointing, extra=batch.get("image_embeds"))
         draft_target = self.teacher.to_draft[argmax].flatten()[rows.teacher_pos]
         return ttt_loss(out, draft_target, rows, (batch["input_ids"], argmax, batch["loss_mask"]))
+
+    def _image_inputs(self, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor | None]:
+        """A batch of image samples: under `target-embeddings` (SGLang's inputs) `draft_ids`, the ids with each image
+        token as `vocab + k`, k its row in `image_embeds`, which the head embeds as that row (the target's merged
+        input there; eagle3.model.Eagle3Draft.embed), shifting through the TTT steps like the ids; under
+        `placeholder` (vLLM's) the image tokens' own embeddings, so the pictures are dropped. -> (the batch, the
+        embeddings kept aside: they are rows, not positions, and are never sharded)."""
+        if "image_rank" not in batch:
+            return batch, None
+        batch = dict(batch)
+        rank, extra = batch.pop("image_rank"), batch.pop("image_embeds")
+        if self.image_inputs != "target-embeddings":
+            return batch, None
+        vocab = self.teacher.to_draft_host.shape[0]
+        batch["draft_ids"] = torch.where(rank >= 0, vocab + rank, batch["input_ids"])
+        return batch, extra
 
     def to_device(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """The batch on the device, fp8 states (eagle3.cache.codec) dequantised there to the target's dtype: a GPU

@@ -537,7 +537,7 @@ def _write(out: Path, meta: dict[str, Any], train_s: list[Any], eval_s: list[Any
         try:
             # An empty split (data.eval_size=0) must be saved as one empty shard: with the default it gets no data
             # file at all, and load_from_disk then fails deep inside datasets (IndexError in concat_tables).
-            with_images = any(s[5] for s in train_s + eval_s)
+            with_images = "images" in meta["fingerprint_inputs"]  # run() added them: some sample has images
             for name, split in (("train", train_s), ("eval", eval_s)):
                 _to_dataset(split, with_images).save_to_disk(str(tmp / name), num_shards=None if split else 1)
         finally:

@@ -372,7 +372,7 @@ def set_up(cfg: Config) -> Session:
         copy_init(draft, cfg.draft.copy_init, train_ds, embed)
     # The teacher multiplies in the dtype the target is served in, whatever dtype the checkpoint stores it in.
     teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), d2t, t2d).to(accelerator.device)
-    objective = Objective(teacher, tc, sp)
+    objective = Objective(teacher, tc, sp, cfg.draft.image_inputs)
     del embed, lm_head
 
     rank, world = _rank_world(tc)

@@ -28,8 +28,8 @@ class UnrolledHead(Protocol):
     attn_scale: float
     num_layers: int
 
-    def layer_inputs(self, i: int, input_ids: Tensor, hidden: Tensor,
-                     position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
+    def layer_inputs(self, i: int, input_ids: Tensor, hidden: Tensor, position_ids: Tensor,
+                     extra: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]: ...
 
     def layer_block(self, i: int, hidden: Tensor, attn_flat: Tensor) -> Tensor: ...
 
@@ -135,8 +135,9 @@ class _Unroll:
     torch.utils.checkpoint takes them: each layer's keys, then each layer's values."""
 
     def __init__(self, draft: UnrolledHead, input_ids: Tensor, rows: TTTPlan, attention: Attention,
-                 over: LocalAttention):
+                 over: LocalAttention, extra: Tensor | None = None):
         self.draft, self.input_ids, self.rows, self.attention, self.over = draft, input_ids, rows, attention, over
+        self.extra = extra
         self.n = draft.num_layers
         b, t = rows.shape
         self.flat_pos = (rows.start + torch.arange(t, device=input_ids.device)).repeat(b)
@@ -154,7 +155,7 @@ class _Unroll:
         ids, pos = shift_tokens(self.input_ids, 1)[:, :t], self.flat_pos.view(b, t)
         h, k0s, v0s = hidden0, [], []
         for i in range(self.n):
-            q, k0, v0 = draft.layer_inputs(i, ids, h, pos)
+            q, k0, v0 = draft.layer_inputs(i, ids, h, pos, self.extra)
             k0, v0 = self.over.keys(k0, v0, q.shape[1])
             out = self.attend(q, k0, v0, [], [])
             k0s.append(k0)
@@ -176,7 +177,7 @@ class _Unroll:
         at = [rows.within(s + 1, j) for s in range(j)]
         new_k, new_v = [], []
         for i in range(n):
-            q, k, v = draft.layer_inputs(i, ids[None], h[None], (self.flat_pos[keep] + j)[None])
+            q, k, v = draft.layer_inputs(i, ids[None], h[None], (self.flat_pos[keep] + j)[None], self.extra)
             k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [M_j, nkv, D]
             ks = [*earlier[i * per:(i + 1) * per], k]
             vs = [*earlier[(n + i) * per:(n + i + 1) * per], v]
@@ -191,7 +192,7 @@ class _Unroll:
 
 def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, rows: TTTPlan,
                     attention: Attention = "fast", over: LocalAttention = LOCAL,
-                    checkpoint: bool = False) -> list[Tensor]:
+                    checkpoint: bool = False, extra: Tensor | None = None) -> list[Tensor]:
     """Final-normed output hidden [len(score[j]), H] of the scored rows of each unrolled step (the lm_head's
     input; see the module docstring).
 
@@ -200,11 +201,12 @@ def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, row
     prefix; with stacked layers, every layer but the last runs at every position for them); everything else
     (queries, the layer after attention, the final norm) runs only on the rows in `rows`, placed at their
     positions for attention. `checkpoint`: keep only each step's inputs and outputs (its hidden, keys and values)
-    for the backward, which recomputes the step's layers (torch.utils.checkpoint).
+    for the backward, which recomputes the step's layers (torch.utils.checkpoint). `extra`: the embeddings of ids
+    past the vocab (eagle3.model.Eagle3Draft.embed: image positions under draft.image_inputs=target-embeddings).
     """
     if attention == "dense" and over is not LOCAL:
         raise ValueError("the dense reference attention runs in one process only")
-    unroll, n = _Unroll(draft, input_ids, rows, attention, over), draft.num_layers
+    unroll, n = _Unroll(draft, input_ids, rows, attention, over, extra), draft.num_layers
     run = partial(_run_step, checkpoint)
     with record_function("ttt_step_0"):  # named in a torch.profiler trace (benchmarks/bench_profile.py); free else
         hidden, *step0 = run(unroll.step_0, hidden0)

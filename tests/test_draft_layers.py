@@ -206,7 +206,8 @@ def test_step_1_receives_the_pre_norm_or_with_norm_output_the_normed_hidden(monk
         seen: list[torch.Tensor] = []
         outputs: list[torch.Tensor] = []
         real_inputs, real_block = m.attention_inputs, m.block
-        monkeypatch.setattr(m, "attention_inputs", lambda i, hidden, p: seen.append(hidden) or real_inputs(i, hidden, p))
+        monkeypatch.setattr(m, "attention_inputs",
+                            lambda i, hidden, p, **kw: seen.append(hidden) or real_inputs(i, hidden, p, **kw))
         monkeypatch.setattr(m, "block", lambda hidden, a: outputs.append(real_block(hidden, a)) or outputs[-1])
         ttt_unroll(m, m.project(aux), ids, 2)
         block0, fed1 = outputs[0], seen[1].reshape(-1, H)  # every row kept: rows in position order

@@ -348,8 +348,8 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
 def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_path):
     """prepare -> extract -> train on a tiny Qwen2.5-VL with image and text samples, draft.image_inputs=placeholder
     (vLLM's inputs): the cache holds, for an image sample, the states the vision-language model computes for it
-    alone, and a few training steps stay finite. Without draft.image_inputs, with target-embeddings (not built) and
-    online, each stage refuses by name."""
+    alone, and a few training steps stay finite. Without draft.image_inputs and online, each stage refuses by
+    name."""
     import torch
 
     from eagle3.cache import HiddenStateDataset, expected_fingerprint
@@ -366,8 +366,6 @@ def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_pat
     prepare.run(_prep_cfg(tmp_path, target, data, *more))
     with pytest.raises(PreparedError, match="set draft.image_inputs"):
         extract(_prep_cfg(tmp_path, target, data, *more))
-    with pytest.raises(PreparedError, match="target-embeddings .* not built yet"):
-        extract(_prep_cfg(tmp_path, target, data, *more, "draft.image_inputs=target-embeddings"))
     cfg = _prep_cfg(tmp_path, target, data, *more, "draft.image_inputs=placeholder")
     assert extract(cfg)["samples"] == 12  # both splits
 
@@ -396,3 +394,76 @@ def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_pat
                        f"output_dir={tmp_path / 'online'}", f"data.output_dir={cfg.prepared_dir}")
     with pytest.raises(UserError, match="online training does not capture them yet"):
         train(online)
+
+
+@needs_torchvision
+def test_target_embeddings_cache_the_pictures_and_feed_them_to_the_head(tmp_path):
+    """draft.image_inputs=target-embeddings (SGLang's inputs): the cache keeps, for each image sample, its image
+    token positions and the target's merged input embeddings there (the projector's outputs, equal to the HF
+    capture's), nothing for text samples; in training the head reads those embeddings one position early (the ids'
+    shift) and the pictures change the loss, where `placeholder` drops them; the head is exported for SGLang with
+    its convention."""
+    import torch
+
+    from eagle3.batching import collate
+    from eagle3.cache import HiddenStateDataset
+    from eagle3.extract import run as extract
+    from eagle3.loss import Teacher
+    from eagle3.model import Eagle3Draft, Eagle3DraftConfig
+    from eagle3.objective import Objective
+    from eagle3.targets.hf import HFTarget
+    from eagle3.trainer import run as train
+
+    target = tiny_qwen25_vl(tmp_path / "qwen", with_model=True)
+    data = _image_data(tmp_path)
+    cfg = _prep_cfg(tmp_path, target, data, "target.dtype=float32", "extract.shard_samples=4",
+                    "extract.batch_tokens=512", "train.batch_tokens=512", "train.max_steps=2", "train.eval_every=2",
+                    "draft.vocab_size=320", "draft.image_inputs=target-embeddings")
+    prepare.run(cfg)
+    assert extract(cfg)["samples"] == 12
+    ds = HiddenStateDataset(cfg.cache_dir, "train")
+    assert ds.fingerprint["image_embeds"] is True
+    prepared = load_prepared(cfg.prepared_dir)
+    backend = HFTarget(cfg.target, cfg.extract, images=True)
+    items = [ds[i] for i in range(len(ds))]
+    with_images = [it for it in items if len(it["image_positions"])]
+    assert with_images and any(len(it["image_positions"]) == 0 for it in items)
+    for it in items:
+        ids = it["input_ids"]
+        assert it["image_positions"].tolist() == torch.nonzero(ids == 261).flatten().tolist()
+        assert it["image_embeds"].shape == (len(it["image_positions"]), 64)
+    item = with_images[0]
+    row = prepared.train[prepared.train["id"].index(item["sample_id"])]
+    c = backend.capture([row["input_ids"]], [row["images"]])[0]
+    torch.testing.assert_close(item["image_embeds"], c.image_embeds)
+
+    batch = collate(with_images[:2])
+    torch.manual_seed(0)
+    dc = Eagle3DraftConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           intermediate_size=128, vocab_size=320, draft_vocab_size=320, target_hidden_size=64)
+    model = Eagle3Draft(dc)
+    lm_head = backend.lm_head_weight.detach()
+    model.init_from_target(lm_head, backend.model.get_input_embeddings().weight.detach())
+    model.set_vocab(torch.zeros(320, dtype=torch.long), torch.ones(320, dtype=torch.bool))
+    teacher = Teacher(lm_head, torch.zeros(320, dtype=torch.long), torch.ones(320, dtype=torch.bool))
+    losses = {}
+    for convention in ("target-embeddings", "placeholder"):
+        objective = Objective(teacher, cfg.train, image_inputs=convention)
+        planned = objective.plan(batch)
+        if convention == "target-embeddings":
+            b = planned.batch
+            fed = model.embed(b["draft_ids"], b["image_embeds"])
+            at = b["draft_ids"] >= 320
+            assert torch.equal(at, batch["input_ids"] == 261)
+            torch.testing.assert_close(fed[at], torch.cat([it["image_embeds"] for it in with_images[:2]]))
+        else:
+            assert "draft_ids" not in planned.batch and "image_embeds" not in planned.batch
+        with torch.no_grad():
+            losses[convention] = float(objective.loss(model, planned)[0])
+    assert abs(losses["target-embeddings"] - losses["placeholder"]) > 1e-6, losses
+
+    m = train(cfg)
+    assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0
+    out = cfg.paths.export_dir / "sglang"
+    assert json.loads((out / "config.json").read_text())["eagle3"]["image_inputs"] == "target-embeddings"
+

@@ -143,13 +143,17 @@ def dense(states: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torc
 
 
 # ------------------------------------------------------------------------------------------------- encoding
-def schema(hidden_size: int, dtype: torch.dtype, storage: str = "exact") -> pa.Schema:
+def schema(hidden_size: int, dtype: torch.dtype, storage: str = "exact", images: bool = False) -> pa.Schema:
     c = codec_for(storage)
     fields = [("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
               ("num_tokens", pa.int32())]
     fields += [(s, pa.list_(pa.list_(c.column_type(s, dtype), parts * hidden_size))) for s, parts in STATES.items()]
     fields += [(f"{s}_scale", pa.list_(pa.list_(pa.float32(), parts))) for s, parts in STATES.items() if s in c.fp8]
     fields.append(("target_argmax", pa.list_(pa.int32())))
+    if images:  # each row's image token positions and the target's merged input embeddings there (the vision
+        # projector's outputs), in the target's own bits whatever the storage (draft.image_inputs=target-embeddings)
+        fields += [("image_positions", pa.list_(pa.int32())),
+                   ("image_embeds", pa.list_(pa.list_(exact_type(dtype), hidden_size)))]
     meta = {"eagle3_dtype": str(dtype).removeprefix("torch."), "eagle3_storage": storage}
     return pa.schema(fields, metadata=meta)
 
@@ -167,11 +171,12 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtype,
-                 storage: str = "exact") -> pa.RecordBatch:
+                 storage: str = "exact", images: bool = False) -> pa.RecordBatch:
     """Rows {sample_id, input_ids, loss_mask, aux [T,3H], final [T,H], target_argmax [T]} -> one Arrow record
     batch, the states encoded by the storage's codec (quantised here for fp8). target_argmax is the target's
-    full-vocab argmax at each position (a target token id)."""
-    sch, c = schema(hidden_size, dtype, storage), codec_for(storage)
+    full-vocab argmax at each position (a target token id). `images`: each row also has `image_positions` [N] and
+    `image_embeds` [N, H] (`schema`)."""
+    sch, c = schema(hidden_size, dtype, storage, images), codec_for(storage)
     lengths = np.array([len(r["input_ids"]) for r in rows], dtype=np.int32)
     for r, t in zip(rows, lengths, strict=True):
         if tuple(r["aux"].shape) != (t, 3 * hidden_size) or tuple(r["final"].shape) != (t, hidden_size):
@@ -206,7 +211,23 @@ def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtyp
         if len(r["target_argmax"]) != t:
             raise CacheError(f"sample {r['sample_id']}: {len(r['target_argmax'])} argmax ids for {t} tokens")
     cols += [*scales, flat("target_argmax", np.int32)]
+    if images:
+        cols += _image_columns(rows, hidden_size, dtype)
     return pa.RecordBatch.from_arrays(cols, schema=sch)
+
+
+def _image_columns(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtype) -> list[pa.Array]:
+    counts = np.array([len(r["image_positions"]) for r in rows], dtype=np.int32)
+    for r, n in zip(rows, counts, strict=True):
+        if tuple(r["image_embeds"].shape) != (n, hidden_size) or r["image_embeds"].dtype != dtype:
+            raise CacheError(f"sample {r['sample_id']}: image embeddings {tuple(r['image_embeds'].shape)} "
+                             f"{r['image_embeds'].dtype} for {n} image positions (hidden {hidden_size}, {dtype})")
+    offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+    positions = np.concatenate([np.asarray(r["image_positions"], dtype=np.int32) for r in rows])
+    embeds = np.concatenate([_bits(r["image_embeds"]) for r in rows])
+    return [pa.ListArray.from_arrays(offsets, pa.array(positions, type=pa.int32())),
+            pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(
+                pa.array(embeds, type=exact_type(dtype)), hidden_size))]
 
 
 # ------------------------------------------------------------------------------------------------- decoding
@@ -248,6 +269,11 @@ class DecodedBatch:
         self.argmax = column_np(rb.column("target_argmax").values)
         names = rb.schema.names
         self.scales = {s: column_np(rb.column(f"{s}_scale").values.values) for s in STATES if f"{s}_scale" in names}
+        self.images = None
+        if "image_embeds" in names:
+            col = rb.column("image_positions")
+            self.images = (column_np(col.offsets), column_np(col.values),
+                           column_np(rb.column("image_embeds").values.values))
 
     def item(self, r: int) -> dict[str, Any]:
         """Row `r` as tensors viewing the mapped record batch (see HiddenStateDataset)."""
@@ -263,4 +289,10 @@ class DecodedBatch:
             parts = STATES[state]
             item[f"{state}_scale"] = torch.from_numpy(flat[s * parts:e * parts]).view(t, parts)
         item["target_argmax"] = torch.from_numpy(self.argmax[s:e].astype(np.int64))
+        if self.images is not None:
+            offsets, positions, embeds = self.images
+            a, b = int(offsets[r]), int(offsets[r + 1])
+            h = self.widths["final"]
+            item["image_positions"] = torch.from_numpy(positions[a:b].astype(np.int64))
+            item["image_embeds"] = state_tensor(embeds[a * h:b * h], self.dtype).view(b - a, h)
         return item

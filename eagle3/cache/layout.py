@@ -68,6 +68,8 @@ def expected_fingerprint(target: TargetConfig, storage: Storage, prepared: dict[
         "prepared_fingerprint": prepared_meta.get("samples_fingerprint"),
         "max_length": prepared_meta["max_length"],
         "storage": storage,
+        # image samples: the cache also keeps the target's merged input embeddings at their image tokens
+        **({"image_embeds": True} if "images" in (prepared_meta.get("fingerprint_inputs") or {}) else {}),
     }
 
 

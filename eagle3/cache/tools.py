@@ -77,7 +77,8 @@ def convert(src: str | Path, dst: str | Path, storage: str) -> dict[str, Any]:
                 entries = []
                 for e in sorted(m.shards, key=lambda s: s.index):
                     with pa.memory_map(str(src / split / e.file), "r") as mm:
-                        w = ShardWriter(tmp / split / e.file, hidden, dtype, storage=storage)
+                        w = ShardWriter(tmp / split / e.file, hidden, dtype, storage=storage,
+                                        images=bool(fp.get("image_embeds")))
                         for rb in pa.ipc.open_stream(mm):
                             b = DecodedBatch(rb, dtype)
                             w.write([b.item(r) for r in range(rb.num_rows)])

@@ -33,11 +33,13 @@ class ShardWriter:
     """Streams record batches into `<final>.tmp` and renames it into place on `commit()`, so a shard file that
     exists is always whole (a kill at any moment leaves at most a stale .tmp, removed on restart)."""
 
-    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype, storage: str = "exact"):
+    def __init__(self, path: Path, hidden_size: int, dtype: torch.dtype, storage: str = "exact",
+                 images: bool = False):
         self.path, self.hidden_size, self.dtype, self.storage = path, hidden_size, dtype, storage
+        self.images = images
         self.tmp = path.with_name(path.name + ".tmp")
         self._sink = pa.OSFile(str(self.tmp), "wb")
-        self.schema = schema(hidden_size, dtype, storage)
+        self.schema = schema(hidden_size, dtype, storage, images)
         self._writer = pa.ipc.new_stream(self._sink, self.schema)
         self.num_samples = 0
         self.num_tokens = 0
@@ -45,7 +47,7 @@ class ShardWriter:
     def write(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        self.write_batch(record_batch(rows, self.hidden_size, self.dtype, self.storage))
+        self.write_batch(record_batch(rows, self.hidden_size, self.dtype, self.storage, self.images))
 
     def write_batch(self, rb: pa.RecordBatch) -> None:
         """A record batch already in this shard's schema (`upgrade` adds a column to an old shard's batches)."""

@@ -235,9 +235,6 @@ def check_image_inputs(draft: DraftConfig, target: TargetConfig, prepared_dir: P
         raise PreparedError(f"{where}: set draft.image_inputs to the engine the head will serve in: `placeholder` "
                             "(vLLM: the placeholder token's embedding at image positions) or `target-embeddings` "
                             "(SGLang: the target's merged image embeddings)")
-    if draft.image_inputs == "target-embeddings":
-        raise PreparedError(f"{where}: draft.image_inputs=target-embeddings (SGLang's convention) is not built yet "
-                            "(the cache does not keep the target's image embeddings); `placeholder` (vLLM's) is")
     if target.backend != "hf":
         raise PreparedError(f"{where}: `eagle3 {stage}` runs image samples through target.backend=hf only (the "
                             f"SGLang backend does not send images yet); target.backend is {target.backend!r}")
