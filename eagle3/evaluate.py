@@ -31,7 +31,8 @@ import torch
 
 from eagle3 import threads
 from eagle3.checkpoints import resolve_checkpoint
-from eagle3.config import Config, DataConfig, EvalConfig, EvalEngine
+from eagle3.config import Config, DataConfig, EvalConfig, EvalEngine, ImageInputs, TargetConfig
+from eagle3.data.images import VisionInputs
 from eagle3.data.vocab import OutOfVocab
 from eagle3.engines import EngineRun
 from eagle3.logs import Progress, UserError, setup_logging
@@ -72,6 +73,31 @@ def draft_for_target(folder: Path, target: torch.nn.Module, aux_layer_ids: list[
     return draft
 
 
+def vision_of(target: TargetConfig, with_images: list[PromptSet]) -> VisionInputs | None:
+    """The target's processor when some prompt set has images (None when none has); a target that takes no images
+    is an error naming the sets, never a run that measures them as text."""
+    if not with_images:
+        return None
+    vision = VisionInputs.of(target)
+    if vision is None:
+        raise UserError(f"prompt set(s) {', '.join(ps.name for ps in with_images)} hold images, and target.path="
+                        f"{target.path!r} takes none (no image processor): leave them out of eval.prompt_sets")
+    return vision
+
+
+def image_inputs_for(recorded: str | None, engine: str, folder: Path) -> ImageInputs:
+    """What the head reads at image tokens in this evaluation: what it was trained with (its config records
+    draft.image_inputs), else what the engine measured beside the built-in feeds (SGLang, the default engine of
+    the exports, when only the built-in runs). A head trained for one engine is not measured as the other serves."""
+    from eagle3.export import IMAGE_INPUTS_OF
+
+    served = IMAGE_INPUTS_OF.get(engine)
+    if recorded is not None and served is not None and recorded != served:
+        raise UserError(f"{folder}: the head was trained with draft.image_inputs={recorded!r}, and {engine} feeds "
+                        f"{served!r} at image tokens: evaluate it with the engine it was trained for")
+    return recorded or served or IMAGE_INPUTS_OF["sglang"]  # type: ignore[return-value]
+
+
 def settings_from(e: EvalConfig) -> SpecSettings:
     return SpecSettings(num_steps=e.num_steps, topk=e.topk, num_draft_tokens=e.num_draft_tokens,
                         temperature=e.temperature, draft_sampling=e.draft_sampling,
@@ -82,14 +108,15 @@ def settings_from(e: EvalConfig) -> SpecSettings:
 class PromptRenderer:
     """Turns (tools included) -> token ids with the target's chat template (eagle3.data.templates.render_prompt)."""
 
-    def __init__(self, tokenizer: Any, data: DataConfig):
-        self.tokenizer, self.data = tokenizer, data
+    def __init__(self, tokenizer: Any, data: DataConfig, vision: VisionInputs | None = None):
+        self.tokenizer, self.data, self.vision = tokenizer, data, vision
 
     def __call__(self, history: list[Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
         from eagle3.data.templates import render_prompt
 
         d = self.data
-        return render_prompt(history, self.tokenizer, d.chat_template, d.thinking, d.system_prompt, tools)
+        return render_prompt(history, self.tokenizer, d.chat_template, d.thinking, d.system_prompt, tools,
+                             self.vision)
 
     def check_tools(self, sets: list[PromptSet]) -> None:
         """Refuse prompt sets with tools under a template that would drop them (they would be measured on prompts
@@ -165,6 +192,7 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
                     hist_spec.append(Turn("user", text))
                     hist_base.append(Turn("user", text))
                 ids_spec, ids_base = render(hist_spec, prompt.tools), render(hist_base, prompt.tools)
+            images = [i for turn in hist_base for i in turn.images]  # user turns': the same in both histories
             if window is not None and max(len(ids_spec), len(ids_base)) + dec.s.max_new_tokens > window:
                 # past the window the target itself decodes from positions it never saw: not a turn to judge by
                 tally.past_window += 1
@@ -174,11 +202,12 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
                 break
             threads.adjust()  # once per turn: its spec and plain decodes run on the same thread count
             seed_t = seed + 1000 * i + t
-            out = dec.generate(ids_spec, torch.Generator().manual_seed(seed_t))
-            ref = dec.generate_baseline(ids_base, torch.Generator().manual_seed(seed_t))
-            ng = None if ngram is None else dec.generate_ngram(ids_base, torch.Generator().manual_seed(seed_t), *ngram)
-            tally.add(prompt, t, ids_spec, ids_base, out, ref, ng)
-            tally.judge(dec, prompt.id, t, ids_spec, ids_base, out, ref)
+            out = dec.generate(ids_spec, torch.Generator().manual_seed(seed_t), images)
+            ref = dec.generate_baseline(ids_base, torch.Generator().manual_seed(seed_t), images)
+            ng = None if ngram is None else dec.generate_ngram(ids_base, torch.Generator().manual_seed(seed_t),
+                                                               *ngram, images=images)
+            tally.add(prompt, t, ids_spec, ids_base, out, ref, ng, images)
+            tally.judge(dec, prompt.id, t, ids_spec, ids_base, out, ref, images)
             rendered.append(ids_spec)
             if text is not None:
                 hist_spec.append(Turn("assistant", render.answer(out.tokens, eos)))
@@ -205,7 +234,7 @@ class _SetTally:
     past_window: int = 0
 
     def add(self, prompt: Any, t: int, ids_spec: list[int], ids_base: list[int], out: Generation, ref: Generation,
-            ng: Generation | None) -> None:
+            ng: Generation | None, images: list[str]) -> None:
         cat = [self.per_cat.setdefault(prompt.category, _Sums())] if prompt.category is not None else []
         for acc in [self.sums, *cat]:
             acc.add(out, ref, ng, ids_base, self.t2d)
@@ -216,10 +245,11 @@ class _SetTally:
         self.per_turn.append({"id": prompt.id, "category": prompt.category, "turn": t + 1,
                               "prompt_tokens": len(ids_spec), "new_tokens": len(out.tokens),
                               "verify_steps": out.num_steps,
-                              "tau": (sum(out.accept_lengths) / out.num_steps) if out.num_steps else None})
+                              "tau": (sum(out.accept_lengths) / out.num_steps) if out.num_steps else None,
+                              **({"images": images} if images else {})})
 
     def judge(self, dec: SpeculativeDecoder, prompt_id: str, t: int, ids_spec: list[int], ids_base: list[int],
-              out: Generation, ref: Generation) -> None:
+              out: Generation, ref: Generation, images: list[str]) -> None:
         """A greedy speculative answer that parts from plain greedy decoding, explained (eagle3.divergence)."""
         from eagle3.divergence import explain
 
@@ -231,7 +261,7 @@ class _SetTally:
             self.inherited += 1
             return
         num_layers = dec.target.model.config.get_text_config().num_hidden_layers
-        d = explain(dec, prompt_id, t + 1, ids_base, out.tokens, ref.tokens, num_layers)
+        d = explain(dec, prompt_id, t + 1, ids_base, out.tokens, ref.tokens, num_layers, images)
         (log.info if d.near_tie else log.error)("%s", d.line())
         self.divergences.append(d.to_json())
 
@@ -286,25 +316,19 @@ def run_builtin(run: EngineRun, data: DataConfig) -> tuple[dict[str, Any], dict[
     """The built-in evaluation; returns (report, rendered prompts per set, draft folder)."""
     folder = resolve_checkpoint(run.eval, run.paths)
     log.info("eval: target %s (%s, %s), draft %s", run.target.path, run.target.dtype, run.target.device, folder)
-    model, tokenizer = load_target(run.target)
+    sets = [load_prompt_set(n, run.paths.prepared_dir, run.eval.max_prompts) for n in run.eval.prompt_sets]
+    vision = vision_of(run.target, [ps for ps in sets if ps.has_images])
+    model, tokenizer = load_target(run.target, images=vision is not None)
     draft = draft_for_target(folder, model, run.target.aux_layer_ids)
     ids = list(draft.config.aux_layer_ids)
-    target = HFTargetDecoder(model, ids)
+    target = HFTargetDecoder(model, ids, vision)
     settings = settings_from(run.eval)
     eos = set(eos_ids(tokenizer, model.generation_config))
-    dec = SpeculativeDecoder(target, draft, settings, eos)
-    render = PromptRenderer(tokenizer, data)
-    sets = [load_prompt_set(n, run.paths.prepared_dir, run.eval.max_prompts) for n in run.eval.prompt_sets]
+    convention = image_inputs_for(draft.config.image_inputs, run.eval.engine, folder)
+    dec = SpeculativeDecoder(target, draft, settings, eos, convention)
+    render = PromptRenderer(tokenizer, data, vision)
     render.check_tools(sets)
-    # Warm-up (first-call allocations would otherwise be billed to whichever method runs first).
-    warm = sets[0].prompts[0]
-    warm_ids = warm.token_ids if warm.token_ids is not None else render(
-        list(warm.messages or []) + [_user(x) for x in warm.turns[:1]], warm.tools)
-    full = dec.s.max_new_tokens
-    dec.s.max_new_tokens = 4
-    dec.generate(warm_ids[:64], torch.Generator().manual_seed(0))
-    dec.generate_baseline(warm_ids[:64], torch.Generator().manual_seed(0))
-    dec.s.max_new_tokens = full
+    _warm_up(dec, render, sets[0].prompts[0])
 
     report: dict[str, Any] = {
         "engine": "builtin",
@@ -314,6 +338,7 @@ def run_builtin(run: EngineRun, data: DataConfig) -> tuple[dict[str, Any], dict[
                    "num_layers": model.config.get_text_config().num_hidden_layers},
         "draft": str(folder),
         "aux_layer_ids": ids,
+        **({"image_inputs": convention} if vision is not None else {}),
         "settings": {**asdict(settings), "seed": run.eval.seed, "max_prompts": run.eval.max_prompts},
         "definitions": {
             "tau": "mean over verify steps of (accepted draft tokens + 1 bonus token), as SGLang/vLLM report it",
@@ -341,6 +366,18 @@ def run_builtin(run: EngineRun, data: DataConfig) -> tuple[dict[str, Any], dict[
             log.info("eval %s: τ=%.3f over %d turns", ps.name, result["tau"], result["turns"])
     target.close()
     return report, rendered, folder
+
+
+def _warm_up(dec: SpeculativeDecoder, render: PromptRenderer, warm: Any) -> None:
+    """A few tokens decoded both ways first: first-call allocations would otherwise be billed to whichever method
+    runs first."""
+    warm_ids = render([_user("Hello")]) if warm.has_images else warm.token_ids if warm.token_ids is not None else render(
+        list(warm.messages or []) + [_user(x) for x in warm.turns[:1]], warm.tools)
+    full = dec.s.max_new_tokens
+    dec.s.max_new_tokens = 4
+    dec.generate(warm_ids[:64], torch.Generator().manual_seed(0))
+    dec.generate_baseline(warm_ids[:64], torch.Generator().manual_seed(0))
+    dec.s.max_new_tokens = full
 
 
 def _user(text: str) -> Any:
@@ -443,7 +480,8 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
 
     prompts = [p for ps in rendered.values() for p in ps]
     groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
-    result = run_vllm(run, folder, prompts, groups=groups)
+    images = [t.get("images", []) for r in report["sets"].values() for t in r["per_turn"]]
+    result = run_vllm(run, folder, prompts, groups=groups, images=images)
     found = result.setdefault("groups", {})
     found |= {name: pooled_groups(found, name) for name in report["sets"]}
     if run.eval.ngram:

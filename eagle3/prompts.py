@@ -12,6 +12,10 @@
   left out by the evaluator). A conversation any part of which the prepared train split holds (when there is one)
   is left out, so the set stays held out from the recipe that trained the head. The card's context buckets
   (eagle3.evaluate) show how the head drafts deep into a context.
+- `images`: the bundled image prompts (eagle3.image_prompts): charts, shapes, rendered text and code screenshots the
+  project draws itself, one card category each, each asked one question about its picture. They need a
+  vision-language target; the head reads what its engine feeds at image tokens (`eval.engine`, the head's recorded
+  draft.image_inputs).
 - `eval-split`: the held-out prepared data; each sample's prompt is its `input_ids` up to the first loss-masked
   (assistant) token, i.e. the first user turn already rendered with the generation prompt.
 - `code-edit`: the 164 HumanEval functions with their canonical solutions, each asked to be returned whole with one
@@ -67,6 +71,10 @@ class Prompt:
     def has_tools(self) -> bool:
         return bool(self.tools) or any(t.tool_calls or t.role == "tool" for t in self.messages or [])
 
+    @property
+    def has_images(self) -> bool:
+        return any(t.images for t in self.messages or [])
+
 
 @dataclass
 class PromptSet:
@@ -77,13 +85,17 @@ class PromptSet:
     def num_turns(self) -> int:
         return sum(len(p.to_generate()) for p in self.prompts)
 
+    @property
+    def has_images(self) -> bool:
+        return any(p.has_images for p in self.prompts)
+
 
 def read_jsonl_prompts(path: str | Path, name: str | None = None) -> PromptSet:
     """`{"prompt": str}` or `{"turns": [str, ...]}` per line; errors name the file and line."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"prompt set {path}: no such file (known sets: mt-bench, humaneval, code-edit, bfcl, "
-                                "sharegpt-long, eval-split, a JSONL path, or a datasets folder as FOLDER:FIELD)")
+                                "images, sharegpt-long, eval-split, a JSONL path, or a datasets folder as FOLDER:FIELD)")
     prompts: list[Prompt] = []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -152,6 +164,12 @@ def read_hf_prompts(spec: str, name: str | None = None) -> PromptSet:
     if not prompts:
         raise ValueError(f"prompt set {spec}: no rows")
     return PromptSet(name or Path(folder).name, prompts)
+
+
+def images() -> PromptSet:
+    from eagle3.image_prompts import image_prompt_rows
+
+    return PromptSet("images", [Prompt(pid, category=cat, messages=[turn]) for pid, cat, turn in image_prompt_rows()])
 
 
 def mt_bench() -> PromptSet:
@@ -252,9 +270,9 @@ def eval_split(prepared_dir: str | Path) -> PromptSet:
 
 
 def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_prompts: int | None = None) -> PromptSet:
-    """`mt-bench`, `humaneval`, `code-edit`, `bfcl`, `sharegpt-long`, `eval-split` (needs `prepared_dir`), a JSONL
-    path or a `datasets` folder as `FOLDER:FIELD`; keep the first `max_prompts` (per category for `bfcl` and
-    `code-edit`, so a capped set still covers every category)."""
+    """`mt-bench`, `humaneval`, `code-edit`, `bfcl`, `images`, `sharegpt-long`, `eval-split` (needs `prepared_dir`), a JSONL
+    path or a `datasets` folder as `FOLDER:FIELD`; keep the first `max_prompts` (per category for `bfcl`,
+    `code-edit` and `images`, so a capped set still covers every category)."""
     if name == "mt-bench":
         ps = mt_bench()
     elif name == "humaneval":
@@ -263,6 +281,8 @@ def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_promp
         ps = bfcl()
     elif name == "code-edit":
         ps = code_edit()
+    elif name == "images":
+        ps = images()
     elif name == "sharegpt-long":
         ps = sharegpt_long(prepared_dir)
     elif name == "eval-split":
@@ -274,7 +294,7 @@ def load_prompt_set(name: str, prepared_dir: str | Path | None = None, max_promp
     else:
         ps = read_jsonl_prompts(name)
     if max_prompts is not None:
-        ps.prompts = (_first_per_category(ps.prompts, max_prompts) if name in ("bfcl", "code-edit")
+        ps.prompts = (_first_per_category(ps.prompts, max_prompts) if name in ("bfcl", "code-edit", "images")
                       else ps.prompts[:max_prompts])
     return ps
 

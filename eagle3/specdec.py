@@ -39,18 +39,18 @@ length is >= j. The first token (from prefill) is not a speculative step.
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from eagle3.targets.hf import LayerTap, decoder_parts
+from eagle3.targets.decoding import HFTargetDecoder, keep_cache_positions
 
 if TYPE_CHECKING:
+    from eagle3.config import ImageInputs
     from eagle3.model import KVCache
 
 
@@ -67,6 +67,7 @@ class DraftHead(Protocol):
         position_ids: torch.Tensor,
         past_kv: KVCache | None,
         attn_mask: torch.Tensor | None = None,
+        extra: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, KVCache]: ...
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
@@ -179,69 +180,6 @@ def ngram_proposal(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) ->
 
 
 # ---------------------------------------------------------------------------------------------------- target
-class HFTargetDecoder:
-    """An HF causal LM with a KV cache, returning logits and the aux states (eagle3 ids) of the new tokens.
-
-    Aux states come from the same forward pre-hooks extraction uses (eagle3.targets.hf.LayerTap: id k = input of
-    layer k = HF hidden_states[k]), so nothing beyond the three tensors is kept.
-    """
-
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
-        self.model = model.eval()
-        self.layer_ids = list(layer_ids)
-        self.tap = LayerTap(decoder_parts(model)[1], self.layer_ids)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
-
-    def close(self) -> None:
-        self.tap.close()
-
-    def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
-                tree_mask: torch.Tensor | None = None, aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run new tokens [S] at positions [S] after `cache`; return logits [S, V] (float32) and aux [S, 3H].
-
-        `tree_mask` is a bool [S, S] (True = may attend) among the new tokens; the cached prefix is always visible.
-        """
-        s = input_ids.shape[-1]
-        mask = None
-        if tree_mask is not None:
-            past = cache.get_seq_length()
-            allowed = torch.cat([torch.ones(s, past, dtype=torch.bool, device=self.device),
-                                 tree_mask.to(self.device)], dim=1)
-            mask = torch.zeros(1, 1, s, past + s, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~allowed[None, None], torch.finfo(self.dtype).min)
-        self.tap.active = aux
-        self.tap.states.clear()
-        out = self.model(input_ids=input_ids.view(1, s).to(self.device), position_ids=position_ids.view(1, s).to(
-            self.device), attention_mask=mask, use_cache=True, **{self._cache_kw: cache})
-        feats = None
-        if aux:
-            feats = self.tap.aux()[0]
-            self.tap.states.clear()
-        return out.logits[0].float(), feats
-
-
-def keep_cache_positions(cache: Any, keep: torch.Tensor) -> None:
-    """Keep only the sequence positions `keep` (sorted indices) of every layer of a DynamicCache, in place."""
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        if getattr(layer, "is_sliding", False):
-            raise NotImplementedError("sliding-window caches cannot be re-gathered to a tree path")
-        idx = keep.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
-
-
-# ----------------------------------------------------------------------------------------------- sampling
 def probs_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Sampling distribution at `temperature`, on the CPU (where the seeded generator and the coin flips live)."""
     return torch.softmax(logits.detach().float().cpu() / temperature, dim=-1)
@@ -360,20 +298,26 @@ class SpeculativeDecoder:
     """EAGLE-3 decoding with an HF target (`HFTargetDecoder`) and a draft head; see the module docstring."""
 
     def __init__(self, target: HFTargetDecoder, draft: DraftHead, settings: SpecSettings,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), image_inputs: ImageInputs = "placeholder"):
+        """`image_inputs`: what the draft reads at a prompt's image tokens, as the engine it serves in feeds it
+        (eagle3.config.DraftConfig.image_inputs): `placeholder` (vLLM) the image token's own embedding,
+        `target-embeddings` (SGLang) the target's merged input embedding there."""
         self.target, self.draft, self.s = target, draft, settings
+        self.image_inputs = image_inputs
         self.eos = set(int(e) for e in eos_token_ids)
         self.draft_dtype = next(iter(draft.parameters())).dtype if isinstance(draft, nn.Module) else target.dtype
         self.device = target.device
 
     # ----------------------------------------------------------------------------------------- baseline
     @torch.inference_mode()
-    def generate_baseline(self, prompt: list[int], generator: torch.Generator | None = None) -> Generation:
-        """Plain decoding with the target's KV cache, one token per forward (the no-speculation reference)."""
+    def generate_baseline(self, prompt: list[int], generator: torch.Generator | None = None,
+                          images: Sequence[str] = ()) -> Generation:
+        """Plain decoding with the target's KV cache, one token per forward (the no-speculation reference).
+        `images`: the prompt's, in the order of its image tokens (every generate method takes them)."""
         t0 = time.perf_counter()
         cache = self.target.new_cache()
         ids = torch.tensor(prompt, dtype=torch.long)
-        logits, _ = self.target.forward(ids, torch.arange(len(prompt)), cache, aux=False)
+        logits, _ = self.target.forward(ids, torch.arange(len(prompt)), cache, aux=False, images=list(images))
         out: list[int] = []
         forwards = 1
         while True:
@@ -388,7 +332,7 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def generate_ngram(self, prompt: list[int], generator: torch.Generator | None = None, min_n: int = 2,
-                       max_n: int = 4) -> Generation:
+                       max_n: int = 4, images: Sequence[str] = ()) -> Generation:
         """Prompt-lookup (n-gram) drafting with the same target, verification and counting: the method that
         needs no training, measured beside the head on the same turns. Each round drafts up to `num_steps`
         tokens by `ngram_proposal`; a round that finds no match decodes its root alone, which costs a target
@@ -397,7 +341,8 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         n = len(prompt)
         cache = self.target.new_cache()
-        logits, _ = self.target.forward(torch.tensor(prompt, dtype=torch.long), torch.arange(n), cache, aux=False)
+        logits, _ = self.target.forward(torch.tensor(prompt, dtype=torch.long), torch.arange(n), cache, aux=False,
+                                        images=list(images))
         out = [self._pick(logits[-1], generator)]
         gen = Generation(out, 0.0, target_forwards=1)
         m = n
@@ -423,12 +368,12 @@ class SpeculativeDecoder:
         return gen
 
     @torch.inference_mode()
-    def top2(self, prompt: list[int], tokens: list[int]) -> tuple[float, float]:
+    def top2(self, prompt: list[int], tokens: list[int], images: Sequence[str] = ()) -> tuple[float, float]:
         """The target's two largest next-token logits after `prompt` + `tokens`, from one fresh forward: what the
         plain path chose between where a speculative output first parts from it (eagle3.evaluate.Divergence)."""
         ids = prompt + tokens
         logits, _ = self.target.forward(torch.tensor(ids, dtype=torch.long), torch.arange(len(ids)),
-                                        self.target.new_cache(), aux=False)
+                                        self.target.new_cache(), aux=False, images=list(images))
         top = torch.topk(logits[-1].float(), 2).values
         return float(top[0]), float(top[1])
 
@@ -439,16 +384,19 @@ class SpeculativeDecoder:
 
     # -------------------------------------------------------------------------------------- speculative
     @torch.inference_mode()
-    def generate(self, prompt: list[int], generator: torch.Generator | None = None) -> Generation:
+    def generate(self, prompt: list[int], generator: torch.Generator | None = None,
+                 images: Sequence[str] = ()) -> Generation:
         t0 = time.perf_counter()
         n = len(prompt)
         cache = self.target.new_cache()
-        logits, aux = self.target.forward(torch.tensor(prompt, dtype=torch.long), torch.arange(n), cache)
+        logits, aux = self.target.forward(torch.tensor(prompt, dtype=torch.long), torch.arange(n), cache,
+                                          images=list(images))
         root = self._pick(logits[-1], generator)
         out = [root]
         gen = Generation(out, 0.0, target_forwards=1)
         # The draft reads (f_i, x_{i+1}) at position i: features of the prompt with the prompt shifted by one.
-        kv, h_last, logits_last = self._extend(None, aux, prompt[1:] + [root], start=0)
+        fed, extra = self._prompt_inputs(prompt, root, bool(images))
+        kv, h_last, logits_last = self._extend(None, aux, fed, start=0, extra=extra)
         m = n  # target position of the root; the target cache holds 0..m-1, the draft's real KV as well
         while root not in self.eos and len(out) < self.s.max_new_tokens:
             tree, kv = self._draft_tree(kv, m, h_last, logits_last, root, generator)
@@ -474,14 +422,31 @@ class SpeculativeDecoder:
         gen.seconds = time.perf_counter() - t0
         return gen
 
+    def _prompt_inputs(self, prompt: list[int], root: int, images: bool) -> tuple[list[int], torch.Tensor | None]:
+        """The ids the draft reads over the prompt (shifted by one, the root last), and the embeddings of those past
+        its vocab: with `target-embeddings`, the prompt's k-th image token becomes `vocab + k` and embeds as the
+        target's merged input there (eagle3.model.Eagle3Draft.embed), as SGLang feeds its draft at a prefill;
+        with `placeholder`, the ids as they are (vLLM)."""
+        fed = prompt[1:] + [root]
+        if not images or self.image_inputs != "target-embeddings":
+            return fed, None
+        token_id = self.target.vision.image_token_id  # type: ignore[union-attr]
+        vocab = self.draft.embed_tokens.weight.shape[0]  # type: ignore[attr-defined]
+        k = int(prompt[0] == token_id)
+        for i, t in enumerate(prompt[1:]):
+            if t == token_id:
+                fed[i] = vocab + k
+                k += 1
+        return fed, self.target.image_embeds
+
     def _extend(self, kv: KVCache | None, aux: torch.Tensor, tokens: list[int],
-                start: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+                start: int, extra: torch.Tensor | None = None) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
         """Feed target features of accepted tokens into the draft; return its KV and the last hidden/logits."""
         s = len(tokens)
         feats = self.draft.project(aux.to(self.draft_dtype)[None])
         pos = torch.arange(start, start + s, device=self.device)[None]
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]
-        hidden, logits, kv = self.draft.decode(ids, feats, pos, kv, None)
+        hidden, logits, kv = self.draft.decode(ids, feats, pos, kv, None, extra=extra)
         return kv, hidden[0, -1], logits[0, -1].float()
 
     def _draft_tree(self, kv: KVCache, m: int, h_root: torch.Tensor,

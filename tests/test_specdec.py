@@ -54,7 +54,7 @@ class OracleDraft(nn.Module):
             lg = lg + self.noise * torch.randn(lg.shape, generator=self.g)
         return lg
 
-    def decode(self, input_ids, hidden, position_ids, past_kv, attn_mask=None):
+    def decode(self, input_ids, hidden, position_ids, past_kv, attn_mask=None, extra=None):
         new = input_ids.to(torch.float64).view(1, 1, -1, 1)
         keys = new if past_kv is None else torch.cat([past_kv[0][0], new], dim=2)  # one layer's (keys, values)
         tokens = keys.view(-1).long().tolist()

@@ -505,14 +505,19 @@ def render(conv: Conversation, tokenizer: Any, template: str | ChatTemplate, thi
 
 
 def render_prompt(turns: list[Turn], tokenizer: Any, template: str | ChatTemplate, thinking: bool,
-                  system_prompt: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of the generation prompt for the next assistant turn after `turns` (regenerate / eval)."""
-    if any(t.images for t in turns):
-        raise TemplateError("a prompt with images cannot be sent as token ids alone (regenerate and the evaluators "
-                            "take text prompts)")
+                  system_prompt: str | None = None, tools: list[dict[str, Any]] | None = None,
+                  vision: VisionInputs | None = None) -> list[int]:
+    """Token ids of the generation prompt for the next assistant turn after `turns` (regenerate / eval); a prompt
+    with images needs the target's processor (`vision`), which expands each image's placeholder as `render` does."""
+    refs = [i for t in turns for i in t.images]
+    if refs and vision is None:
+        raise TemplateError("a prompt with images needs a vision-language target and its processor (the target "
+                            "has none, or this stage sends text prompts only)")
     tpl = resolve_template(template, tokenizer)
     text = _apply(tokenizer, tpl, chat_messages(_with_system(turns, system_prompt), thinking, tpl), gen=True,
                   thinking=thinking, tools=tools)
+    if refs:
+        text, _ = vision.expand(text, [], refs)  # type: ignore[union-attr]
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -16,6 +16,15 @@ wrong greedy text), `LLM(...)` only under `if __name__ == "__main__"` (engine pr
 module), `VLLM_CPU_KVCACHE_SPACE` (GiB; default here 2), and the evaluator's own stop ids (`stop_token_ids`:
 vLLM stops only at the tokenizer's eos by default, the evaluator also at generation_config's). At temperature 0
 the parent also decodes the prompts with plain HF greedy and reports how many vLLM outputs equal it.
+
+Image prompts (`run_vllm(..., images=...)`, a vision-language target such as Qwen2.5-VL): the ids arrive as prepare
+and the built-in evaluator render them, each image's placeholder expanded to its N tokens by the HF processor, and
+each image goes to vLLM as `multi_modal_data`. vLLM 0.32 always applies its own expansion to ONE placeholder
+(`_maybe_apply_prompt_updates`, vllm/multimodal/processing/processor.py; Qwen2.5-VL's replacement in
+model_executor/models/qwen2_5_vl.py): pre-expanded ids would get N more tokens at the first pad of each run and keep
+the rest as text, silently. So the child collapses each run of image tokens to one, and reports whether vLLM's
+prompt ids equal the ones sent. Torchvision for vLLM's processes: eagle3.engines.vllm_torchvision. At temperature 0
+image prompts get their HF reference from the whole vision-language model (eagle3.engines.reference).
 """
 
 from __future__ import annotations
@@ -134,49 +143,6 @@ def stop_token_ids(target: TargetConfig) -> list[int]:
     return eos_ids(load_tokenizer(target), generation)
 
 
-def hf_greedy(target: TargetConfig, prompts: list[list[int]], max_new_tokens: int, stop: list[int]) -> list[list[int]]:
-    """Plain HF greedy decoding of every prompt (the reference vLLM's speculative output must reproduce)."""
-    import torch
-
-    from eagle3.logs import Progress
-    from eagle3.targets.hf import load_target
-
-    model, _ = load_target(target)
-    device = next(model.parameters()).device
-    outs: list[list[int]] = []
-    # As long as the built-in's plain baseline (minutes on a CPU for all of MT-bench): it needs an ETA.
-    with torch.no_grad(), Progress(len(prompts), "hf greedy reference", unit="prompt") as progress:
-        for ids in prompts:
-            x = torch.tensor([ids], device=device)
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                               eos_token_id=stop or None, pad_token_id=stop[0] if stop else 0)
-            outs.append(y[0, len(ids):].tolist())
-            progress.update(1)
-    return outs
-
-
-def _strip(tokens: list[int], stop: list[int]) -> list[int]:
-    """Tokens up to and including the first stop token (HF pads after it, vLLM stops at it)."""
-    for i, t in enumerate(tokens):
-        if t in stop:
-            return tokens[: i + 1]
-    return tokens
-
-
-def compare_greedy(vllm_out: list[list[int]], ref: list[list[int]], stop: list[int]) -> dict[str, Any]:
-    """Per prompt: equal token lists, else the first differing position (a bf16 near-tie can flip a token; a
-    mismatch in most prompts at position 0-2 means vLLM is not decoding the same model)."""
-    same, first_diff = 0, []
-    for i, (a, b) in enumerate(zip(vllm_out, ref, strict=True)):
-        a, b = _strip(a, stop), _strip(b, stop)
-        if a == b:
-            same += 1
-            continue
-        k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        first_diff.append({"prompt": i, "position": k, "vllm_len": len(a), "hf_len": len(b)})
-    return {"greedy_same": same, "greedy_compared": len(ref), "greedy_first_diffs": first_diff}
-
-
 def _run_echoing(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, list[str]]:
     """Run `cmd` with its output passed through to this process's stderr as it comes (vLLM's start takes minutes
     on a CPU), keeping the last lines to explain a failure."""
@@ -211,20 +177,24 @@ CPU_SAMPLING = (
     "not take. The built-in evaluator's τ, or vLLM on a GPU, is the one to use")
 """Why vLLM's τ at temperature > 0 is flagged on a CPU (see _repair_cpu_expand)."""
 
-
 def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]], python: str | None = None,
              timeout_s: float = 3600, check_greedy: bool = True, groups: list[str] | None = None,
-             method: str = "eagle3") -> dict[str, Any]:
+             method: str = "eagle3", images: list[list[str]] | None = None) -> dict[str, Any]:
     """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters; with `groups`
     (one name per prompt, e.g. `mt-bench/coding`), vLLM runs each group in turn and `groups` in the result holds
     each one's τ, acceptance and tokens per target forward (group_metrics). `method="ngram"`: vLLM's own
     prompt-lookup drafting instead of the head (eval.ngram_min / ngram_max, eval.num_steps tokens); `"suffix"`: its
     suffix decoding (arctic-inference's suffix trees over the prompt and earlier outputs); `"plain"`: no drafting,
-    only the outputs (a dialogue's earlier answers, run_vllm_dialogues).
+    only the outputs (a dialogue's earlier answers, run_vllm_dialogues). `images`: per prompt, the image files (absolute
+    paths) its image tokens stand for, in order ([] for a text prompt); the ids hold each image's tokens expanded
+    as the HF processor does, and the result's `image_prompts` / `image_prompts_same_ids` say how many image prompts
+    vLLM expanded to exactly the ids sent (see the module docstring).
 
     At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
     the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
     from eagle3.bundled import resolve_target_path
+    from eagle3.engines.reference import compare_greedy, hf_greedy
+    from eagle3.engines.vllm_torchvision import torchvision_env
 
     out_dir, draft_args = _method_args(method, draft_folder, run.paths.export_dir / "vllm", run.eval,
                                        run.target.layer_id_family)
@@ -235,6 +205,13 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
     with tempfile.TemporaryDirectory(prefix="eagle3-vllm-") as tmp:
         prompts_file, result_file = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         prompts_file.write_text(json.dumps(prompts))
+        torchvision_env(env, Path(tmp))
+        images_args: list[str] = []
+        if images is not None and any(images):
+            if len(images) != len(prompts):
+                raise ValueError(f"{len(images)} image lists for {len(prompts)} prompts")
+            (Path(tmp) / "images.json").write_text(json.dumps(_image_files(images, Path(tmp) / "images")))
+            images_args = ["--images", str(Path(tmp) / "images.json"), "--image-token-id", str(_image_token(run))]
         groups_args: list[str] = []
         if groups is not None:
             if len(groups) != len(prompts):
@@ -246,7 +223,7 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
                "--num-spec", str(run.eval.num_steps), "--temperature", str(run.eval.temperature),
                "--draft-sample-method", run.eval.draft_sampling,
                "--max-tokens", str(run.eval.max_new_tokens), "--dtype", run.target.dtype, "--seed",
-               str(run.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *groups_args]
+               str(run.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *groups_args, *images_args]
         code, tail = _run_echoing(cmd, env, timeout_s)
         if code != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM check failed (exit {code}): {_root_cause(tail)}; command: {' '.join(cmd)}")
@@ -255,7 +232,7 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
         return {"method": method, "prompts": len(prompts), "outputs": raw["outputs"], "seconds": raw.get("seconds")}
     result = _vllm_result(raw, method, out_dir, prompts, stop, run.eval.temperature)
     if check_greedy and run.eval.temperature <= 0 and raw.get("outputs") is not None:
-        ref = hf_greedy(run.target, prompts, run.eval.max_new_tokens, stop)
+        ref = hf_greedy(run.target, prompts, run.eval.max_new_tokens, stop, images=images if images_args else None)
         result.update(compare_greedy(raw["outputs"], ref, stop))
     return result
 
@@ -292,6 +269,14 @@ def _vllm_result(raw: dict[str, Any], method: str, out_dir: Path | None, prompts
                   generated_tokens=generated,
                   seconds=raw.get("seconds"), vllm_version=raw.get("vllm_version"), stop_token_ids=stop,
                   outputs=raw.get("outputs"))
+    if raw.get("image_prompts"):
+        same = raw.get("prompt_ids_same") or []
+        result.update(image_prompts=raw["image_prompts"],
+                      image_prompts_same_ids=sum(1 for i, s in enumerate(same) if s and raw["with_images"][i]))
+        if result["image_prompts_same_ids"] != raw["image_prompts"]:
+            log.error("vLLM expanded %d of %d image prompts to other ids than sent (its image processor makes another "
+                      "token count, or the ids were not expanded as the HF processor does): its τ is not comparable",
+                      raw["image_prompts"] - result["image_prompts_same_ids"], raw["image_prompts"])
     if raw.get("prompt_tokens") is not None:
         from eagle3.engines import prompt_agreement
 
@@ -391,14 +376,19 @@ def _child(argv: list[str] | None = None) -> int:
     import vllm  # type: ignore[import-not-found]
 
     prompts = json.loads(Path(a.prompts).read_text())
+    images = json.loads(Path(a.images).read_text()) if a.images else None
     repair, sampling_ok = _repair_cpu_expand(not a.keep_vllm_sampler) if a.temperature > 0 else (None, True)
+    mm = {"limit_mm_per_prompt": {"image": max(len(x) for x in images)}} if images else {}
     llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
               max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
-              speculative_config=_speculative_config(a))
+              speculative_config=_speculative_config(a), **mm)
     stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
                             stop_token_ids=stop or None)
-    requests = [TokensPrompt(prompt_token_ids=x) for x in prompts]
+    if images:
+        requests = _image_requests(TokensPrompt, prompts, images, a.image_token_id)
+    else:
+        requests = [TokensPrompt(prompt_token_ids=x) for x in prompts]
     groups = json.loads(Path(a.groups).read_text()) if a.groups else [""] * len(prompts)
     t0 = time.perf_counter()
     outs, snapshots = _generate_by_group(llm, requests, params, groups)
@@ -414,8 +404,71 @@ def _child(argv: list[str] | None = None) -> int:
         "sampling_repair": repair,
         "sampling_ok": sampling_ok,
         "group_metrics": snapshots if a.groups else None,
+        **({"image_prompts": sum(1 for x in images if x), "with_images": [bool(x) for x in images],
+            "prompt_ids_same": [getattr(o, "prompt_token_ids", None) is not None and list(o.prompt_token_ids) == x
+                                for o, x in zip(outs, prompts, strict=True)]} if images else {}),
     }))
     return 0
+
+
+def _image_files(images: list[list[str]], folder: Path) -> list[list[str]]:
+    """The prompts' image references (eagle3.data.images) as files the child opens: a `data:` URL written out, as
+    its bytes, into `folder` (the child cannot import eagle3)."""
+    from eagle3.data.images import image_bytes
+
+    folder.mkdir(exist_ok=True)
+    out = []
+    for i, refs in enumerate(images):
+        files = []
+        for j, ref in enumerate(refs):
+            if ref.startswith("data:"):
+                path = folder / f"{i}-{j}.img"
+                path.write_bytes(image_bytes(ref))
+                ref = str(path)
+            files.append(str(Path(ref).resolve()))
+        out.append(files)
+    return out
+
+
+def _image_token(run: EngineRun) -> int:
+    """The target's image placeholder id, as its processor names it (eagle3.data.images.VisionInputs)."""
+    from eagle3.data.images import VisionInputs
+
+    vision = VisionInputs.of(run.target)
+    if vision is None:
+        raise ValueError(f"image prompts, but target {run.target.path} has no image processor")
+    return vision.image_token_id
+
+
+def collapse_image_tokens(ids: list[int], image_token: int) -> list[int]:
+    """Each run of `image_token` as one: the ids before the HF processor expanded the images, which vLLM expands
+    itself (it would re-expand the first token of an expanded run and keep the rest as text)."""
+    return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != image_token]
+
+
+def _image_requests(tokens_prompt: Any, prompts: list[list[int]], images: list[list[str]], image_token: int
+                    ) -> list[Any]:
+    """The prompts as vLLM requests: a prompt with images gets its image token runs collapsed (collapse_image_tokens)
+    and its pictures (RGB, PIL) as multi_modal_data, one run per picture in order."""
+    from PIL import Image
+
+    if len(images) != len(prompts):
+        raise SystemExit(f"{len(images)} image lists for {len(prompts)} prompts")
+    out = []
+    for i, (ids, files) in enumerate(zip(prompts, images, strict=True)):
+        if not files:
+            out.append(tokens_prompt(prompt_token_ids=ids))
+            continue
+        short = collapse_image_tokens(ids, image_token)
+        runs = short.count(image_token)
+        if runs != len(files):
+            raise SystemExit(f"prompt {i}: {runs} runs of image token {image_token} for {len(files)} images")
+        pictures = []
+        for f in files:
+            with Image.open(f) as im:
+                pictures.append(im.convert("RGB"))
+        out.append(tokens_prompt(prompt_token_ids=short, multi_modal_data={"image": pictures}))
+    return out
 
 
 def _child_args(argv: list[str] | None) -> argparse.Namespace:
@@ -435,6 +488,8 @@ def _child_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-token-ids", default="", help="comma-separated ids to stop at (the evaluator's eos set)")
     p.add_argument("--groups", help="JSON list: a group name per prompt; each group runs in turn, metrics after each")
+    p.add_argument("--images", help="JSON list: per prompt, the image files its image tokens stand for ([] for none)")
+    p.add_argument("--image-token-id", type=int, help="the target's image placeholder id (with --images)")
     p.add_argument("--keep-vllm-sampler", action="store_true",
                    help="do not repair the CPU backend's sampled verification (to see what _repair_cpu_expand fixes)")
     return p.parse_args(argv)

@@ -80,13 +80,51 @@ def load_vision_lm(path: str, dtype: torch.dtype, device: str = "cpu", trust_rem
     return model.eval().requires_grad_(False)
 
 
-def load_target(t: TargetConfig) -> tuple[torch.nn.Module, Any]:
+def vision_forward_inputs(model: torch.nn.Module, vision: VisionInputs, ids: torch.Tensor, refs: list[str],
+                          dtype: torch.dtype, device: str | torch.device) -> dict[str, Any]:
+    """What a vision-language model's forward takes beside `ids` for the images `refs` (in the order of their image
+    tokens, row-major over a batch, as the base model scatters them): the processor's tensors, and Qwen2.5-VL's
+    token types, without which its LLM silently falls back to 1-D positions. Extraction and evaluation both use it."""
+    n_tokens = int((ids == vision.image_token_id).sum())
+    if not refs:
+        if n_tokens:
+            raise ValueError(f"{n_tokens} image tokens in a batch without images")
+        return {}
+    inputs = {k: v.to(device) for k, v in vision.inputs(refs).items()}
+    if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    vlm_base = model.model
+    if "mm_token_type_ids" in inspect.signature(vlm_base.forward).parameters:
+        inputs["mm_token_type_ids"] = (ids == vision.image_token_id).long().to(device)
+    if hasattr(vlm_base, "rope_deltas"):
+        vlm_base.rope_deltas = None  # Qwen2.5-VL keeps the last batch's position offsets between calls
+    return inputs
+
+
+def load_target(t: TargetConfig, images: bool = False) -> tuple[torch.nn.Module, Any]:
     """The configured HF target (Kimi-style wrappers included) and its tokenizer: the one way every stage that
-    runs the target in this process (evaluation, regeneration, the vLLM reference) loads it."""
+    runs the target in this process (evaluation, regeneration, the vLLM reference) loads it; with `images`, the
+    whole vision-language model (its vision tower runs on image prompts)."""
     from eagle3.data.templates import load_tokenizer
 
-    model = load_causal_lm(resolve_target_path(t.path), DTYPES[t.dtype], t.device, t.trust_remote_code, t.revision)
+    path = resolve_target_path(t.path)
+    load = load_vision_lm if images or _vision_only(path) else load_causal_lm
+    model = load(path, DTYPES[t.dtype], t.device, t.trust_remote_code, t.revision)
     return model, load_tokenizer(t)
+
+
+def _vision_only(path: str) -> bool:
+    """A wrapped target whose LLM alone has no causal-LM class in transformers (Qwen2.5-VL's text config): text
+    prompts, too, run through the whole vision-language model."""
+    from transformers import AutoModelForCausalLM
+
+    info = read_target_info(path)
+    if not info.wrapped or "vision_config" not in info.config:
+        return False
+    try:
+        return type(llm_config(info)) not in AutoModelForCausalLM._model_mapping
+    except (KeyError, ValueError):
+        return True
 
 
 def eos_ids(tokenizer: Any, generation_config: Any) -> list[int]:
@@ -113,6 +151,13 @@ def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mod
             return base, layers, norm
     raise ValueError(f"{type(model).__name__}: expected the base model to expose `.layers` and `.norm` "
                      "(the usual HF decoder layout); this architecture is not supported")
+
+
+def on_llm_inputs(llm: torch.nn.Module, sink: Any) -> Any:
+    """Hand `sink` the input embeddings [B, T, H] each forward of a vision-language model's LLM gets (the token
+    embeddings with the pictures merged in: what SGLang feeds its draft at image tokens); returns the hook's handle.
+    Extraction and evaluation both read them through it."""
+    return llm.register_forward_pre_hook(lambda _m, _a, kw: sink(kw["inputs_embeds"]), with_kwargs=True)
 
 
 class LayerTap:
@@ -228,24 +273,9 @@ class HFTarget:
         return self.model.get_output_embeddings().weight
 
     def _vision_inputs(self, ids: torch.Tensor, images: list[list[str]]) -> dict[str, Any]:
-        """The image tensors of a batch (its images in row-major order, as the base model scatters them over the
-        image tokens) and Qwen2.5-VL's token types, without which its LLM silently falls back to 1-D positions."""
         assert self.vision is not None
-        refs = [r for rs in images for r in rs]
-        n_tokens = int((ids == self.vision.image_token_id).sum())
-        if not refs:
-            if n_tokens:
-                raise ValueError(f"{n_tokens} image tokens in a batch without images")
-            return {}
-        inputs = {k: v.to(self.device) for k, v in self.vision.inputs(refs).items()}
-        if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
-        vlm_base = self.model.model
-        if "mm_token_type_ids" in inspect.signature(vlm_base.forward).parameters:
-            inputs["mm_token_type_ids"] = (ids == self.vision.image_token_id).long().to(self.device)
-        if hasattr(vlm_base, "rope_deltas"):
-            vlm_base.rope_deltas = None  # Qwen2.5-VL keeps the last batch's position offsets between calls
-        return inputs
+        return vision_forward_inputs(self.model, self.vision, ids, [r for rs in images for r in rs], self.dtype,
+                                     self.device)
 
     @torch.inference_mode()
     def _forward(self, seqs: list[list[int]], images: list[list[str]] | None = None) -> list[Captured]:
@@ -265,8 +295,7 @@ class HFTarget:
         merged: dict[str, torch.Tensor] = {}
         hook = None
         if self.vision is not None:  # the LLM's input: the token embeddings with the pictures merged in
-            hook = self.base.register_forward_pre_hook(
-                lambda _m, _a, kw: merged.__setitem__("embeds", kw["inputs_embeds"]), with_kwargs=True)
+            hook = on_llm_inputs(self.base, lambda x: merged.__setitem__("embeds", x))
         try:
             base = self.model.model if self.vision is not None else self.base  # the VLM's base merges the images
             base(input_ids=ids.to(self.device), attention_mask=attn, use_cache=False, **extra)
