@@ -7,7 +7,9 @@ target's forward of batch i+1 overlaps the draft's step on batch i (torch releas
 Items are the same dicts `HiddenStateDataset` yields, so the trainer cannot tell the two modes apart:
 {"sample_id", "input_ids" int64 [T], "loss_mask" int8 [T], "aux" [T,3H], "final" [T,H], "target_argmax" [T]}
 (the target's full-vocab argmax, computed by an eagle3.targets.argmax.ArgmaxHead as extraction does), with fp8
-states and their scales as an `extract.storage` cache of fp8 holds them.
+states and their scales as an `extract.storage` cache of fp8 holds them. Prepared data with images (an `images`
+column) is captured with its pictures, and each item also holds `image_positions` [N] and `image_embeds` [N, H],
+as a cache of image samples does.
 
     batches = OnlineBatches(backend, prepared.train, index_batches, argmax, prefetch=cfg.extract.prefetch)
     for items in batches: ...      # one list of item dicts per index batch, in order
@@ -37,22 +39,28 @@ def capture_items(backend: Any, dataset: Any, indices: list[int], argmax: Any, s
 
     A sample whose states are not all finite (NaN/inf from the target) must never be trained on, but dropping it
     would change the batch the trainer planned (and exact resume). It stays in place as a blank: zero states and
-    an all-zero loss mask, so no position of it counts in the loss or the metrics; it is logged by id."""
+    an all-zero loss mask, so no position of it counts in the loss or the metrics; it is logged by id.
+
+    A split with images (an `images` column) is captured with them (the target's vision tower runs), and each item
+    gets its image token positions and the target's merged input embeddings there, as extraction writes them."""
     from eagle3.cache.codec import STATES, codec_for, dequantize, quantize
 
     codec = codec_for(storage)
     rows = dataset[list(indices)]
-    caps = backend.capture(rows["input_ids"])
+    images = "images" in rows
+    caps = backend.capture(rows["input_ids"], rows["images"]) if images else backend.capture(rows["input_ids"])
     items = []
     for sid, ids, mask, c in zip(rows["id"], rows["input_ids"], rows["loss_mask"], caps, strict=True):
         states = {"aux": c.aux, "final": c.final}
         sent = {k: v for k, v in (("aux_scale", c.aux_scale), ("final_scale", c.final_scale)) if v is not None}
         loss_mask = torch.tensor(mask, dtype=torch.int8)
+        embeds = c.image_embeds
         if not sent and not all(all_finite(x) for x in states.values()):
             log.warning("online: sample %r: the target returned NaN/inf hidden states; blanked (zero states, no "
                         "loss positions), never trained on", sid)
             states = {k: torch.zeros_like(v) for k, v in states.items()}
             loss_mask = torch.zeros_like(loss_mask)
+            embeds = None if embeds is None else torch.zeros_like(embeds)
         final = states["final"]
         if "final_scale" in sent:
             final = dequantize(final, sent["final_scale"], backend.dtype)
@@ -65,6 +73,9 @@ def capture_items(backend: Any, dataset: Any, indices: list[int], argmax: Any, s
                 item[name], item[f"{name}_scale"] = quantize(x, STATES[name])
             else:
                 item[name] = x
+        if images:  # what the cache of an image sample holds: its image rows only
+            pos = torch.nonzero(item["input_ids"] == backend.vision.image_token_id).flatten()
+            item["image_positions"], item["image_embeds"] = pos, embeds.to(backend.dtype)
         items.append(item)
     return items
 

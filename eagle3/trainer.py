@@ -91,11 +91,9 @@ def open_datasets(target: TargetConfig, extract: ExtractConfig, paths: RunPaths,
         from eagle3.targets import make_backend
 
         prepared = load_prepared(paths.prepared_dir)
-        if "images" in prepared.train.column_names:
-            raise UserError(f"the prepared data in {paths.prepared_dir} holds samples with images: online training "
-                            "does not capture them yet; extract them offline (extract.mode=offline)")
         backend = make_backend(target, extract, max_length, paths.logs_dir,
-                               request=(request_tokens or extract.batch_tokens, extract.storage))
+                               request=(request_tokens or extract.batch_tokens, extract.storage),
+                               images="images" in prepared.train.column_names)
         argmax = ArgmaxHead.for_backend(backend, target, extract.teacher_chunk)
         storage = extract.storage
         evald = OnlineSource(backend, prepared.eval, extract.prefetch, argmax, storage) if len(prepared.eval) else None

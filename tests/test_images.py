@@ -348,14 +348,12 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
 def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_path):
     """prepare -> extract -> train on a tiny Qwen2.5-VL with image and text samples, draft.image_inputs=placeholder
     (vLLM's inputs): the cache holds, for an image sample, the states the vision-language model computes for it
-    alone, and a few training steps stay finite. Without draft.image_inputs and online, each stage refuses by
-    name."""
+    alone, and a few training steps stay finite. Without draft.image_inputs, each stage refuses by name."""
     import torch
 
     from eagle3.cache import HiddenStateDataset, expected_fingerprint
     from eagle3.data.prepared import PreparedError
     from eagle3.extract import run as extract
-    from eagle3.logs import UserError
     from eagle3.targets.hf import HFTarget
     from eagle3.trainer import run as train
 
@@ -390,10 +388,6 @@ def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_pat
     assert "with `placeholder` inputs at image tokens" in (out / "README.md").read_text()
     with pytest.raises(ExportError, match="trained with draft.image_inputs='placeholder'"):
         export(step, tmp_path / "sglang-head", to="sglang")
-    online = _prep_cfg(tmp_path, target, data, *more, "draft.image_inputs=placeholder", "extract.mode=online",
-                       f"output_dir={tmp_path / 'online'}", f"data.output_dir={cfg.prepared_dir}")
-    with pytest.raises(UserError, match="online training does not capture them yet"):
-        train(online)
 
 
 @needs_torchvision
@@ -467,3 +461,49 @@ def test_target_embeddings_cache_the_pictures_and_feed_them_to_the_head(tmp_path
     out = cfg.paths.export_dir / "sglang"
     assert json.loads((out / "config.json").read_text())["eagle3"]["image_inputs"] == "target-embeddings"
 
+
+@needs_torchvision
+def test_online_training_captures_image_samples_as_extraction_caches_them(tmp_path):
+    """extract.mode=online with image samples: the items the target computes while the head trains are the cache's
+    items (states, image positions, the merged image embeddings; a text sample has none), and a few online steps
+    train under target-embeddings; the SGLang backend, which does not send images, is refused by name."""
+    import torch
+
+    from eagle3.cache import HiddenStateDataset
+    from eagle3.data.prepared import PreparedError
+    from eagle3.extract import run as extract
+    from eagle3.online import capture_items
+    from eagle3.targets.argmax import ArgmaxHead
+    from eagle3.targets.hf import HFTarget
+    from eagle3.trainer import run as train
+
+    target = tiny_qwen25_vl(tmp_path / "qwen", with_model=True)
+    data = _image_data(tmp_path)
+    more = ("target.dtype=float32", "extract.shard_samples=4", "extract.batch_tokens=512", "train.batch_tokens=512",
+            "train.max_steps=2", "train.eval_every=2", "draft.vocab_size=320", "draft.image_inputs=target-embeddings")
+    cfg = _prep_cfg(tmp_path, target, data, *more)
+    prepare.run(cfg)
+    extract(cfg)
+    ds = HiddenStateDataset(cfg.cache_dir, "train")
+    prepared = load_prepared(cfg.prepared_dir).train
+    backend = HFTarget(cfg.target, cfg.extract, images=True)
+    argmax = ArgmaxHead.for_backend(backend, cfg.target, cfg.extract.teacher_chunk)
+    cached = {it["sample_id"]: it for it in (ds[i] for i in range(len(ds)))}
+    online = capture_items(backend, prepared, list(range(len(prepared))), argmax)
+    assert {len(it["image_positions"]) > 0 for it in online} == {True, False}
+    for it in online:
+        ref = cached[it["sample_id"]]
+        assert set(it) == set(ref), (set(it) ^ set(ref))
+        for k in ("input_ids", "loss_mask", "target_argmax", "image_positions"):
+            assert torch.equal(it[k].long(), ref[k].long()), k
+        for k in ("aux", "final", "image_embeds"):
+            torch.testing.assert_close(it[k], ref[k], rtol=1e-5, atol=1e-5)
+
+    run = _prep_cfg(tmp_path, target, data, *more, "extract.mode=online", f"output_dir={tmp_path / 'online'}",
+                    f"data.output_dir={cfg.prepared_dir}")
+    m = train(run)
+    assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0
+    sglang = _prep_cfg(tmp_path, target, data, *more, "extract.mode=online", "target.backend=sglang",
+                       f"output_dir={tmp_path / 'sg'}", f"data.output_dir={cfg.prepared_dir}")
+    with pytest.raises(PreparedError, match="SGLang backend does not send images yet"):
+        train(sglang)
