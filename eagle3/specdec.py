@@ -166,6 +166,11 @@ def ngram_proposal(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) ->
     """vLLM's prompt-lookup rule (v1/spec_decode/ngram_proposer.py): the longest n-gram, min_n <= n <= max_n,
     ending the context that also occurs earlier in it (the earliest such occurrence where several do), and up to
     k tokens that followed it; [] where none matches."""
+    return ngram_match(tokens, k, min_n, max_n)[1]
+
+
+def ngram_match(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> tuple[int, list[int]]:
+    """`ngram_proposal` with the length n of the n-gram it matched (0 and [] where none did)."""
     import numpy as np
 
     seq = np.asarray(tokens, dtype=np.int64)
@@ -175,8 +180,8 @@ def ngram_proposal(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) ->
         hits = np.flatnonzero((windows == seq[total - n:]).all(axis=1))
         if len(hits):
             start = int(hits[0]) + n
-            return [int(t) for t in seq[start:start + k]]
-    return []
+            return n, [int(t) for t in seq[start:start + k]]
+    return 0, []
 
 
 # ---------------------------------------------------------------------------------------------------- target

@@ -1,0 +1,303 @@
+"""Exact trace replay: what each drafter, and each rule choosing among them per step, would accept on a greedy run.
+
+Under greedy decoding a draft's accepted length is its common prefix with the target's own continuation, and the
+continuation does not depend on the drafts (speculative decoding is lossless). So one greedy trace per turn (the
+prompt and the target's answer) decides, for every drafter and every position, how much a draft there would accept;
+a decoding run is then a walk over the trace: at a round whose root is at position m (the last token the target
+produced), the rule picks a drafter, its draft accepts `a` tokens, and the next root is at m + a + 1. Tokens per
+target forward (the prefill included, one forward per round) compares methods as the engines count them.
+
+The drafters, as the engines draft (eagle3.engines.vllm_eval runs them in vLLM with the same settings):
+- `head`: the EAGLE-3 head's k-token chain. Its draft at every position of the trace comes from one unrolled forward
+  (the training-time test, eagle3.ttt): step j at position t reads the head's own hidden state of step j-1 and the
+  trace's token x_{t+1+j}, and predicts x_{t+2+j}. A draft token counts only while those before it were accepted, so
+  the trace's tokens are exactly the tokens the head drafted itself, and the unroll's attention is inference's (the
+  prefix from the target's states, the chain from the head's own): the replay's drafts are the engine's.
+- `ngram`: vLLM's prompt lookup (eagle3.specdec.ngram_match: the longest n-gram, min_n..max_n, ending the context
+  that occurred earlier, its earliest occurrence).
+- `suffix`: arctic-inference's suffix tree as vLLM's `method=suffix` feeds it (v1/spec_decode/suffix_decoding.py):
+  each request's prompt in its own tree, every response, token by token as the steps produce it, in one global tree
+  shared by all requests in the run's order; a chain of at most `max_tokens`, cut where the path's probability falls
+  under min_token_prob. It is built by scripts/setup_suffix_decoding.sh (`suffix_tree()` says where it looks).
+
+    replayer = Replayer(k=3, rules=default_rules(3))
+    for trace in traces:                     # in the run's order: the global suffix tree learns as it goes
+        replayer.add(trace, head_chains(draft, aux, trace.tokens, 3))
+    replayer.table()                         # tokens per forward, per rule, per set and category
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.specdec import ngram_match
+
+SUFFIX_DIR = Path(__file__).resolve().parent.parent / ".vllm-suffix"
+"""Where scripts/setup_suffix_decoding.sh puts arctic-inference's suffix tree by default (git-ignored)."""
+
+
+def suffix_tree() -> Any:
+    """arctic-inference's SuffixDecodingCache class: installed, or built by scripts/setup_suffix_decoding.sh into
+    .vllm-suffix (or the folder named by EAGLE3_SUFFIX_DIR); an ImportError saying how to build it otherwise."""
+    folder = Path(os.environ.get("EAGLE3_SUFFIX_DIR", SUFFIX_DIR))
+    if folder.is_dir() and str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module("arctic_inference.suffix_decoding").SuffixDecodingCache
+    except ImportError as e:
+        raise ImportError(f"arctic-inference's suffix tree does not import ({e}): build it with `PYTHON={sys.executable}"
+                          f" bash scripts/setup_suffix_decoding.sh {folder}`") from e
+
+
+@dataclass
+class Trace:
+    """One greedy turn: its prompt, the target's answer, and where it belongs on the card."""
+
+    prompt: list[int]
+    output: list[int]
+    set: str = ""
+    category: str = ""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class Proposal:
+    """One drafter's draft at one round: its tokens, how many the target accepts, and the features a rule reads."""
+
+    tokens: list[int]
+    accepted: int
+    score: float = 0.0
+    """The suffix tree's score (the sum of its tokens' path probabilities); 0 for the others."""
+    match: int = 0
+    """The length of the context suffix the draft was looked up by (n-gram's n, the suffix tree's match length)."""
+
+
+Rule = Callable[[dict[str, Proposal]], str]
+"""Picks, from each drafter's proposal at a round, the drafter whose draft the target verifies."""
+
+
+def accepted_length(draft: list[int], truth: list[int]) -> int:
+    """The common prefix of a draft and the target's continuation: what greedy verification accepts."""
+    n = 0
+    for d, t in zip(draft, truth):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+@torch.inference_mode()
+def head_chains(draft: Any, aux: torch.Tensor, tokens: list[int], k: int, extra: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+    """[T, k] target ids: row t is the head's chain drafted after position t, predicting x_{t+2}..x_{t+1+k} (one TTT
+    unroll of k steps over the trace; -1 past the trace's end). `draft`: an eagle3.model.Eagle3Draft; `aux`: the
+    target's [T, 3H] states over `tokens`; `extra`: the embeddings of ids past the vocab (image rows)."""
+    from eagle3.rows import plan_rows
+
+    t = len(tokens)
+    ids = torch.tensor([tokens], dtype=torch.long, device=aux.device)
+    rows = plan_rows(torch.ones(1, t, dtype=torch.long), torch.zeros(1, t, dtype=torch.long), k, False)
+    dtype = next(iter(draft.parameters())).dtype
+    logits = draft(aux.to(dtype)[None], ids, rows.to(aux.device), extra=extra)
+    out = torch.full((t, k), -1, dtype=torch.long)
+    for j, lg in enumerate(logits):
+        pos = rows.keep[j][rows.score[j]].cpu()
+        out[pos, j] = draft.draft_to_target(lg.argmax(-1)).cpu()
+    return out
+
+
+class Drafter:
+    """One drafting method over one trace at a time: `start` a turn, `propose` at a root, `observe` what the round
+    produced (the suffix tree learns from it), `stop` the turn."""
+
+    def start(self, trace: Trace, chains: torch.Tensor | None) -> None: ...
+
+    def propose(self, context: list[int]) -> tuple[list[int], float, int]:
+        """(draft tokens, score, match length) after `context` (which ends with the round's root)."""
+        raise NotImplementedError
+
+    def observe(self, tokens: list[int]) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class HeadDrafter(Drafter):
+    """The head's chain at the round's root, read off the trace's unroll (`head_chains`)."""
+
+    def start(self, trace: Trace, chains: torch.Tensor | None) -> None:
+        if chains is None:
+            raise ValueError("the head drafter needs the trace's head chains")
+        self.chains = chains
+
+    def propose(self, context: list[int]) -> tuple[list[int], float, int]:
+        row = self.chains[len(context) - 2].tolist()
+        return [t for t in row if t >= 0], 0.0, 0
+
+
+class NgramDrafter(Drafter):
+    """vLLM's prompt lookup, k tokens, n-grams of min_n..max_n (eval.ngram_min / ngram_max)."""
+
+    def __init__(self, k: int, min_n: int = 2, max_n: int = 4):
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, context: list[int]) -> tuple[list[int], float, int]:
+        n, tokens = ngram_match(context, self.k, self.min_n, self.max_n)
+        return tokens, 0.0, n
+
+
+class SuffixDrafter(Drafter):
+    """vLLM's suffix decoding: one global tree of the run's responses (requests in order), each prompt in a tree of
+    its own; vLLM's defaults (tree depth 24, 10,000 cached responses, spec factor 1, min token prob 0.1)."""
+
+    def __init__(self, max_tokens: int, depth: int = 24, cached: int = 10_000, factor: float = 1.0,
+                 min_prob: float = 0.1):
+        self.cache = suffix_tree()(max_tree_depth=depth, max_cached_requests=cached)
+        self.max_tokens, self.depth, self.factor, self.min_prob = max_tokens, depth, factor, min_prob
+        self.n = 0
+
+    def start(self, trace: Trace, chains: torch.Tensor | None) -> None:
+        self.n += 1
+        self.req = f"r{self.n}"
+        self.cache.start_request(self.req, trace.prompt)
+
+    def propose(self, context: list[int]) -> tuple[list[int], float, int]:
+        d = self.cache.speculate(self.req, context[-self.depth:], max_spec_tokens=self.max_tokens,
+                                 max_spec_factor=self.factor, min_token_prob=self.min_prob)
+        return list(d.token_ids), float(d.score), int(d.match_len)
+
+    def observe(self, tokens: list[int]) -> None:
+        self.cache.add_active_response(self.req, tokens)
+
+    def stop(self) -> None:
+        self.cache.stop_request(self.req)
+
+
+@dataclass
+class Tally:
+    """One rule's counters over some traces."""
+
+    generated: int = 0
+    forwards: int = 0
+    rounds: int = 0
+    accepted: int = 0
+    chosen: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: Tally) -> None:
+        self.generated += other.generated
+        self.forwards += other.forwards
+        self.rounds += other.rounds
+        self.accepted += other.accepted
+        for k, v in other.chosen.items():
+            self.chosen[k] = self.chosen.get(k, 0) + v
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated / self.forwards if self.forwards else float("nan")
+
+
+def walk(trace: Trace, drafters: dict[str, Drafter], rule: Rule, chains: torch.Tensor | None = None,
+         steps: list[tuple[str, int]] | None = None) -> Tally:
+    """One turn decoded with `rule` choosing among `drafters` each round: the prefill gives the first token, each
+    round one target forward. `steps` (optional) collects (chosen drafter, accepted) per round."""
+    for d in drafters.values():
+        d.start(trace, chains)
+    tally = Tally(generated=len(trace.output), forwards=1)
+    tokens, m = trace.tokens, len(trace.prompt)  # the root: the token the prefill produced, at position m
+    end = len(tokens)
+    for d in drafters.values():
+        d.observe(tokens[m:m + 1])
+    while m + 1 < end:
+        context = tokens[:m + 1]
+        truth = tokens[m + 1:]
+        props = {}
+        for name, d in drafters.items():
+            draft, score, match = d.propose(context)
+            props[name] = Proposal(draft, accepted_length(draft, truth), score, match)
+        name = rule(props)
+        a = props[name].accepted
+        tally.forwards += 1
+        tally.rounds += 1
+        tally.accepted += a
+        tally.chosen[name] = tally.chosen.get(name, 0) + 1
+        if steps is not None:
+            steps.append((name, a))
+        new = tokens[m + 1:m + 2 + a]
+        for d in drafters.values():
+            d.observe(new)
+        m += a + 1
+    for d in drafters.values():
+        d.stop()
+    return tally
+
+
+def always(name: str) -> Rule:
+    return lambda props: name
+
+
+def oracle(props: dict[str, Proposal]) -> str:
+    """The drafter that accepts most (the head where several tie): the ceiling of any rule over these drafters."""
+    return max(props, key=lambda n: (props[n].accepted, n == "head"))
+
+
+def suffix_if_score(threshold: float) -> Rule:
+    """Arctic Inference's pairing: the suffix tree's draft where its score reaches `threshold`, else the head's."""
+    return lambda props: "suffix" if props["suffix"].score >= threshold else "head"
+
+
+def ngram_if_match(length: int) -> Rule:
+    """Prompt lookup where it matched an n-gram of at least `length` tokens, else the head."""
+    return lambda props: "ngram" if props["ngram"].tokens and props["ngram"].match >= length else "head"
+
+
+def default_rules(k: int, suffix: bool = True) -> dict[str, Rule]:
+    """The single methods and the rules over them the card compares (`suffix`: the suffix tree is available)."""
+    rules: dict[str, Rule] = {"head": always("head"), "ngram": always("ngram")}
+    if suffix:
+        rules |= {"suffix": always("suffix"), f"suffix-score>={k}": suffix_if_score(k),
+                  "suffix-score>=1": suffix_if_score(1.0)}
+    rules |= {"ngram-match>=3": ngram_if_match(3), "ngram-match>=4": ngram_if_match(4), "oracle": oracle}
+    return rules
+
+
+class Replayer:
+    """Every rule over the same traces, each with drafters of its own (a suffix tree learns from the rounds its own
+    run produced), traces taken in the run's order; tallies per (set, category)."""
+
+    def __init__(self, k: int, rules: dict[str, Rule], make_drafters: Callable[[], dict[str, Drafter]] | None = None,
+                 suffix_tokens: int | None = None):
+        def default() -> dict[str, Drafter]:
+            out: dict[str, Drafter] = {"head": HeadDrafter(), "ngram": NgramDrafter(k)}
+            if any("suffix" in r for r in rules):
+                out["suffix"] = SuffixDrafter(suffix_tokens or k)
+            return out
+
+        self.rules = rules
+        self.drafters = {r: (make_drafters or default)() for r in rules}
+        self.tallies: dict[tuple[str, str, str], Tally] = {}
+
+    def add(self, trace: Trace, chains: torch.Tensor | None) -> dict[str, Tally]:
+        out = {}
+        for r, rule in self.rules.items():
+            t = walk(trace, self.drafters[r], rule, chains)
+            out[r] = t
+            for key in ((trace.set, "", r), (trace.set, trace.category, r)):
+                self.tallies.setdefault(key, Tally()).add(t)
+        return out
+
+    def rows(self) -> Iterable[tuple[str, str, dict[str, Tally]]]:
+        """(set, category, {rule: tally}) for each set, then its categories."""
+        groups = sorted({(s, c) for s, c, _ in self.tallies}, key=lambda x: (x[0], x[1] != "", x[1]))
+        for s, c in groups:
+            if c == "" or len({cc for ss, cc, _ in self.tallies if ss == s and cc}) > 1:
+                yield s, c, {r: self.tallies[(s, c, r)] for r in self.rules}
