@@ -65,6 +65,10 @@ class Trace:
     output: list[int]
     set: str = ""
     category: str = ""
+    stop: int | None = None
+    """How many output tokens the run keeps (max_new_tokens, or up to its stop token); `output` may go on past it:
+    an engine's last round verifies drafts past where the run stops and counts those it accepts, which the replay
+    can only count where the trace holds the target's tokens there. None: all of `output`."""
 
     @property
     def tokens(self) -> list[int]:
@@ -190,6 +194,8 @@ class Tally:
     generated: int = 0
     forwards: int = 0
     rounds: int = 0
+    drafted: int = 0
+    """Rounds whose chosen draft held a token (an engine's `num_drafts`)."""
     accepted: int = 0
     chosen: dict[str, int] = field(default_factory=dict)
 
@@ -197,6 +203,7 @@ class Tally:
         self.generated += other.generated
         self.forwards += other.forwards
         self.rounds += other.rounds
+        self.drafted += other.drafted
         self.accepted += other.accepted
         for k, v in other.chosen.items():
             self.chosen[k] = self.chosen.get(k, 0) + v
@@ -212,9 +219,10 @@ def walk(trace: Trace, drafters: dict[str, Drafter], rule: Rule, chains: torch.T
     round one target forward. `steps` (optional) collects (chosen drafter, accepted) per round."""
     for d in drafters.values():
         d.start(trace, chains)
-    tally = Tally(generated=len(trace.output), forwards=1)
+    kept = len(trace.output) if trace.stop is None else trace.stop
+    tally = Tally(generated=kept, forwards=1)
     tokens, m = trace.tokens, len(trace.prompt)  # the root: the token the prefill produced, at position m
-    end = len(tokens)
+    end = len(trace.prompt) + kept
     for d in drafters.values():
         d.observe(tokens[m:m + 1])
     while m + 1 < end:
@@ -228,6 +236,7 @@ def walk(trace: Trace, drafters: dict[str, Drafter], rule: Rule, chains: torch.T
         a = props[name].accepted
         tally.forwards += 1
         tally.rounds += 1
+        tally.drafted += bool(props[name].tokens)
         tally.accepted += a
         tally.chosen[name] = tally.chosen.get(name, 0) + 1
         if steps is not None:

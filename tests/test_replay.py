@@ -3,11 +3,14 @@ to what the built-in speculative decoder drafts and accepts on the same prompts.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from models import tiny_llama
 from test_specdec import _prompts, _target, real_draft
 
+from eagle3.engines.vllm_hybrid import settings
 from eagle3.replay import (
     Drafter,
     HeadDrafter,
@@ -166,3 +169,17 @@ def test_replayer_tallies_each_rule_on_drafters_of_its_own():
     assert [(s, c) for s, c, _ in rows] == [("s", ""), ("s", "a"), ("s", "b")]
     whole = rows[0][2]["head"]
     assert whole.generated == 12 and whole.forwards == rows[1][2]["head"].forwards + rows[2][2]["head"].forwards
+
+
+def test_settings_refuse_a_malformed_rule(monkeypatch):
+    """EAGLE3_HYBRID unset: the plugin does nothing; a rule without its parameter, or an unknown one, is an error
+    naming what it expects."""
+    monkeypatch.delenv("EAGLE3_HYBRID", raising=False)
+    assert settings() is None
+    for bad, match in (('{"rule": "suffix-score"}', "needs \\['threshold'\\]"), ('{"rule": "x"}', "expected"),
+                       ("[1]", "expected")):
+        monkeypatch.setenv("EAGLE3_HYBRID", bad)
+        with pytest.raises(ValueError, match=match):
+            settings()
+    monkeypatch.setenv("EAGLE3_HYBRID", json.dumps({"rule": "ngram-match", "length": 3}))
+    assert settings() == {"rule": "ngram-match", "length": 3}

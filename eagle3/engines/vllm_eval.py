@@ -179,7 +179,8 @@ CPU_SAMPLING = (
 
 def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]], python: str | None = None,
              timeout_s: float = 3600, check_greedy: bool = True, groups: list[str] | None = None,
-             method: str = "eagle3", images: list[list[str]] | None = None) -> dict[str, Any]:
+             method: str = "eagle3", images: list[list[str]] | None = None, hybrid: dict[str, Any] | None = None,
+             ) -> dict[str, Any]:
     """Export the head for vLLM, replay `prompts` (token ids) in vLLM, return its τ and counters; with `groups`
     (one name per prompt, e.g. `mt-bench/coding`), vLLM runs each group in turn and `groups` in the result holds
     each one's τ, acceptance and tokens per target forward (group_metrics). `method="ngram"`: vLLM's own
@@ -191,7 +192,10 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
     vLLM expanded to exactly the ids sent (see the module docstring).
 
     At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
-    the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`)."""
+    the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`).
+
+    `hybrid` (with method eagle3): the rule of eagle3's hybrid drafter (eagle3.engines.vllm_hybrid), which vLLM loads
+    as a general plugin: each round the head's draft or a model-free one, per request."""
     from eagle3.bundled import resolve_target_path
     from eagle3.engines.reference import compare_greedy, hf_greedy
     from eagle3.engines.vllm_torchvision import torchvision_env
@@ -206,6 +210,12 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
         prompts_file, result_file = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         prompts_file.write_text(json.dumps(prompts))
         torchvision_env(env, Path(tmp))
+        hybrid_args = []
+        if hybrid is not None:
+            if method != "eagle3":
+                raise ValueError(f"the hybrid drafter pairs the head with a model-free drafter: method {method!r}")
+            hybrid_env(env, Path(tmp))
+            hybrid_args = ["--hybrid", json.dumps(hybrid)]
         images_args: list[str] = []
         if images is not None and any(images):
             if len(images) != len(prompts):
@@ -223,7 +233,8 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
                "--num-spec", str(run.eval.num_steps), "--temperature", str(run.eval.temperature),
                "--draft-sample-method", run.eval.draft_sampling,
                "--max-tokens", str(run.eval.max_new_tokens), "--dtype", run.target.dtype, "--seed",
-               str(run.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *groups_args, *images_args]
+               str(run.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *groups_args, *images_args,
+               *hybrid_args]
         code, tail = _run_echoing(cmd, env, timeout_s)
         if code != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM check failed (exit {code}): {_root_cause(tail)}; command: {' '.join(cmd)}")
@@ -231,10 +242,28 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
     if method == "plain":  # no drafts: only the answers (to render a dialogue's next turn)
         return {"method": method, "prompts": len(prompts), "outputs": raw["outputs"], "seconds": raw.get("seconds")}
     result = _vllm_result(raw, method, out_dir, prompts, stop, run.eval.temperature)
+    if hybrid is not None:
+        result["hybrid"] = hybrid
     if check_greedy and run.eval.temperature <= 0 and raw.get("outputs") is not None:
         ref = hf_greedy(run.target, prompts, run.eval.max_new_tokens, stop, images=images if images_args else None)
         result.update(compare_greedy(raw["outputs"], ref, stop))
     return result
+
+
+def hybrid_env(env: dict[str, str], folder: Path) -> None:
+    """vLLM's processes find eagle3's hybrid plugin as an installed package's `vllm.general_plugins` entry point
+    would offer it: eagle3's folder and, in `folder`, a distribution's metadata naming the entry point
+    (importlib.metadata reads `*.dist-info` on the path), so nothing is installed into vLLM's environment. The suffix
+    tree (scripts/setup_suffix_decoding.sh) goes on the path too where it was built."""
+    from eagle3.replay import SUFFIX_DIR
+
+    dist = folder / "eagle3_hybrid-0.0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: eagle3-hybrid\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\neagle3_hybrid = eagle3.engines.vllm_hybrid:register\n")
+    suffix = os.environ.get("EAGLE3_SUFFIX_DIR", str(SUFFIX_DIR))
+    paths = [str(folder), str(Path(__file__).resolve().parents[2]), suffix, env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
 
 
 def _method_args(method: str, draft_folder: Path | None, export_to: Path, ev: EvalConfig, family: str
@@ -365,6 +394,9 @@ def _with_ngram(head: dict[str, Any], ngram: dict[str, Any] | None) -> dict[str,
 # -------------------------------------------------------------------------------------------- child side
 def _child(argv: list[str] | None = None) -> int:
     """Runs inside vLLM's interpreter: only the standard library and vllm."""
+    a = _child_args(argv)
+    if a.hybrid:  # read by eagle3's plugin in every vLLM process (set before vLLM loads its plugins)
+        os.environ["EAGLE3_HYBRID"] = a.hybrid
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
 
     try:
@@ -372,7 +404,6 @@ def _child(argv: list[str] | None = None) -> int:
     except ImportError:  # older layouts
         TokensPrompt = dict  # noqa: N806
 
-    a = _child_args(argv)
     import vllm  # type: ignore[import-not-found]
 
     prompts = json.loads(Path(a.prompts).read_text())
@@ -490,6 +521,7 @@ def _child_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--groups", help="JSON list: a group name per prompt; each group runs in turn, metrics after each")
     p.add_argument("--images", help="JSON list: per prompt, the image files its image tokens stand for ([] for none)")
     p.add_argument("--image-token-id", type=int, help="the target's image placeholder id (with --images)")
+    p.add_argument("--hybrid", help="JSON: eagle3's hybrid drafter rule (EAGLE3_HYBRID, eagle3.engines.vllm_hybrid)")
     p.add_argument("--keep-vllm-sampler", action="store_true",
                    help="do not repair the CPU backend's sampled verification (to see what _repair_cpu_expand fixes)")
     return p.parse_args(argv)
@@ -532,7 +564,8 @@ def _speculative_config(a: argparse.Namespace) -> dict[str, Any] | None:
     if not a.draft:
         raise SystemExit("--draft is required with --method eagle3")
     return {"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec,
-            "draft_sample_method": a.draft_sample_method}
+            "draft_sample_method": a.draft_sample_method,
+            **({"disable_padded_drafter_batch": True} if a.hybrid else {})}
 
 
 def _expand_ok() -> bool:

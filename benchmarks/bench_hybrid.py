@@ -1,0 +1,133 @@
+"""The hybrid drafter's ceiling, by exact trace replay: the head, n-gram, suffix decoding and rules over them.
+
+    python benchmarks/bench_hybrid.py --config configs/smollm2-135m.yaml \
+        --checkpoint runs/smollm2-135m/checkpoints/best --sets mt-bench humaneval code-edit --max-prompts 80
+
+Every turn of every prompt set is decoded once by the built-in speculative decoder with the head (greedy, k =
+eval.num_steps, chain): its output is the target's greedy answer (lossless), and its own tokens per target forward
+are printed beside the replay's head column, which must equal it (eagle3.replay: the same drafts, the same rounds).
+The trace (prompt + answer) then goes through one target forward (the aux states) and one TTT unroll of the head
+(its chain at every position), and eagle3.replay walks it once per rule, each with drafters of its own: the head
+alone, vLLM's n-gram (lookup eval.ngram_min..ngram_max), vLLM's suffix decoding (arctic-inference's tree with vLLM's
+settings, responses fed in the run's order, at most --suffix-tokens tokens: k by default, as eagle3's vLLM runs
+capped it), and rules that pick one draft per round (suffix where its score reaches a threshold, n-gram where it
+matched a long n-gram, the oracle that takes the longest accepted). MT-bench's second turns follow the head's
+(greedy) answer to the first, as the built-in evaluator renders them.
+
+Prints tokens per target forward per set and category, the oracle over the best single method, and writes
+`replay.json` under --out. The suffix tree: `PYTHON=.venv/bin/python bash scripts/setup_suffix_decoding.sh` (into
+.vllm-suffix); without it the suffix columns are left out, said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+from bench_vs_ngram import cpu_line  # noqa: E402
+
+from eagle3.config import load_config  # noqa: E402
+from eagle3.logs import setup_logging  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--sets", nargs="+", default=["mt-bench", "humaneval", "code-edit"])
+    p.add_argument("--max-prompts", type=int, default=20)
+    p.add_argument("--suffix-tokens", type=int, default=None, help="the suffix tree's longest draft (default: k)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="runs/bench-hybrid")
+    p.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    setup_logging()
+
+    from eagle3.data.types import Turn
+    from eagle3.evaluate import PromptRenderer, draft_for_target, settings_from
+    from eagle3.prompts import load_prompt_set
+    from eagle3.replay import Replayer, Trace, default_rules, head_chains, suffix_tree
+    from eagle3.specdec import HFTargetDecoder, SpeculativeDecoder
+    from eagle3.targets.hf import eos_ids, load_target
+
+    cfg = load_config(a.config, a.overrides)
+    ev = cfg.eval
+    k = ev.num_steps
+    if ev.topk != 1 or ev.temperature > 0:
+        raise SystemExit("the replay is exact for greedy chains: eval.topk=1, eval.temperature=0")
+    try:
+        suffix_tree()
+        suffix = True
+    except ImportError as e:
+        print(f"suffix decoding left out: {e}")
+        suffix = False
+    model, tokenizer = load_target(cfg.target)
+    draft = draft_for_target(Path(a.checkpoint), model, cfg.target.aux_layer_ids)
+    target = HFTargetDecoder(model, list(draft.config.aux_layer_ids))
+    eos = set(eos_ids(tokenizer, model.generation_config))
+    dec = SpeculativeDecoder(target, draft, settings_from(ev), eos)
+    render = PromptRenderer(tokenizer, cfg.data)
+    rules = default_rules(k, suffix)
+    rep = Replayer(k, rules, suffix_tokens=a.suffix_tokens)
+    builtin: dict[tuple[str, str], list[int]] = {}  # (set, category) -> [generated, forwards]
+    t0 = time.monotonic()
+    turns = 0
+    for name in a.sets:
+        ps = load_prompt_set(name, cfg.paths.prepared_dir, a.max_prompts)
+        for prompt in ps.prompts:
+            history: list[Turn] = list(prompt.messages or [])
+            for text in prompt.to_generate():
+                if prompt.token_ids is not None:
+                    ids = list(prompt.token_ids)
+                else:
+                    if text is not None:
+                        history.append(Turn("user", text))
+                    ids = render(history, prompt.tools)
+                gen = dec.generate(ids)
+                trace = Trace(ids, gen.tokens, ps.name, prompt.category or "")
+                with torch.inference_mode():
+                    _, aux = target.forward(torch.tensor(trace.tokens), torch.arange(len(trace.tokens)),
+                                            target.new_cache())
+                rep.add(trace, head_chains(draft, aux, trace.tokens, k))
+                for key in ((ps.name, ""), (ps.name, trace.category)):
+                    s = builtin.setdefault(key, [0, 0])
+                    s[0] += len(gen.tokens)
+                    s[1] += gen.target_forwards
+                if text is not None:
+                    history.append(Turn("assistant", render.answer(gen.tokens, eos)))
+                turns += 1
+                print(f"\r{ps.name}: {turns} turns, {time.monotonic() - t0:.0f} s", end="", flush=True)
+    print()
+    names = list(rules)
+    singles = [n for n in ("head", "ngram", "suffix") if n in rules]
+    print(f"{cpu_line()}; torch threads {a.threads}; k = {k}; suffix tokens {a.suffix_tokens or k}; "
+          f"{turns} turns in {time.monotonic() - t0:.0f} s")
+    print("| set | category | built-in head | " + " | ".join(names) + " | oracle / best single |")
+    print("|---|---|---|" + "---|" * len(names) + "---|")
+    out = []
+    for s, c, tallies in rep.rows():
+        b = builtin[(s, c)]
+        tpf = {n: t.tokens_per_forward for n, t in tallies.items()}
+        best = max(tpf[n] for n in singles)
+        print(f"| {s} | {c or 'all'} | {b[0] / b[1]:.3f} | " + " | ".join(f"{tpf[n]:.3f}" for n in names)
+              + f" | {tpf['oracle'] / best:.2f}x |")
+        out.append({"set": s, "category": c, "builtin_head": b[0] / b[1], "tokens_per_forward": tpf,
+                    "chosen": {n: t.chosen for n, t in tallies.items()}})
+    folder = Path(a.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "replay.json").write_text(json.dumps({"k": k, "suffix_tokens": a.suffix_tokens or k, "rows": out},
+                                                   indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

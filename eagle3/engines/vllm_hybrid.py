@@ -1,0 +1,169 @@
+"""The hybrid drafter inside vLLM: each round, per request, the EAGLE-3 head's draft or a model-free one.
+
+    pip install eagle3 (into vLLM's environment; or eagle3's folder on its PYTHONPATH with an entry point, as
+    eagle3.engines.vllm_eval does), then serve the head as usual with two more settings:
+    EAGLE3_HYBRID='{"rule": "suffix-score", "threshold": 1}' vllm serve TARGET --speculative-config \
+        '{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3, "disable_padded_drafter_batch": true}'
+
+vLLM runs one speculative method per server. This module is a `vllm.general_plugins` entry point (pyproject.toml)
+that vLLM loads in every process; with EAGLE3_HYBRID set it wraps the model runner's `propose_draft_token_ids`:
+the head drafts as always (its KV cache and state stay whole), a model-free drafter proposes beside it, and a rule
+picks one draft per request. The target verifies whatever it is handed, so greedy output is the target's own
+(lossless), and the draft probabilities vLLM keeps for probabilistic verification are dropped, so only greedy
+drafts (`draft_sample_method` greedy, vLLM's default) are served.
+
+Rules (eagle3.replay measures the same ones on traces, benchmarks/bench_hybrid.py):
+- `{"rule": "suffix-score", "threshold": t}`: suffix decoding's draft (arctic-inference's tree, fed as vLLM's
+  `method=suffix` feeds it, its `suffix_decoding_*` settings) where its score reaches t, else the head's;
+- `{"rule": "ngram-match", "length": L, "max": M}`: prompt lookup's draft (vLLM's own matcher) where an n-gram of
+  L..M tokens ending the context occurred earlier, else the head's;
+- `{"rule": "head"}`: the head's alone, through this path (the control).
+
+Only the standard library and vLLM are imported (vLLM's environment need not hold eagle3's dependencies), and only
+vLLM 0.32.0 is patched: another version is refused by name, since the runner's internals this relies on change
+between releases (`disable_padded_drafter_batch`: drafts as lists, sampled tokens on the host).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+ENV = "EAGLE3_HYBRID"
+TESTED = ("0.32.0",)
+log = logging.getLogger("eagle3.hybrid")
+
+
+def settings() -> dict[str, Any] | None:
+    """The hybrid's rule from EAGLE3_HYBRID (JSON), None where unset; a malformed value is an error."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    rule = json.loads(raw)
+    kinds = {"suffix-score": ("threshold",), "ngram-match": ("length",), "head": ()}
+    if not isinstance(rule, dict) or rule.get("rule") not in kinds:
+        raise ValueError(f"{ENV}={raw!r}: expected {{\"rule\": one of {sorted(kinds)}, ...}}")
+    missing = [k for k in kinds[rule["rule"]] if k not in rule]
+    if missing:
+        raise ValueError(f"{ENV}={raw!r}: rule {rule['rule']!r} needs {missing}")
+    return rule
+
+
+def register() -> None:
+    """vLLM's general-plugin hook: patches the model runner where EAGLE3_HYBRID is set (idempotent)."""
+    rule = settings()
+    if rule is None:
+        return
+    import vllm
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    version = getattr(vllm, "__version__", "?").split("+")[0]
+    if version not in TESTED:
+        raise RuntimeError(f"eagle3's hybrid drafter was tested on vLLM {', '.join(TESTED)}, not {version}: unset "
+                           f"{ENV} to serve the head alone")
+    if getattr(GPUModelRunner.propose_draft_token_ids, "eagle3_hybrid", False):
+        return
+    inner = GPUModelRunner.propose_draft_token_ids
+
+    def propose_draft_token_ids(self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any,
+                                **kwargs: Any) -> Any:
+        drafts = inner(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        spec = self.speculative_config
+        if spec is None or not spec.use_eagle():
+            return drafts
+        hybrid = getattr(self, "_eagle3_hybrid", None)
+        if hybrid is None:
+            hybrid = self._eagle3_hybrid = Hybrid(self.vllm_config, rule)
+        self._draft_probs = None  # another draft than the head's: its probabilities no longer describe it
+        self._draft_prob_req_ids = None
+        return hybrid.choose(drafts, self.input_batch, sampled_token_ids)
+
+    propose_draft_token_ids.eagle3_hybrid = True  # type: ignore[attr-defined]
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    log.info("eagle3 hybrid drafter: %s", rule)
+
+
+class Hybrid:
+    """The model-free drafter a rule names, and the per-request choice; counts what it chose (`chosen`)."""
+
+    def __init__(self, vllm_config: Any, rule: dict[str, Any]):
+        spec = vllm_config.speculative_config
+        if not spec.disable_padded_drafter_batch:
+            raise ValueError(f"{ENV} needs speculative_config.disable_padded_drafter_batch=true (the drafts per "
+                             "request as lists, the sampled tokens on the host)")
+        if getattr(spec, "draft_sample_method", "greedy") not in ("greedy", None):
+            raise ValueError(f"{ENV} serves greedy drafts only: speculative_config.draft_sample_method is "
+                             f"{spec.draft_sample_method!r}")
+        self.rule = rule
+        self.k = spec.num_speculative_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.chosen = {"head": 0, "other": 0}
+        if rule["rule"] == "suffix-score":
+            from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+            self.depth = spec.suffix_decoding_max_tree_depth
+            self.factor, self.min_prob = spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob
+            self.suffix = SuffixDecodingCache(max_tree_depth=self.depth,
+                                              max_cached_requests=spec.suffix_decoding_max_cached_requests)
+
+    def choose(self, drafts: Any, batch: Any, sampled: list[list[int]]) -> list[list[int]]:
+        head = drafts.tolist() if hasattr(drafts, "tolist") else [list(d) for d in drafts]
+        kind = self.rule["rule"]
+        if kind == "suffix-score":
+            other = self._suffix(batch, sampled)
+        elif kind == "ngram-match":
+            other = self._ngram(batch, sampled)
+        else:
+            other = [None] * len(head)
+        out = []
+        for h, o, s in zip(head, other, sampled, strict=True):
+            if not s:  # a partial prefill: no draft, as vLLM's own drafters
+                out.append([])
+            elif o is not None:
+                out.append(o)
+                self.chosen["other"] += 1
+            else:
+                out.append(h)
+                self.chosen["head"] += 1
+        return out
+
+    def _suffix(self, batch: Any, sampled: list[list[int]]) -> list[list[int] | None]:
+        """vLLM's `method=suffix` proposer (v1/spec_decode/suffix_decoding.py), keeping each draft whose score
+        reaches the threshold."""
+        cache, out = self.suffix, []
+        for i, ids in enumerate(sampled):
+            num_tokens = int(batch.num_tokens_no_spec[i])
+            if not ids or num_tokens >= self.max_model_len:
+                out.append(None)
+                continue
+            req = batch.req_ids[i]
+            if req not in cache.active_requests:
+                if req in cache.cached_requests:
+                    cache.evict_cached_response(req)
+                cache.start_request(req, batch.token_ids_cpu[i, :batch.num_prompt_tokens[i]])
+            cache.add_active_response(req, ids)
+            pattern = batch.token_ids_cpu[i, max(0, num_tokens - self.depth):num_tokens]
+            d = cache.speculate(req, pattern, max_spec_tokens=min(self.k, self.max_model_len - num_tokens - 1),
+                                max_spec_factor=self.factor, min_token_prob=self.min_prob)
+            out.append(list(d.token_ids) if d.token_ids and d.score >= self.rule["threshold"] else None)
+        for req in cache.active_requests - batch.req_id_to_index.keys():
+            cache.stop_request(req)
+        return out
+
+    def _ngram(self, batch: Any, sampled: list[list[int]]) -> list[list[int] | None]:
+        """vLLM's prompt lookup (its own matcher) with n-grams of `length`..`max` tokens: the longest match is at
+        least `length` long exactly where this finds one."""
+        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as match
+
+        lo, hi = int(self.rule["length"]), int(self.rule.get("max", max(4, int(self.rule["length"]))))
+        out: list[list[int] | None] = []
+        for i, ids in enumerate(sampled):
+            num_tokens = int(batch.num_tokens_no_spec[i])
+            if not ids or num_tokens >= self.max_model_len:
+                out.append(None)
+                continue
+            d = match(batch.token_ids_cpu[i, :num_tokens], lo, hi, self.max_model_len, self.k)
+            out.append([int(t) for t in d] if len(d) else None)
+        return out
