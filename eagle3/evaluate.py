@@ -475,8 +475,9 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
                ) -> dict[str, Any]:
     """The built-in's rendered prompts inside vLLM, one group per set and category so vLLM's τ fills the same card
     (prompts without a category form the group `set/`, so a set's row is always its groups pooled); with
-    eval.ngram, vLLM's own n-gram drafting on the same prompts (the card's vLLM n-gram column)."""
-    from eagle3.engines.vllm_eval import ngram_beside, pooled_groups, run_vllm
+    eval.ngram, vLLM's own n-gram drafting on the same prompts (the card's vLLM n-gram column); with eval.hybrid,
+    eagle3's hybrid drafter in vLLM (its columns)."""
+    from eagle3.engines.vllm_eval import hybrid_beside, ngram_beside, pooled_groups, run_vllm
 
     prompts = [p for ps in rendered.values() for p in ps]
     groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
@@ -487,6 +488,9 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
     if run.eval.ngram:
         ng_groups, result["ngram"] = ngram_beside(run, prompts, groups, result)
         result["ngram_groups"] = ng_groups | {name: pooled_groups(ng_groups, name) for name in report["sets"]}
+    if run.eval.hybrid is not None:
+        hy_groups, result["hybrid"] = hybrid_beside(run, folder, prompts, groups, result)
+        result["hybrid_groups"] = hy_groups | {name: pooled_groups(hy_groups, name) for name in report["sets"]}
     return {**result, "builtin_tau": _pooled_tau(report), "prompt_groups": groups}
 
 

@@ -202,6 +202,12 @@ def card(report: dict[str, Any]) -> list[dict[str, Any]]:
         for row in rows:  # an engine that ran the same prompts group by group (vLLM): its τ on each row
             if row["set"] in (e.get("groups") or {}):
                 row[f"{engine}_tau"] = e["groups"][row["set"]]["tau"]
+                if e.get("hybrid_groups"):  # the head's tokens per forward beside the hybrid's
+                    row[f"{engine}_tokens_per_forward"] = e["groups"][row["set"]].get("tokens_per_forward")
+            if row["set"] in (e.get("hybrid_groups") or {}):
+                g = e["hybrid_groups"][row["set"]]
+                row[f"{engine}_hybrid_tau"] = g["tau"]
+                row[f"{engine}_hybrid_tokens_per_forward"] = g.get("tokens_per_forward")
             if row["set"] in (e.get("ngram_groups") or {}):
                 g = e["ngram_groups"][row["set"]]
                 row[f"{engine}_ngram_tau"] = g["tau"]
@@ -216,7 +222,9 @@ def _extra_columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """(key, header) of the optional columns present: each engine's τ, then n-gram drafting's, built-in first."""
     keys = {k for r in rows for k, v in r.items() if v is not None}
     engines = sorted({k.removesuffix("_tau") for k in keys if k.endswith("_tau") and "ngram" not in k})
-    cols = [(f"{e}_tau", f"{e} τ") for e in engines]
+    cols = [(f"{e}_tau", f"{e.replace('_', ' ')} τ") for e in engines]
+    cols += [(f"{e}_tokens_per_forward", f"{e.replace('_', ' ')} tok/fwd") for e in engines
+             if f"{e}_tokens_per_forward" in keys]
     cols += [(k, h) for k, h in _EXTRA.items() if k in keys]
     for e in engines:
         cols += [(f"{e}_{k}", f"{e} {h}") for k, h in _EXTRA.items() if f"{e}_{k}" in keys]

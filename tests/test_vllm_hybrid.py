@@ -98,3 +98,25 @@ def test_hybrid_in_vllm_is_lossless_and_accepts_what_the_replay_does(tmp_path, v
     # the head alone accepts next to nothing here: vLLM's figures are the pairing's, not the head's
     assert _replay(cfg, "head", k)["accepted"] <= want["accepted"] // 4
 
+
+
+@pytest.mark.vllm
+def test_eval_puts_the_hybrid_on_the_card(tmp_path, vllm_python):  # noqa: F811
+    """`eagle3 eval` with engine vllm and eval.hybrid: the built-in run, vLLM with the head, then vLLM with the hybrid
+    on the same prompts; the card's rows get the hybrid's τ and tokens per forward beside the head's, and its greedy
+    text is the head's."""
+    from eagle3.config import HybridConfig
+    from eagle3.evaluate import run
+    from eagle3.report import card, card_lines
+
+    cfg = _tiny_setup(tmp_path)
+    cfg.eval.ngram, cfg.eval.hybrid = False, HybridConfig(rule="ngram-match", length=2)
+    report = run(cfg)
+    v = report["engines"]["vllm"]
+    assert v["hybrid"]["hybrid"] == {"rule": "ngram-match", "length": 2, "max": 4}
+    assert v["hybrid"]["same_outputs_as_head"] == v["prompts"] == 3
+    rows = [r for r in card(report) if "vllm_tau" in r]
+    assert rows and all(r["vllm_hybrid_tokens_per_forward"] >= 1 and r["vllm_tokens_per_forward"] >= 1
+                        for r in rows), rows
+    header = card_lines(card(report))[0]
+    assert "vllm hybrid τ" in header and "vllm hybrid tok/fwd" in header and "vllm tok/fwd" in header, header

@@ -362,6 +362,9 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
     ngram: dict[str, Any] = {}
     if run.eval.ngram:
         ngram, result["ngram"] = ngram_beside(run, prompts, groups, result)
+    if run.eval.hybrid is not None:
+        hybrid, result["hybrid"] = hybrid_beside(run, draft_folder, prompts, groups, result)
+        result["hybrid_groups"] = hybrid | {ps.name: pooled_groups(hybrid, ps.name) for ps in sets}
     report_sets: dict[str, Any] = {}
     for ps in sets:
         turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
@@ -383,6 +386,19 @@ def ngram_beside(run: EngineRun, prompts: list[list[int]], groups: list[str], he
     if (outs := ng.pop("outputs", None)) is not None and head.get("outputs") is not None:
         ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
     return found, ng
+
+
+def hybrid_beside(run: EngineRun, draft_folder: Path, prompts: list[list[int]], groups: list[str],
+                  head: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """eagle3's hybrid drafter (eval.hybrid) on the prompts the head decoded: (its figures per group, its run's
+    result with how many of its outputs equal the head's)."""
+    assert run.eval.hybrid is not None
+    hy = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False,
+                  hybrid=run.eval.hybrid.engine_rule(run.eval.ngram_max))
+    found = hy.pop("groups", {})
+    if (outs := hy.pop("outputs", None)) is not None and head.get("outputs") is not None:
+        hy["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
+    return found, hy
 
 
 def _with_ngram(head: dict[str, Any], ngram: dict[str, Any] | None) -> dict[str, Any]:
