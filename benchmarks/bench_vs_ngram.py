@@ -15,6 +15,9 @@ prompts and checks the head is lossless against plain greedy decoding, and gives
 same turns; its report is written under the run's eval folder). `--engine-only` skips it (`eval.builtin=false`):
 vLLM answers each dialogue's earlier turns plainly to render the next, then decodes every turn with each method;
 all of MT-bench, HumanEval and code-edit take minutes instead of about an hour per set on a 2-core CPU.
+`--hybrid RULE ...` adds one vLLM run per rule of eagle3's hybrid drafter (the head paired with suffix decoding or
+prompt lookup, eagle3.engines.vllm_hybrid) on the same prompts; benchmarks/bench_hybrid.py gives the rules' ceiling
+by trace replay.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ def main() -> int:
     p.add_argument("--suffix", default=str(REPO / ".vllm-suffix"),
                    help="arctic-inference's suffix tree built by scripts/setup_suffix_decoding.sh (a folder that "
                         "does not exist, e.g. none: no suffix run, unless vLLM's interpreter imports it by itself)")
+    p.add_argument("--hybrid", nargs="*", default=[], metavar="RULE",
+                   help="eagle3's hybrid drafter in vLLM, one run per rule (JSON as EAGLE3_HYBRID reads it, e.g. "
+                        "'{\"rule\": \"suffix-score\", \"threshold\": 1}'; eagle3.engines.vllm_hybrid)")
     p.add_argument("--engine-only", action="store_true",
                    help="vLLM alone (eval.builtin=false): no built-in run, no HF greedy reference")
     p.add_argument("--out", default=None, help="where the run's report goes (default: <checkpoint>/../../bench-vs-ngram)")
@@ -101,6 +107,18 @@ def main() -> int:
         methods["suffix"] = g | {name: pooled_groups(g, name) for name in report["sets"]}
         suffix_note = "suffix decoding: vLLM's method=suffix (arctic-inference)"
 
+    for spec in a.hybrid:
+        rule = json.loads(spec)
+        rendered = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())
+        prompts = [x for name in report["sets"] for x in rendered[name]]
+        hy = run_vllm(EngineRun(cfg.target, cfg.eval, cfg.paths), Path(a.checkpoint), prompts,
+                      groups=vllm["prompt_groups"], check_greedy=False, hybrid=rule)
+        g = hy.pop("groups", {})
+        name = "hybrid:" + ",".join(str(v) for k, v in rule.items() if k != "rule")
+        methods[name] = g | {n: pooled_groups(g, n) for n in report["sets"]}
+        same = sum(x == y for x, y in zip(hy.get("outputs") or [], vllm.get("outputs") or [], strict=False))
+        print(f"{name} ({rule}): {same} of {len(prompts)} outputs equal the head's")
+
     rows = [r["set"] for r in report["card"] if r["set"] in methods["head"]]  # sets and categories
     names = list(methods)
     print(f"\nCPU: {cpu_line()}; vLLM {vllm.get('vllm_version')}, {cfg.target.dtype}, k={cfg.eval.num_steps}, greedy, "
@@ -108,6 +126,9 @@ def main() -> int:
     width = max(len(r) for r in rows)
     head = f"{'prompt set':<{width}}  " + "  ".join(f"{m + ' tok/fwd':>14}" for m in names) + "  head/ngram  " + \
         "  ".join(f"{m + ' τ':>9}" for m in names)
+    if a.hybrid:
+        print("hybrid:<rule args>: eagle3's hybrid drafter, the head paired by that rule (suffix-score: suffix "
+              "decoding where its score >= the threshold; ngram-match: prompt lookup on a match of >= that length)")
     print(head)
     for row in rows:
         tpf = [methods[m].get(row, {}).get("tokens_per_forward", float("nan")) for m in names]
