@@ -11,8 +11,10 @@ The trace (prompt + answer) then goes through one target forward (the aux states
 alone, vLLM's n-gram (lookup eval.ngram_min..ngram_max), vLLM's suffix decoding (arctic-inference's tree with vLLM's
 settings, responses fed in the run's order, at most --suffix-tokens tokens: k by default, as eagle3's vLLM runs
 capped it), and rules that pick one draft per round (suffix where its score reaches a threshold, n-gram where it
-matched a long n-gram, the oracle that takes the longest accepted). MT-bench's second turns follow the head's
-(greedy) answer to the first, as the built-in evaluator renders them.
+matched a long n-gram, a learned router, the oracle that takes the longest accepted). MT-bench's second turns follow
+the head's (greedy) answer to the first, as the built-in evaluator renders them. The learned router (eagle3.replay
+.fit_router: per model-free drafter, a least-squares fit of its accepted length minus the head's on the drafters'
+own signals, which an engine has) is fitted on half the prompts and measured on the other half, both ways.
 
 Prints tokens per target forward per set and category, the oracle over the best single method, and writes
 `replay.json` under --out. The suffix tree: `PYTHON=.venv/bin/python bash scripts/setup_suffix_decoding.sh` (into
@@ -55,7 +57,18 @@ def main() -> int:
     from eagle3.data.types import Turn
     from eagle3.evaluate import PromptRenderer, draft_for_target, settings_from
     from eagle3.prompts import load_prompt_set
-    from eagle3.replay import Replayer, Trace, default_rules, head_chains, suffix_tree
+    from eagle3.replay import (
+        FEATURES,
+        Recorder,
+        Replayer,
+        Trace,
+        always,
+        default_rules,
+        fit_router,
+        head_chains,
+        learned,
+        suffix_tree,
+    )
     from eagle3.specdec import HFTargetDecoder, SpeculativeDecoder
     from eagle3.targets.hf import eos_ids, load_target
 
@@ -76,14 +89,13 @@ def main() -> int:
     eos = set(eos_ids(tokenizer, model.generation_config))
     dec = SpeculativeDecoder(target, draft, settings_from(ev), eos)
     render = PromptRenderer(tokenizer, cfg.data)
-    rules = default_rules(k, suffix)
-    rep = Replayer(k, rules, suffix_tokens=a.suffix_tokens)
     builtin: dict[tuple[str, str], list[int]] = {}  # (set, category) -> [generated, forwards]
     t0 = time.monotonic()
     turns = 0
+    done: list[tuple[Trace, torch.Tensor, int]] = []  # in the run's order: (trace, head chains, fold)
     for name in a.sets:
         ps = load_prompt_set(name, cfg.paths.prepared_dir, a.max_prompts)
-        for prompt in ps.prompts:
+        for i, prompt in enumerate(ps.prompts):
             history: list[Turn] = list(prompt.messages or [])
             for text in prompt.to_generate():
                 if prompt.token_ids is not None:
@@ -97,7 +109,7 @@ def main() -> int:
                 with torch.inference_mode():
                     _, aux = target.forward(torch.tensor(trace.tokens), torch.arange(len(trace.tokens)),
                                             target.new_cache())
-                rep.add(trace, head_chains(draft, aux, trace.tokens, k))
+                done.append((trace, head_chains(draft, aux, trace.tokens, k), i % 2))
                 for key in ((ps.name, ""), (ps.name, trace.category)):
                     s = builtin.setdefault(key, [0, 0])
                     s[0] += len(gen.tokens)
@@ -107,6 +119,23 @@ def main() -> int:
                 turns += 1
                 print(f"\r{ps.name}: {turns} turns, {time.monotonic() - t0:.0f} s", end="", flush=True)
     print()
+    # The learned router, two folds over the prompts (a dialogue's turns in one fold): fitted on the rounds of one
+    # fold's traces (walked by the head alone, every drafter proposing), applied to the other's.
+    rules = default_rules(k, suffix)
+    rec = Recorder(always("head"))
+    rep = Replayer(k, {"record": rec}, suffix_tokens=a.suffix_tokens, suffix=suffix)
+    for trace, chains, fold in done:
+        rec.group = fold
+        rep.add(trace, chains)
+    fitted = {f: fit_router([r for r in rec.rows if r[0] != f]) for f in (0, 1)}
+    fold_rules = {f: learned(w) for f, w in fitted.items()}
+    current = [0]
+    rules["learned (2-fold)"] = lambda props: fold_rules[current[0]](props)
+    rules = {**{n: r for n, r in rules.items() if n != "oracle"}, "oracle": rules["oracle"]}
+    rep = Replayer(k, rules, suffix_tokens=a.suffix_tokens, suffix=suffix)
+    for trace, chains, fold in done:
+        current[0] = fold
+        rep.add(trace, chains)
     names = list(rules)
     singles = [n for n in ("head", "ngram", "suffix") if n in rules]
     print(f"{cpu_line()}; torch threads {a.threads}; k = {k}; suffix tokens {a.suffix_tokens or k}; "
@@ -124,8 +153,9 @@ def main() -> int:
                     "chosen": {n: t.chosen for n, t in tallies.items()}})
     folder = Path(a.out)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "replay.json").write_text(json.dumps({"k": k, "suffix_tokens": a.suffix_tokens or k, "rows": out},
-                                                   indent=1))
+    (folder / "replay.json").write_text(json.dumps({"k": k, "suffix_tokens": a.suffix_tokens or k, "rows": out,
+                                                    "router": {"features": FEATURES, "weights": fitted}}, indent=1))
+    print("router weights (features " + ", ".join(FEATURES) + ", constant), per fold:", json.dumps(fitted))
     return 0
 
 

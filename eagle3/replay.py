@@ -269,6 +269,60 @@ def ngram_if_match(length: int) -> Rule:
     return lambda props: "ngram" if props["ngram"].tokens and props["ngram"].match >= length else "head"
 
 
+FEATURES = ("suffix_score", "suffix_match", "suffix_len", "ngram_match", "ngram_len")
+"""What a router reads of a round: the model-free drafters' own signals, which an engine has without the head's
+internals (the suffix tree's score and match length, prompt lookup's n-gram length, each draft's length)."""
+
+
+def features(props: dict[str, Proposal]) -> list[float]:
+    """A round's FEATURES (zeros for a drafter not in `props`)."""
+    sx, ng = props.get("suffix"), props.get("ngram")
+    return [sx.score if sx else 0.0, float(sx.match) if sx else 0.0, float(len(sx.tokens)) if sx else 0.0,
+            float(ng.match) if ng else 0.0, float(len(ng.tokens)) if ng else 0.0]
+
+
+class Recorder:
+    """A rule that follows `rule` and records each round's features and every drafter's accepted length: the
+    data a router is fitted on (`fit_router`)."""
+
+    def __init__(self, rule: Rule):
+        self.rule, self.rows = rule, []
+        self.group = 0
+        """Set by the caller before a trace (e.g. its fold): kept with each row."""
+
+    def __call__(self, props: dict[str, Proposal]) -> str:
+        self.rows.append((self.group, features(props), {n: p.accepted for n, p in props.items()}))
+        return self.rule(props)
+
+
+def fit_router(rows: list[tuple[int, list[float], dict[str, int]]], ridge: float = 1.0
+               ) -> dict[str, list[float]]:
+    """Per model-free drafter, the least-squares weights (ridge) predicting its accepted length minus the head's
+    from a round's features (a constant last): a router that takes the drafter with the largest predicted gain,
+    the head where none is positive (`learned`)."""
+    x = torch.tensor([f + [1.0] for _, f, _ in rows], dtype=torch.float64)
+    reg = ridge * torch.eye(x.shape[1], dtype=torch.float64)
+    reg[-1, -1] = 0.0  # the constant is not shrunk
+    out = {}
+    for name in sorted({n for _, _, acc in rows for n in acc} - {"head"}):
+        y = torch.tensor([acc[name] - acc["head"] for _, _, acc in rows], dtype=torch.float64)
+        out[name] = torch.linalg.solve(x.T @ x + reg, x.T @ y).tolist()
+    return out
+
+
+def learned(weights: dict[str, list[float]]) -> Rule:
+    """The router `fit_router` fitted: the model-free draft with the largest predicted gain over the head's where
+    that gain is positive, else the head's."""
+    def rule(props: dict[str, Proposal]) -> str:
+        f = features(props) + [1.0]
+        gains = {n: sum(a * b for a, b in zip(w, f, strict=True)) for n, w in weights.items()
+                 if n in props and props[n].tokens}
+        best = max(gains, key=gains.__getitem__, default=None)
+        return best if best is not None and gains[best] > 0 else "head"
+
+    return rule
+
+
 def default_rules(k: int, suffix: bool = True) -> dict[str, Rule]:
     """The single methods and the rules over them the card compares (`suffix`: the suffix tree is available)."""
     rules: dict[str, Rule] = {"head": always("head"), "ngram": always("ngram")}
@@ -284,10 +338,12 @@ class Replayer:
     run produced), traces taken in the run's order; tallies per (set, category)."""
 
     def __init__(self, k: int, rules: dict[str, Rule], make_drafters: Callable[[], dict[str, Drafter]] | None = None,
-                 suffix_tokens: int | None = None):
+                 suffix_tokens: int | None = None, suffix: bool = True):
+        """Each rule's drafters: `make_drafters()`, or the head, n-gram and (`suffix`) the suffix tree with at most
+        `suffix_tokens` tokens (default k)."""
         def default() -> dict[str, Drafter]:
             out: dict[str, Drafter] = {"head": HeadDrafter(), "ngram": NgramDrafter(k)}
-            if any("suffix" in r for r in rules):
+            if suffix:
                 out["suffix"] = SuffixDrafter(suffix_tokens or k)
             return out
 

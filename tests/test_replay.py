@@ -200,3 +200,23 @@ def test_eval_hybrid_is_served_by_vllm_with_a_greedy_chain():
             load_config(None, [*bad, "eval.hybrid={rule: suffix-score}"])
     with pytest.raises(Exception, match="eval.hybrid.rul"):
         load_config(None, ["eval.engine=vllm", "eval.hybrid={rul: x}"])
+
+
+def test_a_router_fitted_on_rounds_takes_the_drafter_that_gains():
+    """fit_router on hand-made rounds where the suffix draft wins exactly when its score is high: the learned rule
+    takes it there and the head elsewhere; a round without a suffix draft stays the head's."""
+    from eagle3.replay import Proposal, Recorder, fit_router, learned
+
+    def props(score: float, suffix_acc: int, head_acc: int, tokens=(1, 2, 3)):
+        return {"head": Proposal([9, 9, 9], head_acc), "suffix": Proposal(list(tokens), suffix_acc, score, 4),
+                "ngram": Proposal([], 0)}
+
+    rec = Recorder(always("head"))
+    for _ in range(20):
+        assert rec(props(2.5, 3, 0)) == "head"  # the recorder follows its rule
+        rec(props(0.3, 0, 1))
+    weights = fit_router(rec.rows)
+    assert set(weights) == {"ngram", "suffix"} and len(weights["suffix"]) == 6
+    rule = learned(weights)
+    assert rule(props(2.5, 0, 0)) == "suffix" and rule(props(0.3, 0, 0)) == "head"
+    assert rule(props(2.5, 0, 0, tokens=())) == "head"
