@@ -55,10 +55,10 @@ def main() -> int:
     setup_logging()
 
     from eagle3.data.types import Turn
+    from eagle3.engines.vllm_hybrid import FEATURES
     from eagle3.evaluate import PromptRenderer, draft_for_target, settings_from
     from eagle3.prompts import load_prompt_set
     from eagle3.replay import (
-        FEATURES,
         Recorder,
         Replayer,
         Trace,
@@ -156,6 +156,10 @@ def main() -> int:
     (folder / "replay.json").write_text(json.dumps({"k": k, "suffix_tokens": a.suffix_tokens or k, "rows": out,
                                                     "router": {"features": FEATURES, "weights": fitted}}, indent=1))
     print("router weights (features " + ", ".join(FEATURES) + ", constant), per fold:", json.dumps(fitted))
+    # fitted on every prompt, for serving (EAGLE3_HYBRID=<out>/router.json): its figure here would be in-sample
+    router = {"rule": "router", "weights": fit_router(rec.rows), "min": ev.ngram_min, "max": ev.ngram_max}
+    (folder / "router.json").write_text(json.dumps(router, indent=1))
+    print(f"router for serving (all prompts): {folder / 'router.json'}")
     return 0
 
 

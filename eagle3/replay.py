@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from eagle3.engines.vllm_hybrid import router_gain
 from eagle3.specdec import ngram_match
 
 SUFFIX_DIR = Path(__file__).resolve().parent.parent / ".vllm-suffix"
@@ -269,16 +270,19 @@ def ngram_if_match(length: int) -> Rule:
     return lambda props: "ngram" if props["ngram"].tokens and props["ngram"].match >= length else "head"
 
 
-FEATURES = ("suffix_score", "suffix_match", "suffix_len", "ngram_match", "ngram_len")
-"""What a router reads of a round: the model-free drafters' own signals, which an engine has without the head's
-internals (the suffix tree's score and match length, prompt lookup's n-gram length, each draft's length)."""
+def _signals(props: dict[str, Proposal]) -> tuple[tuple[float, int, int], tuple[int, int]]:
+    """A round's router inputs as the engine plugin computes them (eagle3.engines.vllm_hybrid.FEATURES): the suffix
+    draft's (score, match length, length) and the n-gram draft's (n, length), zeros where a drafter has none."""
+    sx, ng = props.get("suffix"), props.get("ngram")
+    s = (sx.score, sx.match, len(sx.tokens)) if sx and sx.tokens else (0.0, 0, 0)
+    n = (ng.match, len(ng.tokens)) if ng and ng.tokens else (0, 0)
+    return s, n
 
 
 def features(props: dict[str, Proposal]) -> list[float]:
-    """A round's FEATURES (zeros for a drafter not in `props`)."""
-    sx, ng = props.get("suffix"), props.get("ngram")
-    return [sx.score if sx else 0.0, float(sx.match) if sx else 0.0, float(len(sx.tokens)) if sx else 0.0,
-            float(ng.match) if ng else 0.0, float(len(ng.tokens)) if ng else 0.0]
+    """A round's FEATURES (eagle3.engines.vllm_hybrid, which owns their order)."""
+    s, n = _signals(props)
+    return [s[0], float(s[1]), float(s[2]), float(n[0]), float(n[1])]
 
 
 class Recorder:
@@ -314,9 +318,8 @@ def learned(weights: dict[str, list[float]]) -> Rule:
     """The router `fit_router` fitted: the model-free draft with the largest predicted gain over the head's where
     that gain is positive, else the head's."""
     def rule(props: dict[str, Proposal]) -> str:
-        f = features(props) + [1.0]
-        gains = {n: sum(a * b for a, b in zip(w, f, strict=True)) for n, w in weights.items()
-                 if n in props and props[n].tokens}
+        s, n = _signals(props)
+        gains = {d: router_gain(w, s, n) for d, w in weights.items() if d in props and props[d].tokens}
         best = max(gains, key=gains.__getitem__, default=None)
         return best if best is not None and gains[best] > 0 else "head"
 

@@ -171,18 +171,22 @@ def test_replayer_tallies_each_rule_on_drafters_of_its_own():
     assert whole.generated == 12 and whole.forwards == rows[1][2]["head"].forwards + rows[2][2]["head"].forwards
 
 
-def test_settings_refuse_a_malformed_rule(monkeypatch):
+def test_settings_refuse_a_malformed_rule(monkeypatch, tmp_path):
     """EAGLE3_HYBRID unset: the plugin does nothing; a rule without its parameter, or an unknown one, is an error
     naming what it expects."""
     monkeypatch.delenv("EAGLE3_HYBRID", raising=False)
     assert settings() is None
     for bad, match in (('{"rule": "suffix-score"}', "needs \\['threshold'\\]"), ('{"rule": "x"}', "expected"),
-                       ("[1]", "expected")):
+                       ("[1]", "expected"), ("no/such/file.json", "neither a JSON rule nor a file")):
         monkeypatch.setenv("EAGLE3_HYBRID", bad)
         with pytest.raises(ValueError, match=match):
             settings()
     monkeypatch.setenv("EAGLE3_HYBRID", json.dumps({"rule": "ngram-match", "length": 3}))
     assert settings() == {"rule": "ngram-match", "length": 3}
+    router = tmp_path / "router.json"  # a file, as bench_hybrid.py writes the fitted router
+    router.write_text(json.dumps({"rule": "router", "weights": {"suffix": [0, 0, 1, 0, 0, -1]}}))
+    monkeypatch.setenv("EAGLE3_HYBRID", str(router))
+    assert settings()["weights"] == {"suffix": [0, 0, 1, 0, 0, -1]}
 
 
 def test_eval_hybrid_is_served_by_vllm_with_a_greedy_chain():

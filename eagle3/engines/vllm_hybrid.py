@@ -17,7 +17,12 @@ Rules (eagle3.replay measures the same ones on traces, benchmarks/bench_hybrid.p
   `method=suffix` feeds it, its `suffix_decoding_*` settings) where its score reaches t, else the head's;
 - `{"rule": "ngram-match", "length": L, "max": M}`: prompt lookup's draft (vLLM's own matcher) where an n-gram of
   L..M tokens ending the context occurred earlier, else the head's;
+- `{"rule": "router", "weights": {"suffix": [...], "ngram": [...]}}`: a linear router over the model-free drafters'
+  own signals (FEATURES, a constant last): the draft with the largest predicted gain in accepted tokens over the
+  head's where it is positive, else the head's (fitted on traces by eagle3.replay.fit_router; bench_hybrid.py
+  writes one as `router.json`);
 - `{"rule": "head"}`: the head's alone, through this path (the control).
+EAGLE3_HYBRID holds the rule as JSON, or the path of a JSON file holding it.
 
 Only the standard library and vLLM are imported (vLLM's environment need not hold eagle3's dependencies), and only
 vLLM 0.32.0 is patched: another version is refused by name, since the runner's internals this relies on change
@@ -35,14 +40,33 @@ ENV = "EAGLE3_HYBRID"
 TESTED = ("0.32.0",)
 log = logging.getLogger("eagle3.hybrid")
 
+FEATURES = ("suffix_score", "suffix_match", "suffix_len", "ngram_match", "ngram_len")
+"""What a router reads of a round: the model-free drafters' own signals, which an engine has without the head's
+internals (the suffix tree's score and match length, prompt lookup's n-gram length, each draft's length)."""
+
+
+def router_gain(weights: list[float], suffix: tuple[float, int, int], ngram: tuple[int, int]) -> float:
+    """A linear router's predicted gain: `weights` (one per FEATURE, then a constant) on (suffix score, match length,
+    draft length) and (n-gram length, draft length); eagle3.replay fits and replays the same."""
+    f = [suffix[0], float(suffix[1]), float(suffix[2]), float(ngram[0]), float(ngram[1]), 1.0]
+    if len(weights) != len(f):
+        raise ValueError(f"a router's weights are {len(f)} numbers ({', '.join(FEATURES)}, constant): got {weights}")
+    return sum(w * x for w, x in zip(weights, f, strict=True))
+
 
 def settings() -> dict[str, Any] | None:
-    """The hybrid's rule from EAGLE3_HYBRID (JSON), None where unset; a malformed value is an error."""
+    """The hybrid's rule from EAGLE3_HYBRID (JSON, or a JSON file's path), None where unset; a malformed value is an
+    error."""
     raw = os.environ.get(ENV, "").strip()
     if not raw:
         return None
+    if not raw.startswith(("{", "[")):
+        if not os.path.isfile(raw):
+            raise ValueError(f"{ENV}={raw!r}: neither a JSON rule nor a file holding one")
+        with open(raw) as f:
+            raw = f.read()
     rule = json.loads(raw)
-    kinds = {"suffix-score": ("threshold",), "ngram-match": ("length",), "head": ()}
+    kinds = {"suffix-score": ("threshold",), "ngram-match": ("length",), "router": ("weights",), "head": ()}
     if not isinstance(rule, dict) or rule.get("rule") not in kinds:
         raise ValueError(f"{ENV}={raw!r}: expected {{\"rule\": one of {sorted(kinds)}, ...}}")
     missing = [k for k in kinds[rule["rule"]] if k not in rule]
@@ -100,7 +124,10 @@ class Hybrid:
         self.k = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.chosen = {"head": 0, "other": 0}
-        if rule["rule"] == "suffix-score":
+        self.ngram_range = (2, 4)
+        if rule["rule"] == "router":
+            self.ngram_range = (int(rule.get("min", 2)), int(rule.get("max", 4)))
+        if rule["rule"] in ("suffix-score", "router"):
             from arctic_inference.suffix_decoding import SuffixDecodingCache
 
             self.depth = spec.suffix_decoding_max_tree_depth
@@ -112,9 +139,12 @@ class Hybrid:
         head = drafts.tolist() if hasattr(drafts, "tolist") else [list(d) for d in drafts]
         kind = self.rule["rule"]
         if kind == "suffix-score":
-            other = self._suffix(batch, sampled)
+            other = [d if d and d[1] >= self.rule["threshold"] else None for d in self._suffix(batch, sampled)]
         elif kind == "ngram-match":
-            other = self._ngram(batch, sampled)
+            lo = int(self.rule["length"])
+            other = [d[1] if d else None for d in self._ngram(batch, sampled, lo, int(self.rule.get("max", max(4, lo))))]
+        elif kind == "router":
+            other = self._route(self._suffix(batch, sampled), self._ngram(batch, sampled, *self.ngram_range))
         else:
             other = [None] * len(head)
         out = []
@@ -129,9 +159,23 @@ class Hybrid:
                 self.chosen["head"] += 1
         return out
 
-    def _suffix(self, batch: Any, sampled: list[list[int]]) -> list[list[int] | None]:
-        """vLLM's `method=suffix` proposer (v1/spec_decode/suffix_decoding.py), keeping each draft whose score
-        reaches the threshold."""
+    def _route(self, suffix: list[tuple[list[int], float, int] | None], ngram: list[tuple[int, list[int]] | None]
+               ) -> list[list[int] | None]:
+        """The linear router's pick per request: the model-free draft with the largest positive predicted gain."""
+        weights = self.rule["weights"]
+        out: list[list[int] | None] = []
+        for sx, ng in zip(suffix, ngram, strict=True):
+            s_feat = (sx[1], sx[2], len(sx[0])) if sx else (0.0, 0, 0)
+            n_feat = (ng[0], len(ng[1])) if ng else (0, 0)
+            drafts = {"suffix": sx[0] if sx else [], "ngram": ng[1] if ng else []}
+            gains = {n: router_gain(w, s_feat, n_feat) for n, w in weights.items() if drafts.get(n)}
+            best = max(gains, key=gains.__getitem__, default=None)
+            out.append(drafts[best] if best is not None and gains[best] > 0 else None)
+        return out
+
+    def _suffix(self, batch: Any, sampled: list[list[int]]) -> list[tuple[list[int], float, int] | None]:
+        """vLLM's `method=suffix` proposer (v1/spec_decode/suffix_decoding.py): per request (its draft, score, match
+        length), None where it has none."""
         cache, out = self.suffix, []
         for i, ids in enumerate(sampled):
             num_tokens = int(batch.num_tokens_no_spec[i])
@@ -147,23 +191,28 @@ class Hybrid:
             pattern = batch.token_ids_cpu[i, max(0, num_tokens - self.depth):num_tokens]
             d = cache.speculate(req, pattern, max_spec_tokens=min(self.k, self.max_model_len - num_tokens - 1),
                                 max_spec_factor=self.factor, min_token_prob=self.min_prob)
-            out.append(list(d.token_ids) if d.token_ids and d.score >= self.rule["threshold"] else None)
+            out.append((list(d.token_ids), float(d.score), int(d.match_len)) if d.token_ids else None)
         for req in cache.active_requests - batch.req_id_to_index.keys():
             cache.stop_request(req)
         return out
 
-    def _ngram(self, batch: Any, sampled: list[list[int]]) -> list[list[int] | None]:
-        """vLLM's prompt lookup (its own matcher) with n-grams of `length`..`max` tokens: the longest match is at
-        least `length` long exactly where this finds one."""
+    def _ngram(self, batch: Any, sampled: list[list[int]], lo: int, hi: int) -> list[tuple[int, list[int]] | None]:
+        """vLLM's prompt lookup (its own matcher): per request (the matched n-gram's length, its draft) for the
+        longest n-gram of lo..hi tokens ending the context that occurred earlier, None where none did. The matcher
+        takes the longest match capped at its max, so asked for exactly n tokens it finds one iff the longest is
+        at least n long, and the same draft."""
         from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as match
 
-        lo, hi = int(self.rule["length"]), int(self.rule.get("max", max(4, int(self.rule["length"]))))
-        out: list[list[int] | None] = []
+        out: list[tuple[int, list[int]] | None] = []
         for i, ids in enumerate(sampled):
             num_tokens = int(batch.num_tokens_no_spec[i])
-            if not ids or num_tokens >= self.max_model_len:
-                out.append(None)
-                continue
-            d = match(batch.token_ids_cpu[i, :num_tokens], lo, hi, self.max_model_len, self.k)
-            out.append([int(t) for t in d] if len(d) else None)
+            found = None
+            if ids and num_tokens < self.max_model_len:
+                context = batch.token_ids_cpu[i, :num_tokens]
+                for n in range(hi, lo - 1, -1):
+                    d = match(context, n, n, self.max_model_len, self.k)
+                    if len(d):
+                        found = (n, [int(t) for t in d])
+                        break
+            out.append(found)
         return out
