@@ -16,8 +16,10 @@ the head's (greedy) answer to the first, as the built-in evaluator renders them.
 .fit_router: per model-free drafter, a least-squares fit of its accepted length minus the head's on the drafters'
 own signals, which an engine has) is fitted on half the prompts and measured on the other half, both ways.
 
-Prints tokens per target forward per set and category, the oracle over the best single method, and writes
-`replay.json` under --out. The suffix tree: `PYTHON=.venv/bin/python bash scripts/setup_suffix_decoding.sh` (into
+`--from-vllm DIR` replays vLLM's own greedy texts instead (a `bench_vs_ngram.py --engine-only` run's folder): the
+replay's single methods then meet vLLM's counters for the same turns (the reproduction check), the head column being
+vLLM's. Prints tokens per target forward per set and category, the oracle over the best single method, and writes
+`replay.json` and `router.json` (the router fitted on every turn, for EAGLE3_HYBRID) under --out. The suffix tree: `PYTHON=.venv/bin/python bash scripts/setup_suffix_decoding.sh` (into
 .vllm-suffix); without it the suffix columns are left out, said so.
 """
 
@@ -40,6 +42,20 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.logs import setup_logging  # noqa: E402
 
 
+def vllm_traces(folder: Path):
+    """(trace, fold) per turn of a `bench_vs_ngram.py --engine-only` run, in its order (set, prompt, turn): the
+    rendered prompt and vLLM's greedy answer with the head, cut where vLLM cut it (its counters also count drafts
+    accepted past the cut, at most one round per turn). Folds alternate by turn."""
+    from eagle3.replay import Trace
+
+    rendered = json.loads((folder / "eval" / "rendered_prompts.json").read_text())
+    vllm = json.loads((folder / "eval" / "report.json").read_text())["engines"]["vllm"]
+    prompts = [p for name in rendered for p in rendered[name]]
+    for i, (ids, out, group) in enumerate(zip(prompts, vllm["outputs"], vllm["prompt_groups"], strict=True)):
+        name, _, category = group.partition("/")
+        yield Trace(ids, out, name, category), i % 2
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
@@ -48,6 +64,8 @@ def main() -> int:
     p.add_argument("--max-prompts", type=int, default=20)
     p.add_argument("--suffix-tokens", type=int, default=None, help="the suffix tree's longest draft (default: k)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--from-vllm", metavar="DIR", help="replay vLLM's own texts: a bench_vs_ngram.py --engine-only run's "
+                   "--out folder (its rendered prompts and the head's outputs), instead of decoding here")
     p.add_argument("--out", default="runs/bench-hybrid")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     a = p.parse_args()
@@ -86,38 +104,51 @@ def main() -> int:
     model, tokenizer = load_target(cfg.target)
     draft = draft_for_target(Path(a.checkpoint), model, cfg.target.aux_layer_ids)
     target = HFTargetDecoder(model, list(draft.config.aux_layer_ids))
-    eos = set(eos_ids(tokenizer, model.generation_config))
-    dec = SpeculativeDecoder(target, draft, settings_from(ev), eos)
-    render = PromptRenderer(tokenizer, cfg.data)
-    builtin: dict[tuple[str, str], list[int]] = {}  # (set, category) -> [generated, forwards]
     t0 = time.monotonic()
-    turns = 0
+
+    def chains_of(trace: Trace) -> torch.Tensor:
+        with torch.inference_mode():
+            _, aux = target.forward(torch.tensor(trace.tokens), torch.arange(len(trace.tokens)), target.new_cache())
+        return head_chains(draft, aux, trace.tokens, k)
+
     done: list[tuple[Trace, torch.Tensor, int]] = []  # in the run's order: (trace, head chains, fold)
-    for name in a.sets:
-        ps = load_prompt_set(name, cfg.paths.prepared_dir, a.max_prompts)
-        for i, prompt in enumerate(ps.prompts):
-            history: list[Turn] = list(prompt.messages or [])
-            for text in prompt.to_generate():
-                if prompt.token_ids is not None:
-                    ids = list(prompt.token_ids)
-                else:
+    if a.from_vllm:
+        source, reference = "vLLM head", {}
+        for trace, fold in vllm_traces(Path(a.from_vllm)):
+            done.append((trace, chains_of(trace), fold))
+            print(f"\rvLLM's traces: {len(done)} turns, {time.monotonic() - t0:.0f} s", end="", flush=True)
+        report = json.loads((Path(a.from_vllm) / "eval" / "report.json").read_text())
+        for row in report["card"]:
+            s_, _, c = row["set"].partition("/")
+            reference[(s_, c)] = row.get("tokens_per_forward") or float("nan")
+    else:
+        source, counts = "built-in head", {}  # (set, category) -> [generated, forwards]
+        eos = set(eos_ids(tokenizer, model.generation_config))
+        dec = SpeculativeDecoder(target, draft, settings_from(ev), eos)
+        render = PromptRenderer(tokenizer, cfg.data)
+        for name in a.sets:
+            ps = load_prompt_set(name, cfg.paths.prepared_dir, a.max_prompts)
+            for i, prompt in enumerate(ps.prompts):
+                history: list[Turn] = list(prompt.messages or [])
+                for text in prompt.to_generate():
+                    if prompt.token_ids is not None:
+                        ids = list(prompt.token_ids)
+                    else:
+                        if text is not None:
+                            history.append(Turn("user", text))
+                        ids = render(history, prompt.tools)
+                    gen = dec.generate(ids)
+                    trace = Trace(ids, gen.tokens, ps.name, prompt.category or "")
+                    done.append((trace, chains_of(trace), i % 2))
+                    for key in ((ps.name, ""), (ps.name, trace.category)):
+                        c = counts.setdefault(key, [0, 0])
+                        c[0] += len(gen.tokens)
+                        c[1] += gen.target_forwards
                     if text is not None:
-                        history.append(Turn("user", text))
-                    ids = render(history, prompt.tools)
-                gen = dec.generate(ids)
-                trace = Trace(ids, gen.tokens, ps.name, prompt.category or "")
-                with torch.inference_mode():
-                    _, aux = target.forward(torch.tensor(trace.tokens), torch.arange(len(trace.tokens)),
-                                            target.new_cache())
-                done.append((trace, head_chains(draft, aux, trace.tokens, k), i % 2))
-                for key in ((ps.name, ""), (ps.name, trace.category)):
-                    s = builtin.setdefault(key, [0, 0])
-                    s[0] += len(gen.tokens)
-                    s[1] += gen.target_forwards
-                if text is not None:
-                    history.append(Turn("assistant", render.answer(gen.tokens, eos)))
-                turns += 1
-                print(f"\r{ps.name}: {turns} turns, {time.monotonic() - t0:.0f} s", end="", flush=True)
+                        history.append(Turn("assistant", render.answer(gen.tokens, eos)))
+                    print(f"\r{ps.name}: {len(done)} turns, {time.monotonic() - t0:.0f} s", end="", flush=True)
+        reference = {key: g / f for key, (g, f) in counts.items()}
+    turns = len(done)
     print()
     # The learned router, two folds over the prompts (a dialogue's turns in one fold): fitted on the rounds of one
     # fold's traces (walked by the head alone, every drafter proposing), applied to the other's.
@@ -140,16 +171,16 @@ def main() -> int:
     singles = [n for n in ("head", "ngram", "suffix") if n in rules]
     print(f"{cpu_line()}; torch threads {a.threads}; k = {k}; suffix tokens {a.suffix_tokens or k}; "
           f"{turns} turns in {time.monotonic() - t0:.0f} s")
-    print("| set | category | built-in head | " + " | ".join(names) + " | oracle / best single |")
+    print(f"| set | category | {source} | " + " | ".join(names) + " | oracle / best single |")
     print("|---|---|---|" + "---|" * len(names) + "---|")
     out = []
     for s, c, tallies in rep.rows():
-        b = builtin[(s, c)]
+        ref = reference.get((s, c), float("nan"))
         tpf = {n: t.tokens_per_forward for n, t in tallies.items()}
         best = max(tpf[n] for n in singles)
-        print(f"| {s} | {c or 'all'} | {b[0] / b[1]:.3f} | " + " | ".join(f"{tpf[n]:.3f}" for n in names)
+        print(f"| {s} | {c or 'all'} | {ref:.3f} | " + " | ".join(f"{tpf[n]:.3f}" for n in names)
               + f" | {tpf['oracle'] / best:.2f}x |")
-        out.append({"set": s, "category": c, "builtin_head": b[0] / b[1], "tokens_per_forward": tpf,
+        out.append({"set": s, "category": c, "traces_head": ref, "tokens_per_forward": tpf,
                     "chosen": {n: t.chosen for n, t in tallies.items()}})
     folder = Path(a.out)
     folder.mkdir(parents=True, exist_ok=True)
