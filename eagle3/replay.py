@@ -38,11 +38,8 @@ from typing import Any
 
 import torch
 
-from eagle3.engines.vllm_hybrid import router_gain
+from eagle3.engines.vllm_hybrid import SUFFIX_DIR, router_gain
 from eagle3.specdec import ngram_match
-
-SUFFIX_DIR = Path(__file__).resolve().parent.parent / ".vllm-suffix"
-"""Where scripts/setup_suffix_decoding.sh puts arctic-inference's suffix tree by default (git-ignored)."""
 
 
 def suffix_tree() -> Any:

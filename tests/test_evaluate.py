@@ -569,7 +569,7 @@ def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ng
     """`eval.builtin: false` with vLLM: the second turn is rendered after vLLM's plain answer to the first (one
     run per turn index), every method replays the same rendered prompts, and a set's and a category's τ and tokens
     per forward pool their groups' counters (n-gram's beside the head's)."""
-    from eagle3.engines import vllm_eval
+    from eagle3.engines import vllm_dialogues, vllm_eval
     from eagle3.prompts import Prompt, PromptSet
 
     cfg = _setup(tmp_path, engine="vllm", builtin=False)
@@ -590,8 +590,8 @@ def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ng
             found[g] = vllm_eval._rates(totals, per_pos, generated)
         return {"tau": 0.0, "groups": found, "outputs": [[1]] * len(prompts)}
 
-    monkeypatch.setattr(vllm_eval, "run_vllm", run_vllm)
-    monkeypatch.setattr(vllm_eval, "stop_token_ids", lambda target: [2])
+    monkeypatch.setattr(vllm_dialogues, "run_vllm", run_vllm)
+    monkeypatch.setattr(vllm_dialogues, "stop_token_ids", lambda target: [2])
 
     class Render:
         def __call__(self, history, tools=None):
@@ -602,7 +602,7 @@ def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ng
 
     ps = PromptSet("cats", [Prompt("a", ["Write a loop", "Now in C"], category="coding"),
                             Prompt("b", ["Write a poem"], category="writing")])
-    out, rendered = vllm_eval.run_vllm_dialogues(_engine_run(cfg), [ps], Render(), tmp_path)
+    out, rendered = vllm_dialogues.run_vllm_dialogues(_engine_run(cfg), [ps], Render(), tmp_path)
     assert [c[0] for c in calls] == ["plain", "eagle3", "ngram"]
     assert calls[0][1] == [[12]]  # only the first turn of the two-turn prompt needed an answer
     assert rendered["cats"] == [[12], [12, 40, 8], [12]]  # turn 2 follows vLLM's 40-token answer

@@ -211,12 +211,11 @@ def test_vllm_gets_every_image_reference_as_a_file(tmp_path):
     path as itself, and a text prompt as no image."""
     import base64
 
-    from eagle3.data.images import image_bytes
-    from eagle3.engines.vllm_eval import _image_files
+    from eagle3.data.images import as_files, image_bytes
 
     png = image_file(tmp_path / "a.png", 56)
     url = "data:image/png;base64," + base64.b64encode(image_file(tmp_path / "b.png", 56, seed=1).read_bytes()).decode()
-    files = _image_files([[str(png), url], [], [url]], tmp_path / "out")
+    files = as_files([[str(png), url], [], [url]], tmp_path / "out")
     assert files[0][0] == str(png.resolve()) and files[1] == []
     for f in (files[0][1], files[2][0]):
         assert Path(f).is_file() and Path(f).read_bytes() == image_bytes(url)

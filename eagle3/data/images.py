@@ -273,3 +273,20 @@ def images_identity(per_sample: list[tuple[str, ...]] | list[list[str]]) -> str:
         for ref in refs:
             h.update(image_digest(ref).encode())
     return h.hexdigest()
+
+
+def as_files(images: list[list[str]], folder: Path) -> list[list[str]]:
+    """Image references (per prompt) as absolute file paths a process without eagle3 opens (vLLM's): a `data:` URL
+    written out, as its bytes, into `folder`."""
+    folder.mkdir(exist_ok=True)
+    out = []
+    for i, refs in enumerate(images):
+        files = []
+        for j, ref in enumerate(refs):
+            if ref.startswith("data:"):
+                path = folder / f"{i}-{j}.img"
+                path.write_bytes(image_bytes(ref))
+                ref = str(path)
+            files.append(str(Path(ref).resolve()))
+        out.append(files)
+    return out

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -186,18 +185,17 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
     each one's τ, acceptance and tokens per target forward (group_metrics). `method="ngram"`: vLLM's own
     prompt-lookup drafting instead of the head (eval.ngram_min / ngram_max, eval.num_steps tokens); `"suffix"`: its
     suffix decoding (arctic-inference's suffix trees over the prompt and earlier outputs); `"plain"`: no drafting,
-    only the outputs (a dialogue's earlier answers, run_vllm_dialogues). `images`: per prompt, the image files (absolute
+    only the outputs (a dialogue's earlier answers, eagle3.engines.vllm_dialogues). `images`: per prompt, the image files (absolute
     paths) its image tokens stand for, in order ([] for a text prompt); the ids hold each image's tokens expanded
     as the HF processor does, and the result's `image_prompts` / `image_prompts_same_ids` say how many image prompts
     vLLM expanded to exactly the ids sent (see the module docstring).
 
     At temperature 0 (and `check_greedy`), vLLM's outputs are also compared with plain HF greedy decoding of
-    the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`).
-
-    `hybrid` (with method eagle3): the rule of eagle3's hybrid drafter (eagle3.engines.vllm_hybrid), which vLLM loads
-    as a general plugin: each round the head's draft or a model-free one, per request."""
+    the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`). `hybrid`
+    (method eagle3): the rule of eagle3's hybrid drafter, a vLLM plugin (eagle3.engines.vllm_hybrid)."""
     from eagle3.bundled import resolve_target_path
     from eagle3.engines.reference import compare_greedy, hf_greedy
+    from eagle3.engines.vllm_hybrid import child_hybrid_args
     from eagle3.engines.vllm_torchvision import torchvision_env
 
     out_dir, draft_args = _method_args(method, draft_folder, run.paths.export_dir / "vllm", run.eval,
@@ -210,31 +208,14 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
         prompts_file, result_file = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         prompts_file.write_text(json.dumps(prompts))
         torchvision_env(env, Path(tmp))
-        hybrid_args = []
-        if hybrid is not None:
-            if method != "eagle3":
-                raise ValueError(f"the hybrid drafter pairs the head with a model-free drafter: method {method!r}")
-            hybrid_env(env, Path(tmp))
-            hybrid_args = ["--hybrid", json.dumps(hybrid)]
-        images_args: list[str] = []
-        if images is not None and any(images):
-            if len(images) != len(prompts):
-                raise ValueError(f"{len(images)} image lists for {len(prompts)} prompts")
-            (Path(tmp) / "images.json").write_text(json.dumps(_image_files(images, Path(tmp) / "images")))
-            images_args = ["--images", str(Path(tmp) / "images.json"), "--image-token-id", str(_image_token(run))]
-        groups_args: list[str] = []
-        if groups is not None:
-            if len(groups) != len(prompts):
-                raise ValueError(f"{len(groups)} group names for {len(prompts)} prompts")
-            (Path(tmp) / "groups.json").write_text(json.dumps(groups))
-            groups_args = ["--groups", str(Path(tmp) / "groups.json")]
+        hybrid_args = [] if hybrid is None else child_hybrid_args(env, Path(tmp), hybrid, method)
+        side_args = _side_files(run, Path(tmp), len(prompts), groups, images)
         cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(run.target.path),
                *draft_args, "--prompts", str(prompts_file), "--out", str(result_file),
                "--num-spec", str(run.eval.num_steps), "--temperature", str(run.eval.temperature),
                "--draft-sample-method", run.eval.draft_sampling,
                "--max-tokens", str(run.eval.max_new_tokens), "--dtype", run.target.dtype, "--seed",
-               str(run.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *groups_args, *images_args,
-               *hybrid_args]
+               str(run.eval.seed), "--stop-token-ids", ",".join(str(t) for t in stop), *side_args, *hybrid_args]
         code, tail = _run_echoing(cmd, env, timeout_s)
         if code != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM check failed (exit {code}): {_root_cause(tail)}; command: {' '.join(cmd)}")
@@ -245,25 +226,30 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
     if hybrid is not None:
         result["hybrid"] = hybrid
     if check_greedy and run.eval.temperature <= 0 and raw.get("outputs") is not None:
-        ref = hf_greedy(run.target, prompts, run.eval.max_new_tokens, stop, images=images if images_args else None)
+        ref = hf_greedy(run.target, prompts, run.eval.max_new_tokens, stop,
+                        images=images if images is not None and any(images) else None)
         result.update(compare_greedy(raw["outputs"], ref, stop))
     return result
 
 
-def hybrid_env(env: dict[str, str], folder: Path) -> None:
-    """vLLM's processes find eagle3's hybrid plugin as an installed package's `vllm.general_plugins` entry point
-    would offer it: eagle3's folder and, in `folder`, a distribution's metadata naming the entry point
-    (importlib.metadata reads `*.dist-info` on the path), so nothing is installed into vLLM's environment. The suffix
-    tree (scripts/setup_suffix_decoding.sh) goes on the path too where it was built."""
-    from eagle3.replay import SUFFIX_DIR
+def _side_files(run: EngineRun, tmp: Path, n: int, groups: list[str] | None, images: list[list[str]] | None
+                ) -> list[str]:
+    """The child's per-prompt inputs beside the prompts, written into `tmp`: group names, image files (a `data:`
+    URL as a file of its bytes: the child cannot import eagle3) and the image token -> its arguments."""
+    from eagle3.data.images import as_files
 
-    dist = folder / "eagle3_hybrid-0.0.dist-info"
-    dist.mkdir(exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: eagle3-hybrid\nVersion: 0.0\n")
-    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\neagle3_hybrid = eagle3.engines.vllm_hybrid:register\n")
-    suffix = os.environ.get("EAGLE3_SUFFIX_DIR", str(SUFFIX_DIR))
-    paths = [str(folder), str(Path(__file__).resolve().parents[2]), suffix, env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
+    args: list[str] = []
+    for name, rows, what in (("images", images, "image lists"), ("groups", groups, "group names")):
+        if rows is None or (name == "images" and not any(rows)):
+            continue
+        if len(rows) != n:
+            raise ValueError(f"{len(rows)} {what} for {n} prompts")
+        data = as_files(rows, tmp / "images") if name == "images" else rows
+        (tmp / f"{name}.json").write_text(json.dumps(data))
+        args += [f"--{name}", str(tmp / f"{name}.json")]
+        if name == "images":
+            args += ["--image-token-id", str(_image_token(run))]
+    return args
 
 
 def _method_args(method: str, draft_folder: Path | None, export_to: Path, ev: EvalConfig, family: str
@@ -321,92 +307,6 @@ def _vllm_result(raw: dict[str, Any], method: str, out_dir: Path | None, prompts
     return result
 
 
-def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folder: Path
-                       ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
-    """Engine only (`eval.builtin: false`): every turn of every prompt set in vLLM, with the head and (eval.ngram)
-    with vLLM's n-gram drafting, no target in this process. A later turn is rendered after vLLM's plain greedy
-    answer to the earlier one (decoded round by round: one vLLM run per turn index), so the head, n-gram drafting
-    and the caller's other methods all replay the same rendered prompts. Returns (report sets: τ, acceptance and
-    tokens per target forward per set and category, n-gram's beside them; vLLM's results; rendered prompts per
-    set), the engine's results holding `prompt_groups` (a `set/category` per rendered prompt, in order)."""
-    from eagle3.data.types import Turn
-
-    stop = stop_token_ids(run.target)
-    # (set, prompt) -> history so far; rendered prompts by (set, prompt, turn), answered round by round
-    hist = {(s, i): list(p.messages or []) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts)}
-    ids: dict[tuple[int, int, int], list[int]] = {}
-    rounds = max((len(p.to_generate()) for ps in sets for p in ps.prompts), default=0)
-    for r in range(rounds):
-        todo = [(s, i, p) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts) if r < len(p.to_generate())]
-        for s, i, p in todo:
-            text = p.to_generate()[r]
-            if p.token_ids is not None:
-                ids[s, i, r] = list(p.token_ids)
-                continue
-            if text is not None:
-                hist[s, i].append(Turn("user", text))
-            ids[s, i, r] = render(hist[s, i], p.tools)
-        answer = [(s, i, p) for s, i, p in todo if r + 1 < len(p.to_generate())]
-        if answer:
-            log.info("vLLM: round %d of %d, plain greedy answers to %d turn(s) to render the next", r + 1, rounds,
-                     len(answer))
-            outs = run_vllm(run, None, [ids[s, i, r] for s, i, _ in answer], method="plain")["outputs"]
-            for (s, i, _), out in zip(answer, outs, strict=True):
-                hist[s, i].append(Turn("assistant", render.answer(out, set(stop))))
-    order = sorted(ids)  # by set, prompt, turn: the card's order
-    prompts = [ids[k] for k in order]
-    groups = [f"{sets[s].name}/{sets[s].prompts[i].category or ''}" for s, i, _ in order]
-    rendered = {ps.name: [ids[k] for k in order if k[0] == s] for s, ps in enumerate(sets)}
-    result = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False)
-    head = result.pop("groups", {})
-    ngram: dict[str, Any] = {}
-    if run.eval.ngram:
-        ngram, result["ngram"] = ngram_beside(run, prompts, groups, result)
-    if run.eval.hybrid is not None:
-        hybrid, result["hybrid"] = hybrid_beside(run, draft_folder, prompts, groups, result)
-        result["hybrid_groups"] = hybrid | {ps.name: pooled_groups(hybrid, ps.name) for ps in sets}
-    report_sets: dict[str, Any] = {}
-    for ps in sets:
-        turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
-        row = _with_ngram(pooled_groups(head, ps.name), ngram and pooled_groups(ngram, ps.name))
-        cats = {g.split("/", 1)[1]: _with_ngram(head[g], ngram.get(g)) | {"turns": n}
-                for g, n in turns.items() if g.split("/", 1)[1]}
-        report_sets[ps.name] = row | {"turns": sum(turns.values()), "prompts": len(ps.prompts)} | (
-            {"categories": dict(sorted(cats.items()))} if cats else {})
-    result.update(prompt_groups=groups, stop_token_ids=stop)
-    return {"sets": report_sets, **result}, rendered
-
-
-def ngram_beside(run: EngineRun, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
-                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """vLLM's n-gram drafting on the prompts the head decoded: (its figures per group, its run's result with how
-    many of its outputs equal the head's: both are greedy, so all of them unless a bf16 near-tie flips one)."""
-    ng = run_vllm(run, None, prompts, groups=groups, method="ngram", check_greedy=False)
-    found = ng.pop("groups", {})
-    if (outs := ng.pop("outputs", None)) is not None and head.get("outputs") is not None:
-        ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
-    return found, ng
-
-
-def hybrid_beside(run: EngineRun, draft_folder: Path, prompts: list[list[int]], groups: list[str],
-                  head: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """eagle3's hybrid drafter (eval.hybrid) on the prompts the head decoded: (its figures per group, its run's
-    result with how many of its outputs equal the head's)."""
-    assert run.eval.hybrid is not None
-    hy = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False,
-                  hybrid=run.eval.hybrid.engine_rule(run.eval.ngram_max))
-    found = hy.pop("groups", {})
-    if (outs := hy.pop("outputs", None)) is not None and head.get("outputs") is not None:
-        hy["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
-    return found, hy
-
-
-def _with_ngram(head: dict[str, Any], ngram: dict[str, Any] | None) -> dict[str, Any]:
-    """A card row's figures: the head's, and n-gram drafting's τ and tokens per forward where it ran."""
-    return head | ({"ngram": {"tau": ngram["tau"], "tokens_per_forward": ngram.get("tokens_per_forward")}}
-                   if ngram else {})
-
-
 # -------------------------------------------------------------------------------------------- child side
 def _child(argv: list[str] | None = None) -> int:
     """Runs inside vLLM's interpreter: only the standard library and vllm."""
@@ -456,25 +356,6 @@ def _child(argv: list[str] | None = None) -> int:
                                 for o, x in zip(outs, prompts, strict=True)]} if images else {}),
     }))
     return 0
-
-
-def _image_files(images: list[list[str]], folder: Path) -> list[list[str]]:
-    """The prompts' image references (eagle3.data.images) as files the child opens: a `data:` URL written out, as
-    its bytes, into `folder` (the child cannot import eagle3)."""
-    from eagle3.data.images import image_bytes
-
-    folder.mkdir(exist_ok=True)
-    out = []
-    for i, refs in enumerate(images):
-        files = []
-        for j, ref in enumerate(refs):
-            if ref.startswith("data:"):
-                path = folder / f"{i}-{j}.img"
-                path.write_bytes(image_bytes(ref))
-                ref = str(path)
-            files.append(str(Path(ref).resolve()))
-        out.append(files)
-    return out
 
 
 def _image_token(run: EngineRun) -> int:

@@ -34,10 +34,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
 
 ENV = "EAGLE3_HYBRID"
 TESTED = ("0.32.0",)
+SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".vllm-suffix"
+"""Where scripts/setup_suffix_decoding.sh puts arctic-inference's suffix tree by default (git-ignored)."""
 log = logging.getLogger("eagle3.hybrid")
 
 FEATURES = ("suffix_score", "suffix_match", "suffix_len", "ngram_match", "ngram_len")
@@ -139,7 +145,7 @@ class Hybrid:
         head = drafts.tolist() if hasattr(drafts, "tolist") else [list(d) for d in drafts]
         kind = self.rule["rule"]
         if kind == "suffix-score":
-            other = [d if d and d[1] >= self.rule["threshold"] else None for d in self._suffix(batch, sampled)]
+            other = [d[0] if d and d[1] >= self.rule["threshold"] else None for d in self._suffix(batch, sampled)]
         elif kind == "ngram-match":
             lo = int(self.rule["length"])
             other = [d[1] if d else None for d in self._ngram(batch, sampled, lo, int(self.rule.get("max", max(4, lo))))]
@@ -216,3 +222,23 @@ class Hybrid:
                         break
             out.append(found)
         return out
+
+
+# ------------------------------------------------------------------------------------ eagle3's side (not vLLM's)
+def child_hybrid_args(env: dict[str, str], folder: Path, hybrid: dict[str, Any], method: str) -> list[str]:
+    """vLLM's processes find eagle3's hybrid plugin as an installed package's `vllm.general_plugins` entry point
+    would offer it: eagle3's folder and, in `folder`, a distribution's metadata naming the entry point
+    (importlib.metadata reads `*.dist-info` on the path), so nothing is installed into vLLM's environment. The suffix
+    tree (scripts/setup_suffix_decoding.sh) goes on the path too where it was built. -> the vLLM child's arguments
+    (eagle3.engines.vllm_eval) that set the rule."""
+    if method != "eagle3":
+        raise ValueError(f"the hybrid drafter pairs the head with a model-free drafter: method {method!r}")
+
+    dist = folder / "eagle3_hybrid-0.0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: eagle3-hybrid\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\neagle3_hybrid = eagle3.engines.vllm_hybrid:register\n")
+    suffix = os.environ.get("EAGLE3_SUFFIX_DIR", str(SUFFIX_DIR))
+    paths = [str(folder), str(Path(__file__).resolve().parents[2]), suffix, env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
+    return ["--hybrid", json.dumps(hybrid)]

@@ -1,0 +1,100 @@
+"""vLLM beside the head on the same prompts: engine-only dialogues (`eval.builtin: false`), vLLM's n-gram drafting and
+eagle3's hybrid drafter (eagle3.engines.vllm_hybrid), each one more run of eagle3.engines.vllm_eval.run_vllm."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from eagle3.engines import EngineRun
+from eagle3.engines.vllm_eval import pooled_groups, run_vllm, stop_token_ids
+
+log = logging.getLogger("eagle3")
+
+
+def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folder: Path
+                       ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    """Engine only (`eval.builtin: false`): every turn of every prompt set in vLLM, with the head and (eval.ngram)
+    with vLLM's n-gram drafting, no target in this process. A later turn is rendered after vLLM's plain greedy
+    answer to the earlier one (decoded round by round: one vLLM run per turn index), so the head, n-gram drafting
+    and the caller's other methods all replay the same rendered prompts. Returns (report sets: τ, acceptance and
+    tokens per target forward per set and category, n-gram's beside them; vLLM's results; rendered prompts per
+    set), the engine's results holding `prompt_groups` (a `set/category` per rendered prompt, in order)."""
+    from eagle3.data.types import Turn
+
+    stop = stop_token_ids(run.target)
+    # (set, prompt) -> history so far; rendered prompts by (set, prompt, turn), answered round by round
+    hist = {(s, i): list(p.messages or []) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts)}
+    ids: dict[tuple[int, int, int], list[int]] = {}
+    rounds = max((len(p.to_generate()) for ps in sets for p in ps.prompts), default=0)
+    for r in range(rounds):
+        todo = [(s, i, p) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts) if r < len(p.to_generate())]
+        for s, i, p in todo:
+            text = p.to_generate()[r]
+            if p.token_ids is not None:
+                ids[s, i, r] = list(p.token_ids)
+                continue
+            if text is not None:
+                hist[s, i].append(Turn("user", text))
+            ids[s, i, r] = render(hist[s, i], p.tools)
+        answer = [(s, i, p) for s, i, p in todo if r + 1 < len(p.to_generate())]
+        if answer:
+            log.info("vLLM: round %d of %d, plain greedy answers to %d turn(s) to render the next", r + 1, rounds,
+                     len(answer))
+            outs = run_vllm(run, None, [ids[s, i, r] for s, i, _ in answer], method="plain")["outputs"]
+            for (s, i, _), out in zip(answer, outs, strict=True):
+                hist[s, i].append(Turn("assistant", render.answer(out, set(stop))))
+    order = sorted(ids)  # by set, prompt, turn: the card's order
+    prompts = [ids[k] for k in order]
+    groups = [f"{sets[s].name}/{sets[s].prompts[i].category or ''}" for s, i, _ in order]
+    rendered = {ps.name: [ids[k] for k in order if k[0] == s] for s, ps in enumerate(sets)}
+    result = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False)
+    head = result.pop("groups", {})
+    ngram: dict[str, Any] = {}
+    if run.eval.ngram:
+        ngram, result["ngram"] = ngram_beside(run, prompts, groups, result)
+    if run.eval.hybrid is not None:
+        hybrid, result["hybrid"] = hybrid_beside(run, draft_folder, prompts, groups, result)
+        result["hybrid_groups"] = hybrid | {ps.name: pooled_groups(hybrid, ps.name) for ps in sets}
+    report_sets: dict[str, Any] = {}
+    for ps in sets:
+        turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
+        row = _with_ngram(pooled_groups(head, ps.name), ngram and pooled_groups(ngram, ps.name))
+        cats = {g.split("/", 1)[1]: _with_ngram(head[g], ngram.get(g)) | {"turns": n}
+                for g, n in turns.items() if g.split("/", 1)[1]}
+        report_sets[ps.name] = row | {"turns": sum(turns.values()), "prompts": len(ps.prompts)} | (
+            {"categories": dict(sorted(cats.items()))} if cats else {})
+    result.update(prompt_groups=groups, stop_token_ids=stop)
+    return {"sets": report_sets, **result}, rendered
+
+
+def ngram_beside(run: EngineRun, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """vLLM's n-gram drafting on the prompts the head decoded: (its figures per group, its run's result with how
+    many of its outputs equal the head's: both are greedy, so all of them unless a bf16 near-tie flips one)."""
+    ng = run_vllm(run, None, prompts, groups=groups, method="ngram", check_greedy=False)
+    found = ng.pop("groups", {})
+    if (outs := ng.pop("outputs", None)) is not None and head.get("outputs") is not None:
+        ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
+    return found, ng
+
+
+def _with_ngram(head: dict[str, Any], ngram: dict[str, Any] | None) -> dict[str, Any]:
+    """A card row's figures: the head's, and n-gram drafting's τ and tokens per forward where it ran."""
+    return head | ({"ngram": {"tau": ngram["tau"], "tokens_per_forward": ngram.get("tokens_per_forward")}}
+                   if ngram else {})
+
+
+def hybrid_beside(run: EngineRun, draft_folder: Path, prompts: list[list[int]], groups: list[str],
+                  head: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """eagle3's hybrid drafter (eval.hybrid) on the prompts the head decoded: (its figures per group, its run's
+    result with how many of its outputs equal the head's)."""
+    assert run.eval.hybrid is not None
+    hy = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False,
+                  hybrid=run.eval.hybrid.engine_rule(run.eval.ngram_max))
+    found = hy.pop("groups", {})
+    if (outs := hy.pop("outputs", None)) is not None and head.get("outputs") is not None:
+        hy["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
+    return found, hy
