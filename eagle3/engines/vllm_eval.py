@@ -328,7 +328,7 @@ def _child(argv: list[str] | None = None) -> int:
     mm = {"limit_mm_per_prompt": {"image": max(len(x) for x in images)}} if images else {}
     llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
               max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
-              speculative_config=_speculative_config(a), **mm)
+              speculative_config=_speculative_config(a), **mm, **_mla_backend(a.target, a.dtype))
     stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
                             stop_token_ids=stop or None)
@@ -450,6 +450,18 @@ def _generate_by_group(llm: Any, requests: list[Any], params: Any, groups: list[
     return outs, snapshots
 
 
+def _mla_backend(model: str, dtype: str) -> dict[str, Any]:
+    """vLLM's CPU platform serves MLA attention with its AMX kernels wherever the CPU has AMX tiles (Intel Xeon since
+    Sapphire Rapids), and those refuse float32 weights ("expect weight to be bfloat16, ..."): a float32 MLA model
+    (the target, or an MLA head: the speculative config's own setting) gets vLLM's reference CPU MLA backend
+    instead, which the CPUs without AMX run anyway."""
+    if dtype != "float32":
+        return {}
+    conf = json.loads((Path(model) / "config.json").read_text())
+    mla = any(c.get("kv_lora_rank") for c in (conf, conf.get("text_config") or {}))
+    return {"attention_backend": "CPU_MLA"} if mla else {}
+
+
 def _speculative_config(a: argparse.Namespace) -> dict[str, Any] | None:
     if a.method == "plain":
         return None
@@ -461,7 +473,7 @@ def _speculative_config(a: argparse.Namespace) -> dict[str, Any] | None:
     if not a.draft:
         raise SystemExit("--draft is required with --method eagle3")
     return {"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec,
-            "draft_sample_method": a.draft_sample_method,
+            "draft_sample_method": a.draft_sample_method, **_mla_backend(a.draft, a.dtype),
             **({"disable_padded_drafter_batch": True} if a.hybrid else {})}
 
 
