@@ -197,6 +197,7 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
     from eagle3.engines.reference import compare_greedy, hf_greedy
     from eagle3.engines.vllm_hybrid import child_hybrid_args
     from eagle3.engines.vllm_torchvision import torchvision_env
+    from eagle3.targets.info import read_target_info
 
     out_dir, draft_args = _method_args(method, draft_folder, run.paths.export_dir / "vllm", run.eval,
                                        run.target.layer_id_family)
@@ -210,6 +211,7 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
         torchvision_env(env, Path(tmp))
         hybrid_args = [] if hybrid is None else child_hybrid_args(env, Path(tmp), hybrid, method)
         side_args = _side_files(run, Path(tmp), len(prompts), groups, images)
+        side_args += ["--mla"] if read_target_info(run.target.path).mla else []
         cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(run.target.path),
                *draft_args, "--prompts", str(prompts_file), "--out", str(result_file),
                "--num-spec", str(run.eval.num_steps), "--temperature", str(run.eval.temperature),
@@ -328,7 +330,7 @@ def _child(argv: list[str] | None = None) -> int:
     mm = {"limit_mm_per_prompt": {"image": max(len(x) for x in images)}} if images else {}
     llm = LLM(model=a.target, dtype=a.dtype, seed=a.seed, enforce_eager=True, disable_log_stats=False,
               max_model_len=max(len(x) for x in prompts) + a.max_tokens + a.num_spec + 8,
-              speculative_config=_speculative_config(a), **mm, **_mla_backend(a.target, a.dtype))
+              speculative_config=_speculative_config(a), **mm, **_mla_backend(a.mla, a.dtype))
     stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed,
                             stop_token_ids=stop or None)
@@ -418,6 +420,7 @@ def _child_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--groups", help="JSON list: a group name per prompt; each group runs in turn, metrics after each")
     p.add_argument("--images", help="JSON list: per prompt, the image files its image tokens stand for ([] for none)")
     p.add_argument("--image-token-id", type=int, help="the target's image placeholder id (with --images)")
+    p.add_argument("--mla", action="store_true", help="the target uses multi-head latent attention")
     p.add_argument("--hybrid", help="JSON: eagle3's hybrid drafter rule (EAGLE3_HYBRID, eagle3.engines.vllm_hybrid)")
     p.add_argument("--keep-vllm-sampler", action="store_true",
                    help="do not repair the CPU backend's sampled verification (to see what _repair_cpu_expand fixes)")
@@ -450,16 +453,12 @@ def _generate_by_group(llm: Any, requests: list[Any], params: Any, groups: list[
     return outs, snapshots
 
 
-def _mla_backend(model: str, dtype: str) -> dict[str, Any]:
+def _mla_backend(mla: bool, dtype: str) -> dict[str, Any]:
     """vLLM's CPU platform serves MLA attention with its AMX kernels wherever the CPU has AMX tiles (Intel Xeon since
     Sapphire Rapids), and those refuse float32 weights ("expect weight to be bfloat16, ..."): a float32 MLA model
-    (the target, or an MLA head: the speculative config's own setting) gets vLLM's reference CPU MLA backend
-    instead, which the CPUs without AMX run anyway."""
-    if dtype != "float32":
-        return {}
-    conf = json.loads((Path(model) / "config.json").read_text())
-    mla = any(c.get("kv_lora_rank") for c in (conf, conf.get("text_config") or {}))
-    return {"attention_backend": "CPU_MLA"} if mla else {}
+    (the target: `--mla`, from eagle3.targets.info; an MLA head: the speculative config's own setting) gets vLLM's
+    reference CPU MLA backend instead, which the CPUs without AMX run anyway."""
+    return {"attention_backend": "CPU_MLA"} if mla and dtype == "float32" else {}
 
 
 def _speculative_config(a: argparse.Namespace) -> dict[str, Any] | None:
@@ -473,7 +472,8 @@ def _speculative_config(a: argparse.Namespace) -> dict[str, Any] | None:
     if not a.draft:
         raise SystemExit("--draft is required with --method eagle3")
     return {"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.num_spec,
-            "draft_sample_method": a.draft_sample_method, **_mla_backend(a.draft, a.dtype),
+            "draft_sample_method": a.draft_sample_method,
+            **_mla_backend(bool(json.loads((Path(a.draft) / "config.json").read_text()).get("kv_lora_rank")), a.dtype),
             **({"disable_padded_drafter_batch": True} if a.hybrid else {})}
 
 

@@ -65,6 +65,11 @@ class TargetInfo:
         return arch_family(names, f"{self.config.get('model_type', '')} {self.text.get('model_type', '')}")
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3, Kimi): engines pick their MLA kernels for it."""
+        return bool(self.text.get("kv_lora_rank"))
+
+    @property
     def tied(self) -> bool:
         """Whether the lm_head is the embedding matrix."""
         return bool(self.text.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
