@@ -73,7 +73,7 @@ def main() -> int:
     setup_logging()
 
     from eagle3.data.types import Turn
-    from eagle3.engines.vllm_hybrid import FEATURES
+    from eagle3.engines.vllm_hybrid import FEATURES, MODEL_FREE
     from eagle3.evaluate import PromptRenderer, draft_for_target, settings_from
     from eagle3.prompts import load_prompt_set
     from eagle3.replay import (
@@ -158,10 +158,12 @@ def main() -> int:
     for trace, chains, fold in done:
         rec.group = fold
         rep.add(trace, chains)
-    fitted = {f: fit_router([r for r in rec.rows if r[0] != f]) for f in (0, 1)}
-    fold_rules = {f: learned(w) for f, w in fitted.items()}
+    fitted = {(f, feats): fit_router([r for r in rec.rows if r[0] != f], feats)
+              for f in (0, 1) for feats in (MODEL_FREE, FEATURES)}
+    fold_rules = {key: learned(w, key[1]) for key, w in fitted.items()}
     current = [0]
-    rules["learned (2-fold)"] = lambda props: fold_rules[current[0]](props)
+    rules["learned (2-fold)"] = lambda props: fold_rules[(current[0], MODEL_FREE)](props)
+    rules["learned+head (2-fold)"] = lambda props: fold_rules[(current[0], FEATURES)](props)
     rules = {**{n: r for n, r in rules.items() if n != "oracle"}, "oracle": rules["oracle"]}
     rep = Replayer(k, rules, suffix_tokens=a.suffix_tokens, suffix=suffix)
     for trace, chains, fold in done:
@@ -184,11 +186,13 @@ def main() -> int:
                     "chosen": {n: t.chosen for n, t in tallies.items()}})
     folder = Path(a.out)
     folder.mkdir(parents=True, exist_ok=True)
+    folds = [{"fold": f, "features": list(feats), "weights": w} for (f, feats), w in fitted.items()]
     (folder / "replay.json").write_text(json.dumps({"k": k, "suffix_tokens": a.suffix_tokens or k, "rows": out,
-                                                    "router": {"features": FEATURES, "weights": fitted}}, indent=1))
-    print("router weights (features " + ", ".join(FEATURES) + ", constant), per fold:", json.dumps(fitted))
+                                                    "routers": folds}, indent=1))
+    print("router weights per fold (features, then a constant):", json.dumps(folds))
     # fitted on every prompt, for serving (EAGLE3_HYBRID=<out>/router.json): its figure here would be in-sample
-    router = {"rule": "router", "weights": fit_router(rec.rows), "min": ev.ngram_min, "max": ev.ngram_max}
+    router = {"rule": "router", "features": list(FEATURES), "weights": fit_router(rec.rows, FEATURES),
+              "min": ev.ngram_min, "max": ev.ngram_max}
     (folder / "router.json").write_text(json.dumps(router, indent=1))
     print(f"router for serving (all prompts): {folder / 'router.json'}")
     return 0

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from eagle3.engines.vllm_hybrid import SUFFIX_DIR, router_gain
+from eagle3.engines.vllm_hybrid import MODEL_FREE, SUFFIX_DIR, router_gain, signals
 from eagle3.specdec import ngram_match
 
 
@@ -78,11 +78,23 @@ class Proposal:
     """One drafter's draft at one round: its tokens, how many the target accepts, and the features a rule reads."""
 
     tokens: list[int]
-    accepted: int
+    accepted: int = 0
     score: float = 0.0
     """The suffix tree's score (the sum of its tokens' path probabilities); 0 for the others."""
     match: int = 0
     """The length of the context suffix the draft was looked up by (n-gram's n, the suffix tree's match length)."""
+    probs: list[float] = field(default_factory=list)
+    """The drafter's own probability of each draft token (the head's softmax), where it has one."""
+
+
+@dataclass
+class HeadChains:
+    """The head's chain after every position of a trace (`head_chains`)."""
+
+    tokens: torch.Tensor
+    """[T, k] target ids: row t is the chain drafted after position t (-1 past the trace's end)."""
+    probs: torch.Tensor
+    """[T, k]: the head's softmax probability of each of those tokens (its top one: the chains are greedy)."""
 
 
 Rule = Callable[[dict[str, Proposal]], str]
@@ -101,10 +113,10 @@ def accepted_length(draft: list[int], truth: list[int]) -> int:
 
 @torch.inference_mode()
 def head_chains(draft: Any, aux: torch.Tensor, tokens: list[int], k: int, extra: torch.Tensor | None = None,
-                ) -> torch.Tensor:
-    """[T, k] target ids: row t is the head's chain drafted after position t, predicting x_{t+2}..x_{t+1+k} (one TTT
-    unroll of k steps over the trace; -1 past the trace's end). `draft`: an eagle3.model.Eagle3Draft; `aux`: the
-    target's [T, 3H] states over `tokens`; `extra`: the embeddings of ids past the vocab (image rows)."""
+                ) -> HeadChains:
+    """The head's chain after each position t, predicting x_{t+2}..x_{t+1+k}, and its probabilities (one TTT unroll
+    of k steps over the trace). `draft`: an eagle3.model.Eagle3Draft; `aux`: the target's [T, 3H] states over
+    `tokens`; `extra`: the embeddings of ids past the vocab (image rows)."""
     from eagle3.rows import plan_rows
 
     t = len(tokens)
@@ -113,20 +125,23 @@ def head_chains(draft: Any, aux: torch.Tensor, tokens: list[int], k: int, extra:
     dtype = next(iter(draft.parameters())).dtype
     logits = draft(aux.to(dtype)[None], ids, rows.to(aux.device), extra=extra)
     out = torch.full((t, k), -1, dtype=torch.long)
+    probs = torch.zeros(t, k)
     for j, lg in enumerate(logits):
         pos = rows.keep[j][rows.score[j]].cpu()
-        out[pos, j] = draft.draft_to_target(lg.argmax(-1)).cpu()
-    return out
+        top = lg.float().softmax(-1).max(-1)
+        out[pos, j] = draft.draft_to_target(top.indices).cpu()
+        probs[pos, j] = top.values.cpu()
+    return HeadChains(out, probs)
 
 
 class Drafter:
     """One drafting method over one trace at a time: `start` a turn, `propose` at a root, `observe` what the round
     produced (the suffix tree learns from it), `stop` the turn."""
 
-    def start(self, trace: Trace, chains: torch.Tensor | None) -> None: ...
+    def start(self, trace: Trace, chains: HeadChains | None) -> None: ...
 
-    def propose(self, context: list[int]) -> tuple[list[int], float, int]:
-        """(draft tokens, score, match length) after `context` (which ends with the round's root)."""
+    def propose(self, context: list[int]) -> Proposal:
+        """The draft after `context` (which ends with the round's root), its `accepted` left for `walk`."""
         raise NotImplementedError
 
     def observe(self, tokens: list[int]) -> None: ...
@@ -137,14 +152,15 @@ class Drafter:
 class HeadDrafter(Drafter):
     """The head's chain at the round's root, read off the trace's unroll (`head_chains`)."""
 
-    def start(self, trace: Trace, chains: torch.Tensor | None) -> None:
+    def start(self, trace: Trace, chains: HeadChains | None) -> None:
         if chains is None:
             raise ValueError("the head drafter needs the trace's head chains")
         self.chains = chains
 
-    def propose(self, context: list[int]) -> tuple[list[int], float, int]:
-        row = self.chains[len(context) - 2].tolist()
-        return [t for t in row if t >= 0], 0.0, 0
+    def propose(self, context: list[int]) -> Proposal:
+        row = self.chains.tokens[len(context) - 2].tolist()
+        tokens = [t for t in row if t >= 0]
+        return Proposal(tokens, probs=self.chains.probs[len(context) - 2, :len(tokens)].tolist())
 
 
 class NgramDrafter(Drafter):
@@ -153,9 +169,9 @@ class NgramDrafter(Drafter):
     def __init__(self, k: int, min_n: int = 2, max_n: int = 4):
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
-    def propose(self, context: list[int]) -> tuple[list[int], float, int]:
+    def propose(self, context: list[int]) -> Proposal:
         n, tokens = ngram_match(context, self.k, self.min_n, self.max_n)
-        return tokens, 0.0, n
+        return Proposal(tokens, match=n)
 
 
 class SuffixDrafter(Drafter):
@@ -168,15 +184,15 @@ class SuffixDrafter(Drafter):
         self.max_tokens, self.depth, self.factor, self.min_prob = max_tokens, depth, factor, min_prob
         self.n = 0
 
-    def start(self, trace: Trace, chains: torch.Tensor | None) -> None:
+    def start(self, trace: Trace, chains: HeadChains | None) -> None:
         self.n += 1
         self.req = f"r{self.n}"
         self.cache.start_request(self.req, trace.prompt)
 
-    def propose(self, context: list[int]) -> tuple[list[int], float, int]:
+    def propose(self, context: list[int]) -> Proposal:
         d = self.cache.speculate(self.req, context[-self.depth:], max_spec_tokens=self.max_tokens,
                                  max_spec_factor=self.factor, min_token_prob=self.min_prob)
-        return list(d.token_ids), float(d.score), int(d.match_len)
+        return Proposal(list(d.token_ids), score=float(d.score), match=int(d.match_len))
 
     def observe(self, tokens: list[int]) -> None:
         self.cache.add_active_response(self.req, tokens)
@@ -211,7 +227,7 @@ class Tally:
         return self.generated / self.forwards if self.forwards else float("nan")
 
 
-def walk(trace: Trace, drafters: dict[str, Drafter], rule: Rule, chains: torch.Tensor | None = None,
+def walk(trace: Trace, drafters: dict[str, Drafter], rule: Rule, chains: HeadChains | None = None,
          steps: list[tuple[str, int]] | None = None) -> Tally:
     """One turn decoded with `rule` choosing among `drafters` each round: the prefill gives the first token, each
     round one target forward. `steps` (optional) collects (chosen drafter, accepted) per round."""
@@ -228,8 +244,8 @@ def walk(trace: Trace, drafters: dict[str, Drafter], rule: Rule, chains: torch.T
         truth = tokens[m + 1:]
         props = {}
         for name, d in drafters.items():
-            draft, score, match = d.propose(context)
-            props[name] = Proposal(draft, accepted_length(draft, truth), score, match)
+            props[name] = p = d.propose(context)
+            p.accepted = accepted_length(p.tokens, truth)
         name = rule(props)
         a = props[name].accepted
         tally.forwards += 1
@@ -262,24 +278,24 @@ def suffix_if_score(threshold: float) -> Rule:
     return lambda props: "suffix" if props["suffix"].score >= threshold else "head"
 
 
+def suffix_if_more_expected(props: dict[str, Proposal]) -> str:
+    """The draft each drafter expects to be accepted further: the suffix tree's score (the sum of its tokens' path
+    probabilities: its expected accepted length under the tree's counts) against the head's own (the sum of the
+    products of its tokens' softmax probabilities); the head's where they tie. No fitting: both are expectations."""
+    values = features_of(props)
+    return "suffix" if props["suffix"].tokens and values["suffix_score"] > values["head_expected"] else "head"
+
+
 def ngram_if_match(length: int) -> Rule:
     """Prompt lookup where it matched an n-gram of at least `length` tokens, else the head."""
     return lambda props: "ngram" if props["ngram"].tokens and props["ngram"].match >= length else "head"
 
 
-def _signals(props: dict[str, Proposal]) -> tuple[tuple[float, int, int], tuple[int, int]]:
-    """A round's router inputs as the engine plugin computes them (eagle3.engines.vllm_hybrid.FEATURES): the suffix
-    draft's (score, match length, length) and the n-gram draft's (n, length), zeros where a drafter has none."""
-    sx, ng = props.get("suffix"), props.get("ngram")
-    s = (sx.score, sx.match, len(sx.tokens)) if sx and sx.tokens else (0.0, 0, 0)
-    n = (ng.match, len(ng.tokens)) if ng and ng.tokens else (0, 0)
-    return s, n
-
-
-def features(props: dict[str, Proposal]) -> list[float]:
-    """A round's FEATURES (eagle3.engines.vllm_hybrid, which owns their order)."""
-    s, n = _signals(props)
-    return [s[0], float(s[1]), float(s[2]), float(n[0]), float(n[1])]
+def features_of(props: dict[str, Proposal]) -> dict[str, float]:
+    """A round's signals (eagle3.engines.vllm_hybrid.signals, which owns them) as the engine plugin computes them."""
+    sx, ng, hd = props.get("suffix"), props.get("ngram"), props.get("head")
+    return signals((sx.tokens, sx.score, sx.match) if sx and sx.tokens else None,
+                   (ng.tokens, ng.match) if ng and ng.tokens else None, (hd.tokens, hd.probs) if hd else None)
 
 
 class Recorder:
@@ -292,16 +308,16 @@ class Recorder:
         """Set by the caller before a trace (e.g. its fold): kept with each row."""
 
     def __call__(self, props: dict[str, Proposal]) -> str:
-        self.rows.append((self.group, features(props), {n: p.accepted for n, p in props.items()}))
+        self.rows.append((self.group, features_of(props), {n: p.accepted for n, p in props.items()}))
         return self.rule(props)
 
 
-def fit_router(rows: list[tuple[int, list[float], dict[str, int]]], ridge: float = 1.0
-               ) -> dict[str, list[float]]:
+def fit_router(rows: list[tuple[int, dict[str, float], dict[str, int]]], features: tuple[str, ...] | list[str]
+               = MODEL_FREE, ridge: float = 1.0) -> dict[str, list[float]]:
     """Per model-free drafter, the least-squares weights (ridge) predicting its accepted length minus the head's
-    from a round's features (a constant last): a router that takes the drafter with the largest predicted gain,
+    from a round's `features` (a constant last): a router that takes the drafter with the largest predicted gain,
     the head where none is positive (`learned`)."""
-    x = torch.tensor([f + [1.0] for _, f, _ in rows], dtype=torch.float64)
+    x = torch.tensor([[f[n] for n in features] + [1.0] for _, f, _ in rows], dtype=torch.float64)
     reg = ridge * torch.eye(x.shape[1], dtype=torch.float64)
     reg[-1, -1] = 0.0  # the constant is not shrunk
     out = {}
@@ -311,12 +327,12 @@ def fit_router(rows: list[tuple[int, list[float], dict[str, int]]], ridge: float
     return out
 
 
-def learned(weights: dict[str, list[float]]) -> Rule:
+def learned(weights: dict[str, list[float]], features: tuple[str, ...] | list[str] = MODEL_FREE) -> Rule:
     """The router `fit_router` fitted: the model-free draft with the largest predicted gain over the head's where
     that gain is positive, else the head's."""
     def rule(props: dict[str, Proposal]) -> str:
-        s, n = _signals(props)
-        gains = {d: router_gain(w, s, n) for d, w in weights.items() if d in props and props[d].tokens}
+        values = features_of(props)
+        gains = {d: router_gain(w, values, features) for d, w in weights.items() if d in props and props[d].tokens}
         best = max(gains, key=gains.__getitem__, default=None)
         return best if best is not None and gains[best] > 0 else "head"
 
@@ -328,7 +344,7 @@ def default_rules(k: int, suffix: bool = True) -> dict[str, Rule]:
     rules: dict[str, Rule] = {"head": always("head"), "ngram": always("ngram")}
     if suffix:
         rules |= {"suffix": always("suffix"), f"suffix-score>={k}": suffix_if_score(k),
-                  "suffix-score>=1": suffix_if_score(1.0)}
+                  "suffix-score>=1": suffix_if_score(1.0), "suffix-score>head": suffix_if_more_expected}
     rules |= {"ngram-match>=3": ngram_if_match(3), "ngram-match>=4": ngram_if_match(4), "oracle": oracle}
     return rules
 

@@ -15,6 +15,7 @@ from eagle3.replay import (
     Drafter,
     HeadDrafter,
     NgramDrafter,
+    Proposal,
     Replayer,
     Trace,
     always,
@@ -34,7 +35,7 @@ class Fixed(Drafter):
         self.tokens = tokens
 
     def propose(self, context):
-        return self.tokens, 0.0, 0
+        return Proposal(self.tokens)
 
 
 def test_walk_by_hand():
@@ -154,7 +155,7 @@ def test_head_replay_is_what_the_decoder_drafts_and_accepts(llama):
         assert [a for _, a in steps] == [min(a - 1, end - m - 1) for m, a in zip(gen.positions, gen.accept_lengths)]
         for m, got, (_, a) in zip(gen.positions, drafted, steps, strict=True):
             upto = min(a + 1, k, end - m - 1)  # the chain stops at the answer's end
-            assert chains[m - 1, :upto].tolist() == got[:upto], (m, got, chains[m - 1])
+            assert chains.tokens[m - 1, :upto].tolist() == got[:upto], (m, got, chains.tokens[m - 1])
         seen |= {a for _, a in steps}
     assert {0, 1, k} <= seen, seen
 

@@ -11,6 +11,7 @@ import torch
 from test_vllm_engine import _tiny_setup, vllm_python  # noqa: F401  (fixture)
 
 from eagle3.engines import EngineRun
+from eagle3.engines.vllm_hybrid import MODEL_FREE
 from eagle3.engines.vllm_eval import run_vllm, stop_token_ids
 from eagle3.replay import (
     HeadDrafter,
@@ -34,9 +35,11 @@ ROUTER = {"rule": "router", "weights": {"suffix": [0.0, 0.0, 1.0, 0.0, 0.0, -1.5
 tokens, else a prompt-lookup draft on a match of 3 or more, else the head's."""
 
 
-def _replay(cfg, rule: str, k: int) -> dict[str, int]:
-    """The replay of PROMPTS under `rule` on HF greedy traces that go k tokens past what the run keeps (vLLM's last
-    round verifies drafts past max_tokens, or past the stop token, and counts those it accepts)."""
+def _replay(cfg, rule: str, k: int, router: dict | None = None, firsts: list[float] | None = None
+            ) -> dict[str, int]:
+    """The replay of PROMPTS under `rule` (`router`: the router rule's settings) on HF greedy traces that go k tokens
+    past what the run keeps (vLLM's last round verifies drafts past max_tokens, or past the stop token, and counts
+    those it accepts). `firsts` collects the head's first-token probability at every position of every trace."""
     from eagle3.engines.reference import hf_greedy
     from eagle3.evaluate import draft_for_target
     from eagle3.specdec import HFTargetDecoder
@@ -49,17 +52,22 @@ def _replay(cfg, rule: str, k: int) -> dict[str, int]:
     draft = draft_for_target(cfg.checkpoint_dir / "best", model, cfg.target.aux_layer_ids)
     target = HFTargetDecoder(model, list(draft.config.aux_layer_ids))
     drafters = {"head": HeadDrafter(), "ngram": NgramDrafter(k, 2, 4)}
-    if rule in ("suffix", "router"):
+    if rule in ("suffix", "router", "router-head"):
         drafters["suffix"] = SuffixDrafter(k)
+    router = router or ROUTER
     pick = {"suffix": suffix_if_score(1.0), "head": always("head"),
-            "router": learned(ROUTER["weights"])}[rule]
+            "router": learned(router["weights"], router.get("features", MODEL_FREE)),
+            "router-head": learned(router["weights"], router.get("features", MODEL_FREE))}[rule]
     total = {"accepted": 0, "drafted": 0, "other": 0}
     for prompt, out in zip(PROMPTS, raw, strict=True):
         kept = next((i + 1 for i, t in enumerate(out[:n]) if t in stop), n)
         trace = Trace(prompt, out, stop=kept)
         with torch.inference_mode():
             _, aux = target.forward(torch.tensor(trace.tokens), torch.arange(len(trace.tokens)), target.new_cache())
-        tally = walk(trace, drafters, pick, head_chains(draft, aux, trace.tokens, k))
+        chains = head_chains(draft, aux, trace.tokens, k)
+        if firsts is not None:
+            firsts += chains.probs[len(prompt) - 1:, 0].tolist()
+        tally = walk(trace, drafters, pick, chains)
         total["accepted"] += tally.accepted
         total["drafted"] += tally.drafted
         total["other"] += sum(v for name, v in tally.chosen.items() if name != "head")
@@ -80,10 +88,26 @@ def _blind(folder) -> None:
     save_file(w, str(f), metadata={"format": "pt"})
 
 
+def _head_router(cfg, k: int) -> dict:
+    """A router on the head's own confidence: the suffix draft wherever the head's first draft token has a softmax
+    probability under a threshold, the head's elsewhere. The threshold sits in the middle of the widest gap between
+    the probabilities met at any position of the replay's traces (its middle half), so float noise between vLLM's
+    logits and HF's decides no round."""
+    firsts: list[float] = []
+    _replay(cfg, "head", k, firsts=firsts)
+    ps = sorted(firsts)
+    lo, hi = len(ps) // 4, 3 * len(ps) // 4
+    _, i = max((ps[j + 1] - ps[j], j) for j in range(lo, hi))
+    assert ps[i + 1] > 1.005 * ps[i] > 0, ps  # a relative gap far above float32 noise
+    return {"rule": "router", "features": ["head_p1"], "weights": {"suffix": [-1.0, (ps[i] + ps[i + 1]) / 2]}}
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("rule", ["suffix", "router"])
+@pytest.mark.parametrize("rule", ["suffix", "router", "router-head"])
 def test_hybrid_in_vllm_is_lossless_and_accepts_what_the_replay_does(tmp_path, vllm_python, rule):  # noqa: F811
-    if rule in ("suffix", "router"):
+    """The router-head case reads the head's softmax off vLLM's proposer: a plugin that read none (zeros) would take
+    the suffix draft at every round, one that read other rows' or steps' probabilities would part from the replay."""
+    if rule in ("suffix", "router", "router-head"):
         try:
             suffix_tree()
         except ImportError as e:
@@ -92,13 +116,16 @@ def test_hybrid_in_vllm_is_lossless_and_accepts_what_the_replay_does(tmp_path, v
     cfg = _tiny_setup(tmp_path)
     _blind(cfg.checkpoint_dir / "best")
     k = cfg.eval.num_steps
-    hybrid = {"suffix": {"rule": "suffix-score", "threshold": 1.0}, "router": ROUTER}[rule]
+    router = _head_router(cfg, k) if rule == "router-head" else ROUTER
+    hybrid = {"suffix": {"rule": "suffix-score", "threshold": 1.0}, "router": ROUTER, "router-head": router}[rule]
     run = EngineRun(cfg.target, cfg.eval, cfg.paths)
     v = run_vllm(run, cfg.checkpoint_dir / "best", PROMPTS, groups=[f"p{i}" for i in range(len(PROMPTS))],
                  hybrid=hybrid)
     assert v["hybrid"] == hybrid
     assert v["greedy_same"] == v["greedy_compared"] == len(PROMPTS), v.get("greedy_first_diffs")
-    want = _replay(cfg, rule, k)
+    want = _replay(cfg, rule, k, router)
+    if rule == "router-head":  # the head's confidence chose: some rounds the suffix tree had a draft stayed the head's
+        assert want != _replay(cfg, "router", k, {"rule": "router", "weights": {"suffix": [0, 0, 0, 0, 0, 1.0]}})
     assert want["other"] > 0 and want["drafted"] > want["other"], want  # both drafters were chosen
     assert (v["num_accepted_tokens"], v["num_drafts"]) == (want["accepted"], want["drafted"]), (v, want)
     # the head alone accepts next to nothing here: vLLM's figures are the pairing's, not the head's

@@ -17,10 +17,12 @@ Rules (eagle3.replay measures the same ones on traces, benchmarks/bench_hybrid.p
   `method=suffix` feeds it, its `suffix_decoding_*` settings) where its score reaches t, else the head's;
 - `{"rule": "ngram-match", "length": L, "max": M}`: prompt lookup's draft (vLLM's own matcher) where an n-gram of
   L..M tokens ending the context occurred earlier, else the head's;
-- `{"rule": "router", "weights": {"suffix": [...], "ngram": [...]}}`: a linear router over the model-free drafters'
-  own signals (FEATURES, a constant last): the draft with the largest predicted gain in accepted tokens over the
-  head's where it is positive, else the head's (fitted on traces by eagle3.replay.fit_router; bench_hybrid.py
-  writes one as `router.json`);
+- `{"rule": "router", "features": [...], "weights": {"suffix": [...], "ngram": [...]}}`: a linear router over a
+  round's signals (`features`, names from FEATURES; the model-free ones by default; a constant last in each weight
+  list): the draft with the largest predicted gain in accepted tokens over the head's where it is positive, else
+  the head's. The head's own signals (`head_p1`, `head_expected`) are the probabilities its softmax gave its draft
+  tokens, read off the proposer's logits (vLLM computes them and drops them in greedy mode). Fitted on traces by
+  eagle3.replay.fit_router (`eagle3 router` writes one beside an exported head);
 - `{"rule": "head"}`: the head's alone, through this path (the control).
 EAGLE3_HYBRID holds the rule as JSON, or the path of a JSON file holding it.
 
@@ -35,10 +37,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 ENV = "EAGLE3_HYBRID"
 TESTED = ("0.32.0",)
@@ -46,18 +45,50 @@ SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".vllm-suffix"
 """Where scripts/setup_suffix_decoding.sh puts arctic-inference's suffix tree by default (git-ignored)."""
 log = logging.getLogger("eagle3.hybrid")
 
-FEATURES = ("suffix_score", "suffix_match", "suffix_len", "ngram_match", "ngram_len")
-"""What a router reads of a round: the model-free drafters' own signals, which an engine has without the head's
-internals (the suffix tree's score and match length, prompt lookup's n-gram length, each draft's length)."""
+MODEL_FREE = ("suffix_score", "suffix_match", "suffix_len", "ngram_match", "ngram_len")
+"""The model-free drafters' own signals: the suffix tree's score and match length, prompt lookup's n-gram length,
+each draft's length."""
+HEAD = ("head_p1", "head_expected", "suffix_agree", "ngram_agree")
+"""The head's side: its softmax probability of its first draft token, its draft's expected accepted length under
+its own probabilities (the sum over j of p_1 ... p_j), and how many leading tokens the suffix / n-gram draft shares
+with the head's (two drafters agreeing is evidence for both)."""
+FEATURES = MODEL_FREE + HEAD
+"""What a router may read of a round (a rule names the ones it uses, MODEL_FREE by default)."""
 
 
-def router_gain(weights: list[float], suffix: tuple[float, int, int], ngram: tuple[int, int]) -> float:
-    """A linear router's predicted gain: `weights` (one per FEATURE, then a constant) on (suffix score, match length,
-    draft length) and (n-gram length, draft length); eagle3.replay fits and replays the same."""
-    f = [suffix[0], float(suffix[1]), float(suffix[2]), float(ngram[0]), float(ngram[1]), 1.0]
-    if len(weights) != len(f):
-        raise ValueError(f"a router's weights are {len(f)} numbers ({', '.join(FEATURES)}, constant): got {weights}")
-    return sum(w * x for w, x in zip(weights, f, strict=True))
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def signals(suffix: tuple[list[int], float, int] | None, ngram: tuple[list[int], int] | None,
+            head: tuple[list[int], list[float]] | None) -> dict[str, float]:
+    """A round's FEATURES for one request from the suffix draft (tokens, score, match length), the n-gram draft
+    (tokens, n) and the head's (tokens, their probabilities); zeros where a drafter has none. eagle3.replay reads
+    the same."""
+    sx, ng, (hd, p) = suffix or ([], 0.0, 0), ngram or ([], 0), head or ([], [])
+    expected, run = 0.0, 1.0
+    for q in p:
+        run *= q
+        expected += run
+    return {"suffix_score": float(sx[1]), "suffix_match": float(sx[2]), "suffix_len": float(len(sx[0])),
+            "ngram_match": float(ng[1]), "ngram_len": float(len(ng[0])), "head_p1": float(p[0]) if p else 0.0,
+            "head_expected": expected, "suffix_agree": float(_common(sx[0], hd)),
+            "ngram_agree": float(_common(ng[0], hd))}
+
+
+def router_gain(weights: list[float], values: dict[str, float], features: tuple[str, ...] | list[str] = MODEL_FREE
+                ) -> float:
+    """A linear router's predicted gain: `weights` (one per name in `features`, then a constant) on a round's
+    `signals`; eagle3.replay fits and replays the same."""
+    if len(weights) != len(features) + 1:
+        raise ValueError(f"a router's weights are {len(features) + 1} numbers ({', '.join(features)}, constant): got "
+                         f"{weights}")
+    return sum(w * values[f] for w, f in zip(weights, features)) + weights[-1]
 
 
 def settings() -> dict[str, Any] | None:
@@ -78,6 +109,15 @@ def settings() -> dict[str, Any] | None:
     missing = [k for k in kinds[rule["rule"]] if k not in rule]
     if missing:
         raise ValueError(f"{ENV}={raw!r}: rule {rule['rule']!r} needs {missing}")
+    if rule["rule"] == "router":
+        features = rule.setdefault("features", list(MODEL_FREE))
+        unknown = sorted(set(features) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"{ENV}: a router's features are among {list(FEATURES)}: got {unknown}")
+        bad = {n: w for n, w in rule["weights"].items() if n not in ("suffix", "ngram") or len(w) != len(features) + 1}
+        if bad:
+            raise ValueError(f"{ENV}: a router weighs `suffix` and/or `ngram`, each with {len(features) + 1} numbers "
+                             f"({', '.join(features)}, constant): got {bad}")
     return rule
 
 
@@ -99,13 +139,14 @@ def register() -> None:
 
     def propose_draft_token_ids(self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any,
                                 **kwargs: Any) -> Any:
-        drafts = inner(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         spec = self.speculative_config
         if spec is None or not spec.use_eagle():
-            return drafts
+            return inner(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         hybrid = getattr(self, "_eagle3_hybrid", None)
         if hybrid is None:
-            hybrid = self._eagle3_hybrid = Hybrid(self.vllm_config, rule)
+            hybrid = self._eagle3_hybrid = Hybrid(self.vllm_config, rule, self.drafter)
+        hybrid.head_probs.clear()
+        drafts = inner(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         self._draft_probs = None  # another draft than the head's: its probabilities no longer describe it
         self._draft_prob_req_ids = None
         return hybrid.choose(drafts, self.input_batch, sampled_token_ids)
@@ -116,9 +157,9 @@ def register() -> None:
 
 
 class Hybrid:
-    """The model-free drafter a rule names, and the per-request choice; counts what it chose (`chosen`)."""
+    """The model-free drafter a rule names, and the per-request choice."""
 
-    def __init__(self, vllm_config: Any, rule: dict[str, Any]):
+    def __init__(self, vllm_config: Any, rule: dict[str, Any], proposer: Any = None):
         spec = vllm_config.speculative_config
         if not spec.disable_padded_drafter_batch:
             raise ValueError(f"{ENV} needs speculative_config.disable_padded_drafter_batch=true (the drafts per "
@@ -129,7 +170,11 @@ class Hybrid:
         self.rule = rule
         self.k = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.chosen = {"head": 0, "other": 0}
+        self.head_probs: list[Any] = []
+        self._warned = False
+        """The head's draft-token probabilities of this round, one [requests] tensor per draft step."""
+        if rule["rule"] == "router" and set(rule["features"]) & {"head_p1", "head_expected"}:
+            self._watch(proposer)
         self.ngram_range = (2, 4)
         if rule["rule"] == "router":
             self.ngram_range = (int(rule.get("min", 2)), int(rule.get("max", 4)))
@@ -150,31 +195,55 @@ class Hybrid:
             lo = int(self.rule["length"])
             other = [d[1] if d else None for d in self._ngram(batch, sampled, lo, int(self.rule.get("max", max(4, lo))))]
         elif kind == "router":
-            other = self._route(self._suffix(batch, sampled), self._ngram(batch, sampled, *self.ngram_range))
+            other = self._route(self._suffix(batch, sampled), self._ngram(batch, sampled, *self.ngram_range),
+                                head, self._head(len(head)))
         else:
             other = [None] * len(head)
         out = []
         for h, o, s in zip(head, other, sampled, strict=True):
             if not s:  # a partial prefill: no draft, as vLLM's own drafters
                 out.append([])
-            elif o is not None:
-                out.append(o)
-                self.chosen["other"] += 1
             else:
-                out.append(h)
-                self.chosen["head"] += 1
+                out.append(o if o is not None else h)
         return out
 
-    def _route(self, suffix: list[tuple[list[int], float, int] | None], ngram: list[tuple[int, list[int]] | None]
-               ) -> list[list[int] | None]:
+    def _watch(self, proposer: Any) -> None:
+        """Keeps the top probability of each draft step's logits: the EAGLE proposer's greedy path computes the
+        head's logits (`model.compute_logits`, once per draft step, a row per request) and keeps only their argmax."""
+        model = getattr(proposer, "model", None)
+        if model is None or getattr(proposer, "use_local_argmax_reduction", False):
+            raise ValueError(f"{ENV}: a router on the head's confidence needs vLLM's EAGLE proposer computing full "
+                             "logits (not use_local_argmax_reduction)")
+        logits_of = model.compute_logits
+
+        def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            logits = logits_of(hidden_states, *args, **kwargs)
+            self.head_probs.append(logits.float().softmax(-1).amax(-1).cpu())
+            return logits
+
+        model.compute_logits = compute_logits
+
+    def _head(self, n: int) -> list[list[float]]:
+        """Per request, the head's draft-token probabilities of this round (empty lists where none were kept)."""
+        if len(self.head_probs) != self.k:
+            if not self._warned:
+                log.warning("eagle3 hybrid: %d head logits kept for %d draft steps: the router reads no head "
+                            "confidence this round", len(self.head_probs), self.k)
+                self._warned = True
+            return [[] for _ in range(n)]
+        import torch
+
+        return torch.stack([p[:n] for p in self.head_probs], dim=1).tolist()
+
+    def _route(self, suffix: list[tuple[list[int], float, int] | None], ngram: list[tuple[int, list[int]] | None],
+               head: list[list[int]], probs: list[list[float]]) -> list[list[int] | None]:
         """The linear router's pick per request: the model-free draft with the largest positive predicted gain."""
-        weights = self.rule["weights"]
+        weights, features = self.rule["weights"], self.rule["features"]
         out: list[list[int] | None] = []
-        for sx, ng in zip(suffix, ngram, strict=True):
-            s_feat = (sx[1], sx[2], len(sx[0])) if sx else (0.0, 0, 0)
-            n_feat = (ng[0], len(ng[1])) if ng else (0, 0)
+        for sx, ng, hd, hp in zip(suffix, ngram, head, probs, strict=True):
+            values = signals(sx, (ng[1], ng[0]) if ng else None, (hd, hp))
             drafts = {"suffix": sx[0] if sx else [], "ngram": ng[1] if ng else []}
-            gains = {n: router_gain(w, s_feat, n_feat) for n, w in weights.items() if drafts.get(n)}
+            gains = {n: router_gain(w, values, features) for n, w in weights.items() if drafts.get(n)}
             best = max(gains, key=gains.__getitem__, default=None)
             out.append(drafts[best] if best is not None and gains[best] > 0 else None)
         return out
