@@ -11,8 +11,8 @@ import torch
 from test_vllm_engine import _tiny_setup, vllm_python  # noqa: F401  (fixture)
 
 from eagle3.engines import EngineRun
-from eagle3.engines.vllm_hybrid import MODEL_FREE
 from eagle3.engines.vllm_eval import run_vllm, stop_token_ids
+from eagle3.engines.vllm_hybrid import MODEL_FREE
 from eagle3.replay import (
     HeadDrafter,
     NgramDrafter,
