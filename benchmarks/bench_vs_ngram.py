@@ -70,7 +70,7 @@ def main() -> int:
                    help="arctic-inference's suffix tree built by scripts/setup_suffix_decoding.sh (a folder that "
                         "does not exist, e.g. none: no suffix run, unless vLLM's interpreter imports it by itself)")
     p.add_argument("--hybrid", nargs="*", default=[], metavar="RULE",
-                   help="eagle3's hybrid drafter in vLLM, one run per rule (JSON as EAGLE3_HYBRID reads it, e.g. "
+                   help="eagle3's hybrid drafter in vLLM, one run per rule (JSON or a JSON file, as EAGLE3_HYBRID reads it, e.g. "
                         "'{\"rule\": \"suffix-score\", \"threshold\": 1}'; eagle3.engines.vllm_hybrid)")
     p.add_argument("--engine-only", action="store_true",
                    help="vLLM alone (eval.builtin=false): no built-in run, no HF greedy reference")
@@ -80,6 +80,7 @@ def main() -> int:
     setup_logging()
     from eagle3.engines import EngineRun
     from eagle3.engines.vllm_eval import pooled_groups, run_vllm
+    from eagle3.engines.vllm_hybrid import parse_rule
     from eagle3.evaluate import run
 
     out = Path(a.out or Path(a.checkpoint).resolve().parent.parent / "bench-vs-ngram")
@@ -108,13 +109,14 @@ def main() -> int:
         suffix_note = "suffix decoding: vLLM's method=suffix (arctic-inference)"
 
     for spec in a.hybrid:
-        rule = json.loads(spec)
+        rule = parse_rule(spec, "--hybrid")
         rendered = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())
         prompts = [x for name in report["sets"] for x in rendered[name]]
         hy = run_vllm(EngineRun(cfg.target, cfg.eval, cfg.paths), Path(a.checkpoint), prompts,
                       groups=vllm["prompt_groups"], check_greedy=False, hybrid=rule)
         g = hy.pop("groups", {})
-        name = "hybrid:" + ",".join(str(v) for k, v in rule.items() if k != "rule")
+        name = "hybrid:" + ("router" if rule["rule"] == "router" else
+                            ",".join(str(v) for k, v in rule.items() if k != "rule"))
         methods[name] = g | {n: pooled_groups(g, n) for n in report["sets"]}
         same = sum(x == y for x, y in zip(hy.get("outputs") or [], vllm.get("outputs") or [], strict=False))
         print(f"{name} ({rule}): {same} of {len(prompts)} outputs equal the head's")

@@ -107,7 +107,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3.export import export
 
-    export(args.checkpoint, args.out, to=args.to, target_family=args.target_family)
+    hybrid = None
+    if args.hybrid:
+        from eagle3.engines.vllm_hybrid import parse_rule
+
+        hybrid = parse_rule(args.hybrid, "--hybrid")
+    export(args.checkpoint, args.out, to=args.to, target_family=args.target_family, hybrid=hybrid)
     return 0
 
 
@@ -220,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--target-family", choices=get_args(ArchFamily), default=None,
                     help="SGLang's layer-id spelling for a target architecture outside eagle3's table "
                          "(eagle3/layer_ids.py); refused without it")
+    ex.add_argument("--hybrid", metavar="RULE", default=None,
+                    help="vLLM: eagle3's hybrid drafter rule, JSON or a JSON file (benchmarks/bench_hybrid.py's "
+                         "router.json), written beside the head for EAGLE3_HYBRID=auto (eagle3.engines.vllm_hybrid)")
     ex.add_argument("checkpoint", help="a training checkpoint folder (or an eagle3 export)")
     ex.add_argument("out", help="output folder")
     _add_sglang(sub)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 
 from eagle3.checkpoints import resolve_draft_folder
+from eagle3.engines.vllm_hybrid import RULE_FILE, parse_rule
 from eagle3.formats import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -47,7 +49,7 @@ def _is_replaceable(out: Path) -> bool:
     names = {p.name for p in out.iterdir()}
     if not names:
         return True
-    if not names <= {CONFIG_NAME, WEIGHTS_NAME, CARD_NAME}:
+    if not names <= {CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, HYBRID_DIR}:
         return False
     try:
         return "eagle3" in json.loads((out / CONFIG_NAME).read_text())
@@ -60,10 +62,13 @@ IMAGE_INPUTS_OF = {"sglang": "target-embeddings", "vllm": "placeholder"}
 target's merged input embeddings, vLLM 0.32 the placeholder token's embedding."""
 
 
+HYBRID_DIR = RULE_FILE.split("/")[0]
+
+
 @writes(lambda out, **_: out, "export")
 def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype: str | None = "bfloat16",
            num_speculative_tokens: int = 3, target_family: ArchFamily | None = None,
-           paths: RunPaths | None = None) -> Path:
+           paths: RunPaths | None = None, hybrid: dict[str, Any] | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for `to` into `out` (atomically), with its model card
     (`README.md`, eagle3.model_card); return `out`.
 
@@ -71,9 +76,19 @@ def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype
     `dtype`: weights dtype of the export (`bfloat16` default; None keeps the checkpoint's).
     `target_family`: SGLang's layer-id spelling for a target outside eagle3's table (`target.layer_id_family`).
     `paths`: the run's folders for the card (a config's `cfg.paths`; default: the layout around the checkpoint).
+    `hybrid`: eagle3's hybrid drafter rule (eagle3.engines.vllm_hybrid; e.g. the router benchmarks/bench_hybrid.py
+    fitted), written beside the head (RULE_FILE) for `EAGLE3_HYBRID=auto`; vLLM only.
     """
     if to not in ("sglang", "vllm"):
         raise ExportError(f"unknown engine {to!r}; choose sglang or vllm")
+    if hybrid is not None:
+        if to != "vllm":
+            raise ExportError("the hybrid drafter is served by eagle3's vLLM plugin (eagle3.engines.vllm_hybrid); "
+                              "SGLang has no such plugin yet: export --to vllm")
+        try:
+            hybrid = parse_rule(json.dumps(hybrid), "--hybrid")
+        except ValueError as e:
+            raise ExportError(str(e)) from e
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or None")
     folder = resolve_draft_folder(checkpoint)
@@ -105,7 +120,10 @@ def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype
         save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg_json, indent=2) + "\n")
         (tmp / CARD_NAME).write_text(model_card(folder, config, cfg_json, to, out, num_speculative_tokens,
-                                                target_family, paths))
+                                                target_family, paths, hybrid))
+        if hybrid is not None:
+            (tmp / RULE_FILE).parent.mkdir()
+            (tmp / RULE_FILE).write_text(json.dumps(hybrid, indent=1) + "\n")
     log.info("exported a %s head for %s to %s (layer ids %s in %s's spelling for a %s-family target)", config.arch,
              to, out, cfg_json["eagle3_export"]["engine_layer_ids"], to, cfg_json["eagle3_export"]["target_family"])
     return out

@@ -60,19 +60,24 @@ def _older(path: Path, draft_folder: Path) -> bool:
     return bool(weights) and path.stat().st_mtime < max(weights)
 
 
-def serve_command(engine: str, target: str, export: Path, num_steps: int) -> str:
-    """The command that serves `target` with this export as its EAGLE-3 draft (chain: steps, top-k 1)."""
+def serve_command(engine: str, target: str, export: Path, num_steps: int, hybrid: bool = False) -> str:
+    """The command that serves `target` with this export as its EAGLE-3 draft (chain: steps, top-k 1); `hybrid`:
+    paired with a model-free drafter by the rule exported beside it (eagle3.engines.vllm_hybrid, vLLM)."""
     if engine == "sglang":
         return shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
                            "EAGLE3", "--speculative-draft-model-path", str(export), "--speculative-num-steps",
                            str(num_steps), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens",
                            str(num_steps + 1)])
-    spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": num_steps})
-    return shlex.join(["vllm", "serve", target, "--speculative-config", spec])
+    spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": num_steps}
+    if hybrid:
+        spec["disable_padded_drafter_batch"] = True
+    command = shlex.join(["vllm", "serve", target, "--speculative-config", json.dumps(spec)])
+    return f"EAGLE3_HYBRID=auto {command}" if hybrid else command
 
 
 def model_card(draft_folder: Path, draft_config: Any, export_config: dict[str, Any], engine: str, out: Path,
-               num_steps: int, target_family: ArchFamily | None = None, paths: RunPaths | None = None) -> str:
+               num_steps: int, target_family: ArchFamily | None = None, paths: RunPaths | None = None,
+               hybrid: dict[str, Any] | None = None) -> str:
     """The README.md text of the export of `draft_folder` for `engine` at `out`. `paths`: the run's folders (a
     config's `cfg.paths`); without them, the default layout of the run folder the checkpoint sits in."""
     target = (draft_config.target or {}).get("path") or "<target>"
@@ -86,6 +91,8 @@ def model_card(draft_folder: Path, draft_config: Any, export_config: dict[str, A
     lines += ["", "## Training", "", *_training_lines(paths)]
     lines += ["", "## Evaluation (the run's last `eagle3 eval`)", "", *_eval_lines(paths, draft_folder)]
     lines += ["", "## Serve", "", "```", *_serve_lines(target, engine, out, num_steps), "```", ""]
+    if hybrid is not None:
+        lines += _hybrid_lines(hybrid, target, engine, out, num_steps)
     return "\n".join(lines)
 
 
@@ -173,11 +180,24 @@ def _eval_lines(paths: RunPaths | None, draft_folder: Path) -> list[str]:
     return lines
 
 
-def _serve_lines(target: str, engine: str, out: Path, num_steps: int) -> list[str]:
+def _hybrid_lines(hybrid: dict[str, Any], target: str, engine: str, out: Path, num_steps: int) -> list[str]:
+    """The hybrid drafter exported beside the head: its rule and the command that serves the pairing."""
+    from eagle3.engines.vllm_hybrid import RULE_FILE, SUFFIX_DIR
+
+    rule = hybrid["rule"] + (f" on {', '.join(hybrid['features'])}" if hybrid["rule"] == "router" else "")
+    return ["## Hybrid drafter", "",
+            f"`{RULE_FILE}` holds eagle3's hybrid rule ({rule}): each round, per request, the head's draft or a "
+            "model-free one (suffix decoding, prompt lookup), through eagle3's vLLM plugin (`pip install eagle3` "
+            f"in vLLM's environment; suffix decoding needs arctic-inference, or eagle3's `{SUFFIX_DIR.name}` build "
+            "on PYTHONPATH). Greedy output is the target's own.", "",
+            "```", *_serve_lines(target, engine, out, num_steps, hybrid=True), "```", ""]
+
+
+def _serve_lines(target: str, engine: str, out: Path, num_steps: int, hybrid: bool = False) -> list[str]:
     served, lines = target, []
     if target.startswith("bundled:"):  # a safetensors folder eagle3 makes from the bundled GGUF, once
         from eagle3.bundled import eagle3_home
 
         served = str(eagle3_home() / "models" / target.removeprefix("bundled:"))
         lines.append("python -c 'from eagle3.bundled import materialise_smollm2; materialise_smollm2()'  # once")
-    return [*lines, serve_command(engine, served, out.resolve(), num_steps)]
+    return [*lines, serve_command(engine, served, out.resolve(), num_steps, hybrid)]

@@ -365,3 +365,37 @@ def test_every_export_ships_a_model_card_of_its_run(tmp_path):
     assert "vllm serve /models/tiny-kimi --speculative-config" in (again / "README.md").read_text()
     assert "no training log next to the checkpoint" in (again / "README.md").read_text()
     export(run / "checkpoints" / "best", tmp_path / "sg", to="sglang")
+
+
+def test_the_hybrid_rule_is_exported_beside_the_head_and_read_back(tmp_path, monkeypatch):
+    """`eagle3 export --hybrid FILE`: the router lands in the export's subfolder (vLLM loads the head's folder as
+    before: no new tensor, no config change), EAGLE3_HYBRID=auto reads it back as written, the card serves it with
+    one command; SGLang and a malformed rule are refused, and a plain re-export drops the rule."""
+    from eagle3.cli import main
+    from eagle3.engines.vllm_hybrid import FEATURES, RULE_FILE, exported_rule, settings
+
+    src = save_draft(make_draft(), tmp_path / "draft")
+    router = {"rule": "router", "features": list(FEATURES),
+              "weights": {"suffix": [0.5] * (len(FEATURES) + 1), "ngram": [-0.1] * (len(FEATURES) + 1)}}
+    (tmp_path / "router.json").write_text(json.dumps(router))
+    plain = export(src, tmp_path / "plain", to="vllm")
+    assert main(["export", "--to", "vllm", "--hybrid", str(tmp_path / "router.json"), str(src),
+                 str(tmp_path / "v")]) == 0
+    out = tmp_path / "v"
+    assert exported_rule(out) == router
+    assert json.loads((out / RULE_FILE).read_text()) == router
+    assert (out / "config.json").read_text() == (plain / "config.json").read_text()
+    assert _tensors(out).keys() == _tensors(plain).keys()
+    card = (out / "README.md").read_text()
+    assert "EAGLE3_HYBRID=auto vllm serve" in card and '"disable_padded_drafter_batch": true' in card, card
+    monkeypatch.setenv("EAGLE3_HYBRID", "auto")
+    assert settings() == {"rule": "auto"}
+
+    with pytest.raises(ExportError, match="export --to vllm"):
+        export(src, tmp_path / "s", to="sglang", hybrid=router)
+    with pytest.raises(ExportError, match=f"each with {len(FEATURES) + 1} numbers"):
+        export(src, tmp_path / "bad", to="vllm", hybrid={**router, "weights": {"suffix": [1.0, 2.0]}})
+    with pytest.raises(ValueError, match="has no eagle3_hybrid/rule.json"):
+        exported_rule(plain)
+    export(src, out, to="vllm")  # a plain re-export over it: the rule goes with the old folder
+    assert not (out / RULE_FILE).exists()

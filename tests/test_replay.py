@@ -207,6 +207,24 @@ def test_eval_hybrid_is_served_by_vllm_with_a_greedy_chain():
         load_config(None, ["eval.engine=vllm", "eval.hybrid={rul: x}"])
 
 
+def test_eval_hybrid_router_reads_its_file(tmp_path):
+    """eval.hybrid rule router takes the router from the file `router` names (as bench_hybrid.py writes it), its
+    features checked; the file without the rule, or the rule without a file, is refused."""
+    from eagle3.config import load_config
+
+    f = tmp_path / "router.json"
+    rule = {"rule": "router", "features": ["head_p1"], "weights": {"suffix": [-1.0, 0.5]}}
+    f.write_text(json.dumps(rule))
+    cfg = load_config(None, ["eval.engine=vllm", f"eval.hybrid={{rule: router, router: {f}}}"])
+    assert cfg.eval.hybrid.engine_rule(4) == rule
+    for bad in ("{rule: router}", f"{{rule: suffix-score, router: {f}}}"):
+        with pytest.raises(Exception, match="eval.hybrid.router"):
+            load_config(None, ["eval.engine=vllm", f"eval.hybrid={bad}"])
+    f.write_text(json.dumps({**rule, "features": ["head_q"]}))
+    with pytest.raises(ValueError, match="features are among"):
+        cfg.eval.hybrid.engine_rule(4)
+
+
 def test_a_router_fitted_on_rounds_takes_the_drafter_that_gains():
     """fit_router on hand-made rounds where the suffix draft wins exactly when its score is high: the learned rule
     takes it there and the head elsewhere; a round without a suffix draft stays the head's."""

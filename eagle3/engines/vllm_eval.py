@@ -200,7 +200,7 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
     from eagle3.targets.info import read_target_info
 
     out_dir, draft_args = _method_args(method, draft_folder, run.paths.export_dir / "vllm", run.eval,
-                                       run.target.layer_id_family)
+                                       run.target.layer_id_family, hybrid)
     python = python or os.environ.get("EAGLE3_VLLM_PYTHON") or sys.executable
     stop = stop_token_ids(run.target)
     env = dict(os.environ)
@@ -209,7 +209,7 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
         prompts_file, result_file = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         prompts_file.write_text(json.dumps(prompts))
         torchvision_env(env, Path(tmp))
-        hybrid_args = [] if hybrid is None else child_hybrid_args(env, Path(tmp), hybrid, method)
+        hybrid_args = [] if hybrid is None else child_hybrid_args(env, Path(tmp), method)
         side_args = _side_files(run, Path(tmp), len(prompts), groups, images)
         side_args += ["--mla"] if read_target_info(run.target.path).mla else []
         cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(run.target.path),
@@ -254,9 +254,10 @@ def _side_files(run: EngineRun, tmp: Path, n: int, groups: list[str] | None, ima
     return args
 
 
-def _method_args(method: str, draft_folder: Path | None, export_to: Path, ev: EvalConfig, family: str
-                 ) -> tuple[Path | None, list[str]]:
-    """(the head exported for vLLM to `export_to`, or None; the child's drafting arguments) of one method."""
+def _method_args(method: str, draft_folder: Path | None, export_to: Path, ev: EvalConfig, family: str,
+                 hybrid: dict[str, Any] | None = None) -> tuple[Path | None, list[str]]:
+    """(the head exported for vLLM to `export_to`, or None; the child's drafting arguments) of one method; the
+    hybrid's rule is exported beside the head, where the plugin finds it (EAGLE3_HYBRID=auto), as a user serves it."""
     from eagle3.export import export
 
     if method == "plain":
@@ -265,7 +266,7 @@ def _method_args(method: str, draft_folder: Path | None, export_to: Path, ev: Ev
         if draft_folder is None:
             raise ValueError("vLLM's eagle3 method needs the head to export")
         out_dir = export(draft_folder, export_to, to="vllm", num_speculative_tokens=ev.num_steps,
-                         target_family=family)
+                         target_family=family, hybrid=hybrid)
         draft_args = ["--draft", str(out_dir)]
     else:
         out_dir = None
@@ -421,7 +422,7 @@ def _child_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--images", help="JSON list: per prompt, the image files its image tokens stand for ([] for none)")
     p.add_argument("--image-token-id", type=int, help="the target's image placeholder id (with --images)")
     p.add_argument("--mla", action="store_true", help="the target uses multi-head latent attention")
-    p.add_argument("--hybrid", help="JSON: eagle3's hybrid drafter rule (EAGLE3_HYBRID, eagle3.engines.vllm_hybrid)")
+    p.add_argument("--hybrid", help="EAGLE3_HYBRID for eagle3's hybrid drafter plugin (eagle3.engines.vllm_hybrid): `auto`, the rule exported beside the head, or a rule")
     p.add_argument("--keep-vllm-sampler", action="store_true",
                    help="do not repair the CPU backend's sampled verification (to see what _repair_cpu_expand fixes)")
     return p.parse_args(argv)

@@ -24,7 +24,9 @@ Rules (eagle3.replay measures the same ones on traces, benchmarks/bench_hybrid.p
   tokens, read off the proposer's logits (vLLM computes them and drops them in greedy mode). Fitted on traces by
   eagle3.replay.fit_router (`eagle3 router` writes one beside an exported head);
 - `{"rule": "head"}`: the head's alone, through this path (the control).
-EAGLE3_HYBRID holds the rule as JSON, or the path of a JSON file holding it.
+EAGLE3_HYBRID holds the rule as JSON, or the path of a JSON file holding it, or `auto`: the rule `eagle3 export
+--hybrid RULE` wrote into the exported head's folder (RULE_FILE), so one command serves the head with its router:
+    EAGLE3_HYBRID=auto vllm serve TARGET --speculative-config '{"method": "eagle3", "model": EXPORT, ...}'
 
 Only the standard library and vLLM are imported (vLLM's environment need not hold eagle3's dependencies), and only
 vLLM 0.32.0 is patched: another version is refused by name, since the runner's internals this relies on change
@@ -91,34 +93,56 @@ def router_gain(weights: list[float], values: dict[str, float], features: tuple[
     return sum(w * values[f] for w, f in zip(weights, features)) + weights[-1]
 
 
-def settings() -> dict[str, Any] | None:
-    """The hybrid's rule from EAGLE3_HYBRID (JSON, or a JSON file's path), None where unset; a malformed value is an
-    error."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return None
+RULE_FILE = "eagle3_hybrid/rule.json"
+"""Where `eagle3 export --hybrid` writes the rule inside an exported head's folder: a subfolder, which vLLM ignores
+(it refuses unknown tensors in an EAGLE-3 checkpoint, not unknown files)."""
+
+
+def parse_rule(raw: str, source: str = ENV) -> dict[str, Any]:
+    """A hybrid rule from JSON, or from the path of a JSON file; an error naming `source` where it is malformed."""
+    raw = raw.strip()
     if not raw.startswith(("{", "[")):
         if not os.path.isfile(raw):
-            raise ValueError(f"{ENV}={raw!r}: neither a JSON rule nor a file holding one")
+            raise ValueError(f"{source}={raw!r}: neither a JSON rule nor a file holding one")
         with open(raw) as f:
             raw = f.read()
     rule = json.loads(raw)
     kinds = {"suffix-score": ("threshold",), "ngram-match": ("length",), "router": ("weights",), "head": ()}
     if not isinstance(rule, dict) or rule.get("rule") not in kinds:
-        raise ValueError(f"{ENV}={raw!r}: expected {{\"rule\": one of {sorted(kinds)}, ...}}")
+        raise ValueError(f"{source}={raw!r}: expected {{\"rule\": one of {sorted(kinds)}, ...}}")
     missing = [k for k in kinds[rule["rule"]] if k not in rule]
     if missing:
-        raise ValueError(f"{ENV}={raw!r}: rule {rule['rule']!r} needs {missing}")
+        raise ValueError(f"{source}: rule {rule['rule']!r} needs {missing}")
     if rule["rule"] == "router":
         features = rule.setdefault("features", list(MODEL_FREE))
         unknown = sorted(set(features) - set(FEATURES))
         if unknown:
-            raise ValueError(f"{ENV}: a router's features are among {list(FEATURES)}: got {unknown}")
+            raise ValueError(f"{source}: a router's features are among {list(FEATURES)}: got {unknown}")
         bad = {n: w for n, w in rule["weights"].items() if n not in ("suffix", "ngram") or len(w) != len(features) + 1}
         if bad:
-            raise ValueError(f"{ENV}: a router weighs `suffix` and/or `ngram`, each with {len(features) + 1} numbers "
-                             f"({', '.join(features)}, constant): got {bad}")
+            raise ValueError(f"{source}: a router weighs `suffix` and/or `ngram`, each with {len(features) + 1} "
+                             f"numbers ({', '.join(features)}, constant): got {bad}")
     return rule
+
+
+def settings() -> dict[str, Any] | None:
+    """The hybrid's rule from EAGLE3_HYBRID (JSON, or a JSON file's path, or `auto`: the rule exported beside the
+    head, read once the head's folder is known), None where unset; a malformed value is an error."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    if raw == "auto":
+        return {"rule": "auto"}
+    return parse_rule(raw)
+
+
+def exported_rule(head: str | Path) -> dict[str, Any]:
+    """The rule `eagle3 export --hybrid` wrote beside the head in `head` (EAGLE3_HYBRID=auto)."""
+    f = Path(head) / RULE_FILE
+    if not f.is_file():
+        raise ValueError(f"{ENV}=auto: {head} has no {RULE_FILE} (export the head with `eagle3 export --to vllm "
+                         f"--hybrid RULE`, or set {ENV} to the rule itself)")
+    return parse_rule(str(f), str(f))
 
 
 def register() -> None:
@@ -161,6 +185,9 @@ class Hybrid:
 
     def __init__(self, vllm_config: Any, rule: dict[str, Any], proposer: Any = None):
         spec = vllm_config.speculative_config
+        if rule["rule"] == "auto":
+            rule = exported_rule(spec.model)
+            log.info("eagle3 hybrid drafter: %s (%s)", rule, Path(spec.model) / RULE_FILE)
         if not spec.disable_padded_drafter_batch:
             raise ValueError(f"{ENV} needs speculative_config.disable_padded_drafter_batch=true (the drafts per "
                              "request as lists, the sampled tokens on the host)")
@@ -294,12 +321,12 @@ class Hybrid:
 
 
 # ------------------------------------------------------------------------------------ eagle3's side (not vLLM's)
-def child_hybrid_args(env: dict[str, str], folder: Path, hybrid: dict[str, Any], method: str) -> list[str]:
+def child_hybrid_args(env: dict[str, str], folder: Path, method: str) -> list[str]:
     """vLLM's processes find eagle3's hybrid plugin as an installed package's `vllm.general_plugins` entry point
     would offer it: eagle3's folder and, in `folder`, a distribution's metadata naming the entry point
     (importlib.metadata reads `*.dist-info` on the path), so nothing is installed into vLLM's environment. The suffix
     tree (scripts/setup_suffix_decoding.sh) goes on the path too where it was built. -> the vLLM child's arguments
-    (eagle3.engines.vllm_eval) that set the rule."""
+    (eagle3.engines.vllm_eval) that make the plugin read the rule exported beside the head (EAGLE3_HYBRID=auto)."""
     if method != "eagle3":
         raise ValueError(f"the hybrid drafter pairs the head with a model-free drafter: method {method!r}")
 
@@ -310,4 +337,4 @@ def child_hybrid_args(env: dict[str, str], folder: Path, hybrid: dict[str, Any],
     suffix = os.environ.get("EAGLE3_SUFFIX_DIR", str(SUFFIX_DIR))
     paths = [str(folder), str(Path(__file__).resolve().parents[2]), suffix, env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
-    return ["--hybrid", json.dumps(hybrid)]
+    return ["--hybrid", "auto"]  # the rule: exported beside the head (eagle3.engines.vllm_eval)
