@@ -115,7 +115,7 @@ def main() -> int:
         hy = run_vllm(EngineRun(cfg.target, cfg.eval, cfg.paths), Path(a.checkpoint), prompts,
                       groups=vllm["prompt_groups"], check_greedy=False, hybrid=rule)
         g = hy.pop("groups", {})
-        name = "hybrid:" + ("router" if rule["rule"] == "router" else
+        name = "hybrid:" + (spec if not spec.lstrip().startswith("{") else  # a file: its path
                             ",".join(str(v) for k, v in rule.items() if k != "rule"))
         methods[name] = g | {n: pooled_groups(g, n) for n in report["sets"]}
         same = sum(x == y for x, y in zip(hy.get("outputs") or [], vllm.get("outputs") or [], strict=False))
@@ -129,8 +129,9 @@ def main() -> int:
     head = f"{'prompt set':<{width}}  " + "  ".join(f"{m + ' tok/fwd':>14}" for m in names) + "  head/ngram  " + \
         "  ".join(f"{m + ' τ':>9}" for m in names)
     if a.hybrid:
-        print("hybrid:<rule args>: eagle3's hybrid drafter, the head paired by that rule (suffix-score: suffix "
-              "decoding where its score >= the threshold; ngram-match: prompt lookup on a match of >= that length)")
+        print("hybrid:<rule args or file>: eagle3's hybrid drafter, the head paired by that rule (suffix-score: "
+              "suffix decoding where its score >= the threshold; ngram-match: prompt lookup on a match of >= that "
+              "length; a file: the rule it holds, e.g. a router)")
     print(head)
     for row in rows:
         tpf = [methods[m].get(row, {}).get("tokens_per_forward", float("nan")) for m in names]
