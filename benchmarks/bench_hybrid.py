@@ -12,14 +12,17 @@ alone, vLLM's n-gram (lookup eval.ngram_min..ngram_max), vLLM's suffix decoding 
 settings, responses fed in the run's order, at most --suffix-tokens tokens: k by default, as eagle3's vLLM runs
 capped it), and rules that pick one draft per round (suffix where its score reaches a threshold, n-gram where it
 matched a long n-gram, a learned router, the oracle that takes the longest accepted). MT-bench's second turns follow
-the head's (greedy) answer to the first, as the built-in evaluator renders them. The learned router (eagle3.replay
-.fit_router: per model-free drafter, a least-squares fit of its accepted length minus the head's on the drafters'
-own signals, which an engine has) is fitted on half the prompts and measured on the other half, both ways.
+the head's (greedy) answer to the first, as the built-in evaluator renders them. The learned routers (eagle3.replay
+.fit_router: per model-free drafter, a least-squares fit of its accepted length minus the head's on a round's
+signals, which the engine plugin has too) are fitted on half the prompts and measured on the other half, both ways:
+`learned` on the model-free drafters' own signals, `learned+head` on those and the head's confidence (its draft
+tokens' softmax probabilities, and how far each model-free draft agrees with the head's).
 
 `--from-vllm DIR` replays vLLM's own greedy texts instead (a `bench_vs_ngram.py --engine-only` run's folder): the
 replay's single methods then meet vLLM's counters for the same turns (the reproduction check), the head column being
 vLLM's. Prints tokens per target forward per set and category, the oracle over the best single method, and writes
-`replay.json` and `router.json` (the router fitted on every turn, for EAGLE3_HYBRID) under --out. The suffix tree: `PYTHON=.venv/bin/python bash scripts/setup_suffix_decoding.sh` (into
+`replay.json` and `router.json` (the learned+head router fitted on every turn: `eagle3 export --to vllm --hybrid
+router.json` serves it) under --out. The suffix tree: `PYTHON=.venv/bin/python bash scripts/setup_suffix_decoding.sh` (into
 .vllm-suffix); without it the suffix columns are left out, said so.
 """
 
@@ -73,7 +76,7 @@ def main() -> int:
     setup_logging()
 
     from eagle3.data.types import Turn
-    from eagle3.engines.vllm_hybrid import FEATURES, MODEL_FREE
+    from eagle3.engines.hybrid_rule import FEATURES, MODEL_FREE
     from eagle3.evaluate import PromptRenderer, draft_for_target, settings_from
     from eagle3.prompts import load_prompt_set
     from eagle3.replay import (
@@ -131,12 +134,7 @@ def main() -> int:
             for i, prompt in enumerate(ps.prompts):
                 history: list[Turn] = list(prompt.messages or [])
                 for text in prompt.to_generate():
-                    if prompt.token_ids is not None:
-                        ids = list(prompt.token_ids)
-                    else:
-                        if text is not None:
-                            history.append(Turn("user", text))
-                        ids = render(history, prompt.tools)
+                    ids = render.turn(prompt, history, text)
                     gen = dec.generate(ids)
                     trace = Trace(ids, gen.tokens, ps.name, prompt.category or "")
                     done.append((trace, chains_of(trace), i % 2))
@@ -190,7 +188,7 @@ def main() -> int:
     (folder / "replay.json").write_text(json.dumps({"k": k, "suffix_tokens": a.suffix_tokens or k, "rows": out,
                                                     "routers": folds}, indent=1))
     print("router weights per fold (features, then a constant):", json.dumps(folds))
-    # fitted on every prompt, for serving (EAGLE3_HYBRID=<out>/router.json): its figure here would be in-sample
+    # fitted on every prompt, for serving (eagle3 export --hybrid <out>/router.json): its figure here would be in-sample
     router = {"rule": "router", "features": list(FEATURES), "weights": fit_router(rec.rows, FEATURES),
               "min": ev.ngram_min, "max": ev.ngram_max}
     (folder / "router.json").write_text(json.dumps(router, indent=1))

@@ -79,8 +79,8 @@ def main() -> int:
     a = p.parse_args()
     setup_logging()
     from eagle3.engines import EngineRun
+    from eagle3.engines.hybrid_rule import parse_rule
     from eagle3.engines.vllm_eval import pooled_groups, run_vllm
-    from eagle3.engines.vllm_hybrid import parse_rule
     from eagle3.evaluate import run
 
     out = Path(a.out or Path(a.checkpoint).resolve().parent.parent / "bench-vs-ngram")

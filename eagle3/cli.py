@@ -109,7 +109,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     hybrid = None
     if args.hybrid:
-        from eagle3.engines.vllm_hybrid import parse_rule
+        from eagle3.engines.hybrid_rule import parse_rule
 
         hybrid = parse_rule(args.hybrid, "--hybrid")
     export(args.checkpoint, args.out, to=args.to, target_family=args.target_family, hybrid=hybrid)

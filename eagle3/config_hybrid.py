@@ -41,7 +41,7 @@ class HybridConfig(Section):
     def engine_rule(self, ngram_max: int) -> dict[str, Any]:
         """The rule as the vLLM plugin reads it (EAGLE3_HYBRID)."""
         if self.router is not None:
-            from eagle3.engines.vllm_hybrid import parse_rule
+            from eagle3.engines.hybrid_rule import parse_rule
 
             return parse_rule(self.router, "eval.hybrid.router")
         if self.rule == "suffix-score":

@@ -57,12 +57,7 @@ def run(cfg: Config) -> dict[str, Any]:
             for prompt in ps.prompts:
                 history: list[Turn] = list(prompt.messages or [])
                 for text in prompt.to_generate():
-                    if prompt.token_ids is not None:
-                        ids = list(prompt.token_ids)
-                    else:
-                        if text is not None:
-                            history.append(Turn("user", text))
-                        ids = render(history, prompt.tools)
+                    ids = render.turn(prompt, history, text)
                     threads.adjust()
                     ref = dec.generate_baseline(ids, torch.Generator().manual_seed(0))
                     total.add(ref.tokens, ids, t2d)

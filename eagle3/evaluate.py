@@ -36,7 +36,7 @@ from eagle3.data.images import VisionInputs
 from eagle3.data.vocab import OutOfVocab
 from eagle3.engines import EngineRun
 from eagle3.logs import Progress, UserError, setup_logging
-from eagle3.prompts import PromptSet, load_prompt_set
+from eagle3.prompts import Prompt, PromptSet, load_prompt_set
 from eagle3.rope import context_window
 from eagle3.specdec import AcceptanceStats, Generation, HFTargetDecoder, SpecSettings, SpeculativeDecoder
 from eagle3.targets.hf import eos_ids, load_target
@@ -130,6 +130,18 @@ class PromptRenderer:
     def answer(self, tokens: list[int], eos: set[int]) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
 
+    def turn(self, prompt: Prompt, history: list[Any], text: str | None) -> list[int]:
+        """The ids of a prompt's next turn to generate: a token-id prompt's own; else the dialogue so far with the
+        user's `text` appended to `history` (in place; None: the turn's messages are all there) rendered with the
+        prompt's tools. Every evaluator renders a dialogue this way, so their turns are the same ids."""
+        from eagle3.data.types import Turn
+
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
+        if text is not None:
+            history.append(Turn("user", text))
+        return self(history, prompt.tools)
+
 
 CONTEXT_BUCKETS = ((2048, "<2K"), (8192, "2-8K"), (32768, "8-32K"), (None, ">32K"))
 """The card's context-length buckets: where a verify step drafts (its root's position)."""
@@ -185,13 +197,7 @@ def evaluate_set(dec: SpeculativeDecoder, ps: PromptSet, render: PromptRenderer,
         hist_spec: list[Turn] = list(prompt.messages or [])
         hist_base: list[Turn] = list(prompt.messages or [])
         for t, text in enumerate(prompt.to_generate()):
-            if prompt.token_ids is not None:
-                ids_spec = ids_base = list(prompt.token_ids)
-            else:
-                if text is not None:
-                    hist_spec.append(Turn("user", text))
-                    hist_base.append(Turn("user", text))
-                ids_spec, ids_base = render(hist_spec, prompt.tools), render(hist_base, prompt.tools)
+            ids_spec, ids_base = render.turn(prompt, hist_spec, text), render.turn(prompt, hist_base, text)
             images = [i for turn in hist_base for i in turn.images]  # user turns': the same in both histories
             if window is not None and max(len(ids_spec), len(ids_base)) + dec.s.max_new_tokens > window:
                 # past the window the target itself decodes from positions it never saw: not a turn to judge by

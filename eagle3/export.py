@@ -18,7 +18,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from eagle3.checkpoints import resolve_draft_folder
-from eagle3.engines.vllm_hybrid import RULE_FILE, parse_rule
+from eagle3.engines.hybrid_rule import RULE_FILE, parse_rule
 from eagle3.formats import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -76,19 +76,21 @@ def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype
     `dtype`: weights dtype of the export (`bfloat16` default; None keeps the checkpoint's).
     `target_family`: SGLang's layer-id spelling for a target outside eagle3's table (`target.layer_id_family`).
     `paths`: the run's folders for the card (a config's `cfg.paths`; default: the layout around the checkpoint).
-    `hybrid`: eagle3's hybrid drafter rule (eagle3.engines.vllm_hybrid; e.g. the router benchmarks/bench_hybrid.py
-    fitted), written beside the head (RULE_FILE) for `EAGLE3_HYBRID=auto`; vLLM only.
+    `hybrid`: eagle3's hybrid drafter rule (eagle3.engines.hybrid_rule; e.g. the router benchmarks/bench_hybrid.py
+    fitted), written beside the head (RULE_FILE) for `EAGLE3_HYBRID=auto` (the vLLM and SGLang plugins).
     """
     if to not in ("sglang", "vllm"):
         raise ExportError(f"unknown engine {to!r}; choose sglang or vllm")
     if hybrid is not None:
-        if to != "vllm":
-            raise ExportError("the hybrid drafter is served by eagle3's vLLM plugin (eagle3.engines.vllm_hybrid); "
-                              "SGLang has no such plugin yet: export --to vllm")
         try:
             hybrid = parse_rule(json.dumps(hybrid), "--hybrid")
         except ValueError as e:
             raise ExportError(str(e)) from e
+        head_probs = set(hybrid.get("features", [])) & {"head_p1", "head_expected"}
+        if to == "sglang" and hybrid["rule"] == "router" and head_probs:
+            raise ExportError(f"--hybrid: SGLang's topk-1 chain keeps no probabilities of the head's tokens, so a "
+                              f"router on {sorted(head_probs)} is served by vLLM only (eagle3.engines.sglang_hybrid):"
+                              " export it --to vllm, or fit one on the other features for SGLang")
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or None")
     folder = resolve_draft_folder(checkpoint)

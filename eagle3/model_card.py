@@ -64,10 +64,11 @@ def serve_command(engine: str, target: str, export: Path, num_steps: int, hybrid
     """The command that serves `target` with this export as its EAGLE-3 draft (chain: steps, top-k 1); `hybrid`:
     paired with a model-free drafter by the rule exported beside it (eagle3.engines.vllm_hybrid, vLLM)."""
     if engine == "sglang":
-        return shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
-                           "EAGLE3", "--speculative-draft-model-path", str(export), "--speculative-num-steps",
-                           str(num_steps), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens",
-                           str(num_steps + 1)])
+        command = shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target,
+                              "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
+                              "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1",
+                              "--speculative-num-draft-tokens", str(num_steps + 1)])
+        return f"EAGLE3_HYBRID=auto {command}" if hybrid else command
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": num_steps}
     if hybrid:
         spec["disable_padded_drafter_batch"] = True
@@ -182,14 +183,14 @@ def _eval_lines(paths: RunPaths | None, draft_folder: Path) -> list[str]:
 
 def _hybrid_lines(hybrid: dict[str, Any], target: str, engine: str, out: Path, num_steps: int) -> list[str]:
     """The hybrid drafter exported beside the head: its rule and the command that serves the pairing."""
-    from eagle3.engines.vllm_hybrid import RULE_FILE, SUFFIX_DIR
+    from eagle3.engines.hybrid_rule import RULE_FILE, SUFFIX_DIR
 
     rule = hybrid["rule"] + (f" on {', '.join(hybrid['features'])}" if hybrid["rule"] == "router" else "")
     return ["## Hybrid drafter", "",
             f"`{RULE_FILE}` holds eagle3's hybrid rule ({rule}): each round, per request, the head's draft or a "
-            "model-free one (suffix decoding, prompt lookup), through eagle3's vLLM plugin (`pip install eagle3` "
-            f"in vLLM's environment; suffix decoding needs arctic-inference, or eagle3's `{SUFFIX_DIR.name}` build "
-            "on PYTHONPATH). Greedy output is the target's own.", "",
+            f"model-free one (suffix decoding, prompt lookup), through eagle3's {engine} plugin (`pip install "
+            f"--no-deps eagle3` in {engine}'s environment; suffix decoding needs arctic-inference, or eagle3's "
+            f"`{SUFFIX_DIR.name}` build on PYTHONPATH). Greedy output is the target's own.", "",
             "```", *_serve_lines(target, engine, out, num_steps, hybrid=True), "```", ""]
 
 

@@ -28,31 +28,19 @@ The drafters, as the engines draft (eagle3.engines.vllm_eval runs them in vLLM w
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3.engines.vllm_hybrid import MODEL_FREE, SUFFIX_DIR, router_gain, signals
-from eagle3.specdec import ngram_match
+from eagle3.engines.hybrid_rule import MODEL_FREE, ngram_match, router_gain, signals, suffix_cache_class
 
 
 def suffix_tree() -> Any:
-    """arctic-inference's SuffixDecodingCache class: installed, or built by scripts/setup_suffix_decoding.sh into
-    .vllm-suffix (or the folder named by EAGLE3_SUFFIX_DIR); an ImportError saying how to build it otherwise."""
-    folder = Path(os.environ.get("EAGLE3_SUFFIX_DIR", SUFFIX_DIR))
-    if folder.is_dir() and str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    try:
-        return importlib.import_module("arctic_inference.suffix_decoding").SuffixDecodingCache
-    except ImportError as e:
-        raise ImportError(f"arctic-inference's suffix tree does not import ({e}): build it with `PYTHON={sys.executable}"
-                          f" bash scripts/setup_suffix_decoding.sh {folder}`") from e
+    """arctic-inference's SuffixDecodingCache class (eagle3.engines.hybrid_rule.suffix_cache_class): an ImportError
+    saying how to build it where it is missing."""
+    return suffix_cache_class()
 
 
 @dataclass

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from eagle3.engines.hybrid_rule import ngram_match
 from eagle3.targets.decoding import HFTargetDecoder, keep_cache_positions
 
 if TYPE_CHECKING:
@@ -167,21 +168,6 @@ def ngram_proposal(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) ->
     ending the context that also occurs earlier in it (the earliest such occurrence where several do), and up to
     k tokens that followed it; [] where none matches."""
     return ngram_match(tokens, k, min_n, max_n)[1]
-
-
-def ngram_match(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> tuple[int, list[int]]:
-    """`ngram_proposal` with the length n of the n-gram it matched (0 and [] where none did)."""
-    import numpy as np
-
-    seq = np.asarray(tokens, dtype=np.int64)
-    total = len(seq)
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(seq[: total - 1], n)  # every n-gram ending before the last
-        hits = np.flatnonzero((windows == seq[total - n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[0]) + n
-            return n, [int(t) for t in seq[start:start + k]]
-    return 0, []
 
 
 # ---------------------------------------------------------------------------------------------------- target

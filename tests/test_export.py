@@ -370,9 +370,10 @@ def test_every_export_ships_a_model_card_of_its_run(tmp_path):
 def test_the_hybrid_rule_is_exported_beside_the_head_and_read_back(tmp_path, monkeypatch):
     """`eagle3 export --hybrid FILE`: the router lands in the export's subfolder (vLLM loads the head's folder as
     before: no new tensor, no config change), EAGLE3_HYBRID=auto reads it back as written, the card serves it with
-    one command; SGLang and a malformed rule are refused, and a plain re-export drops the rule."""
+    one command, for vLLM and for SGLang (which refuses a router on the head's probabilities); a malformed rule is
+    refused, and a plain re-export drops the rule."""
     from eagle3.cli import main
-    from eagle3.engines.vllm_hybrid import FEATURES, RULE_FILE, exported_rule, settings
+    from eagle3.engines.hybrid_rule import FEATURES, RULE_FILE, exported_rule, settings
 
     src = save_draft(make_draft(), tmp_path / "draft")
     router = {"rule": "router", "features": list(FEATURES),
@@ -391,8 +392,13 @@ def test_the_hybrid_rule_is_exported_beside_the_head_and_read_back(tmp_path, mon
     monkeypatch.setenv("EAGLE3_HYBRID", "auto")
     assert settings() == {"rule": "auto"}
 
-    with pytest.raises(ExportError, match="export --to vllm"):
+    # SGLang serves the pairing too, but its chain keeps no head probabilities: a router on them is vLLM's only
+    with pytest.raises(ExportError, match="served by vLLM only"):
         export(src, tmp_path / "s", to="sglang", hybrid=router)
+    model_free = {"rule": "router", "features": ["suffix_score", "suffix_agree"], "weights": {"suffix": [1, 1, -1]}}
+    sg = export(src, tmp_path / "s", to="sglang", hybrid=model_free)
+    assert exported_rule(sg) == model_free
+    assert "EAGLE3_HYBRID=auto python -m sglang.launch_server" in (sg / "README.md").read_text()
     with pytest.raises(ExportError, match=f"each with {len(FEATURES) + 1} numbers"):
         export(src, tmp_path / "bad", to="vllm", hybrid={**router, "weights": {"suffix": [1.0, 2.0]}})
     with pytest.raises(ValueError, match="has no eagle3_hybrid/rule.json"):

@@ -10,7 +10,7 @@ import torch
 from models import tiny_llama
 from test_specdec import _prompts, _target, real_draft
 
-from eagle3.engines.vllm_hybrid import settings
+from eagle3.engines.hybrid_rule import settings
 from eagle3.replay import (
     Drafter,
     HeadDrafter,

@@ -11,8 +11,8 @@ import torch
 from test_vllm_engine import _tiny_setup, vllm_python  # noqa: F401  (fixture)
 
 from eagle3.engines import EngineRun
+from eagle3.engines.hybrid_rule import MODEL_FREE
 from eagle3.engines.vllm_eval import run_vllm, stop_token_ids
-from eagle3.engines.vllm_hybrid import MODEL_FREE
 from eagle3.replay import (
     HeadDrafter,
     NgramDrafter,
@@ -58,7 +58,7 @@ def _replay(cfg, rule: str, k: int, router: dict | None = None, firsts: list[flo
     pick = {"suffix": suffix_if_score(1.0), "head": always("head"),
             "router": learned(router["weights"], router.get("features", MODEL_FREE)),
             "router-head": learned(router["weights"], router.get("features", MODEL_FREE))}[rule]
-    total = {"accepted": 0, "drafted": 0, "other": 0}
+    total = {"accepted": 0, "drafted": 0, "other": 0, "rounds": 0}
     for prompt, out in zip(PROMPTS, raw, strict=True):
         kept = next((i + 1 for i, t in enumerate(out[:n]) if t in stop), n)
         trace = Trace(prompt, out, stop=kept)
@@ -70,6 +70,7 @@ def _replay(cfg, rule: str, k: int, router: dict | None = None, firsts: list[flo
         tally = walk(trace, drafters, pick, chains)
         total["accepted"] += tally.accepted
         total["drafted"] += tally.drafted
+        total["rounds"] += tally.rounds
         total["other"] += sum(v for name, v in tally.chosen.items() if name != "head")
     return total
 

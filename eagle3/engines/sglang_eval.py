@@ -111,15 +111,17 @@ def eagle3_flags(run: EngineRun, target_path: str, draft: Path) -> list[str]:
         "--speculative-num-draft-tokens", str(e.num_draft_tokens), "--skip-server-warmup"])
 
 
-def sglang_draft(run: EngineRun, folder: Path) -> Path:
-    """The head as SGLang loads it: `folder` itself when it is an SGLang export, else a fresh export of it."""
+def sglang_draft(run: EngineRun, folder: Path, hybrid: dict[str, Any] | None = None) -> Path:
+    """The head as SGLang loads it: `folder` itself when it is an SGLang export (and no `hybrid` rule is to go beside
+    it), else a fresh export of it (with the rule: eagle3.engines.sglang_hybrid reads it there)."""
     from eagle3.export import export
 
     conf = folder / "config.json"
-    if conf.is_file() and (json.loads(conf.read_text()).get("eagle3_export") or {}).get("engine") == "sglang":
+    if hybrid is None and conf.is_file() and \
+            (json.loads(conf.read_text()).get("eagle3_export") or {}).get("engine") == "sglang":
         return folder
     return export(folder, run.paths.export_dir / "sglang", to="sglang", dtype=run.target.dtype,
-                  num_speculative_tokens=run.eval.num_steps, target_family=run.target.layer_id_family)
+                  num_speculative_tokens=run.eval.num_steps, target_family=run.target.layer_id_family, hybrid=hybrid)
 
 
 def generate(url: str, ids: list[int], run: EngineRun, stop: list[int]) -> dict[str, Any]:
@@ -135,9 +137,12 @@ def generate(url: str, ids: list[int], run: EngineRun, stop: list[int]) -> dict[
 
 
 @contextmanager
-def serving(run: EngineRun, draft_folder: Path | None) -> Iterator[tuple[str, Path | None]]:
-    """(url, served draft): the server at `target.sglang.url`, or one started here with the head and stopped after."""
+def serving(run: EngineRun, draft_folder: Path | None, hybrid: dict[str, Any] | None = None
+            ) -> Iterator[tuple[str, Path | None]]:
+    """(url, served draft): the server at `target.sglang.url`, or one started here with the head and stopped after;
+    `hybrid`: eagle3's hybrid drafter rule, exported beside the head and switched on (EAGLE3_HYBRID=auto)."""
     from eagle3.bundled import resolve_target_path
+    from eagle3.engines.hybrid_rule import ENV
     from eagle3.process import this_process
     from eagle3.targets.sglang import server_address
     from eagle3.targets.sglang_dump import ENV_DUMP_DIR
@@ -145,34 +150,45 @@ def serving(run: EngineRun, draft_folder: Path | None) -> Iterator[tuple[str, Pa
 
     url, _ = server_address(run.target.sglang, this_process().local_rank)
     if url:
+        if hybrid is not None:
+            raise ValueError("the hybrid drafter is switched on where eagle3 starts the server: start yours with "
+                             f"{ENV}=auto and the head exported with `eagle3 export --to sglang --hybrid RULE`")
         yield url, None
         return
     if draft_folder is None:
         raise ValueError("--engine sglang without target.sglang.url needs the head to serve (eval.checkpoint)")
-    draft = sglang_draft(run, draft_folder)
+    draft = sglang_draft(run, draft_folder, hybrid)
     os.environ.pop(ENV_DUMP_DIR, None)  # a capture plugin switched on would dump every prefill of the eval
-    log_file = run.paths.logs_dir / f"sglang-eagle3-{os.getpid()}.log"
-    with SGLangServer(eagle3_flags(run, resolve_target_path(run.target.path), draft), {}, log_file,
-                      run.target.sglang.startup_timeout_s, what="SGLang with the EAGLE-3 head") as server:
+    log_file = run.paths.logs_dir / f"sglang-eagle3{'-hybrid' if hybrid else ''}-{os.getpid()}.log"
+    env = {ENV: "auto"} if hybrid is not None else {}
+    with SGLangServer(eagle3_flags(run, resolve_target_path(run.target.path), draft), env, log_file,
+                      run.target.sglang.startup_timeout_s, what="SGLang with the EAGLE-3 head"
+                      + (" (hybrid drafter)" if hybrid else "")) as server:
         yield server.url, draft
 
 
-def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | None = None) -> dict[str, Any]:
-    """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order."""
+def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | None = None,
+               hybrid: dict[str, Any] | None = None) -> dict[str, Any]:
+    """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order, one at a time; `hybrid`:
+    with eagle3's hybrid drafter (eagle3.engines.sglang_hybrid) and that rule."""
     from eagle3.engines import prompt_agreement
     from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
 
     stop = stop_token_ids(run.target)
     outs = []
-    with serving(run, draft_folder) as (url, draft), Progress(len(prompts), "sglang", unit="prompt") as progress:
+    with serving(run, draft_folder, hybrid) as (url, draft), \
+            Progress(len(prompts), "sglang", unit="prompt") as progress:
         for ids in prompts:
             outs.append(generate(url, ids, run, stop))
             progress.update(1)
         caveat = sampling_caveat(url, run)
     result = parse_sglang_meta([o.get("meta_info", {}) for o in outs])
     result.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop,
-                  outputs=[o.get("output_ids") for o in outs])
+                  outputs=[o.get("output_ids") for o in outs],
+                  verify_steps_per_prompt=[int(o.get("meta_info", {}).get("spec_verify_ct", 0)) for o in outs])
+    if hybrid is not None:
+        result["hybrid"] = hybrid
     result.update(prompt_agreement("SGLang", [len(p) for p in prompts],
                                    [o.get("meta_info", {}).get("prompt_tokens") for o in outs]))
     if caveat:
@@ -201,12 +217,7 @@ def run_sglang_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_fol
             for prompt in ps.prompts:
                 hist: list[Turn] = list(prompt.messages or [])
                 for text in prompt.to_generate():
-                    if prompt.token_ids is not None:
-                        ids = list(prompt.token_ids)
-                    else:
-                        if text is not None:
-                            hist.append(Turn("user", text))
-                        ids = render(hist, prompt.tools)
+                    ids = render.turn(prompt, hist, text)
                     out = generate(url, ids, run, stop)
                     set_metas.append(out.get("meta_info", {}))
                     per_turn.append({"category": prompt.category, **turn_steps(set_metas[-1])})

@@ -32,13 +32,7 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
     for r in range(rounds):
         todo = [(s, i, p) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts) if r < len(p.to_generate())]
         for s, i, p in todo:
-            text = p.to_generate()[r]
-            if p.token_ids is not None:
-                ids[s, i, r] = list(p.token_ids)
-                continue
-            if text is not None:
-                hist[s, i].append(Turn("user", text))
-            ids[s, i, r] = render(hist[s, i], p.tools)
+            ids[s, i, r] = render.turn(p, hist[s, i], p.to_generate()[r])
         answer = [(s, i, p) for s, i, p in todo if r + 1 < len(p.to_generate())]
         if answer:
             log.info("vLLM: round %d of %d, plain greedy answers to %d turn(s) to render the next", r + 1, rounds,

@@ -35,114 +35,25 @@ between releases (`disable_padded_drafter_batch`: drafts as lists, sampled token
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-ENV = "EAGLE3_HYBRID"
+from eagle3.engines.hybrid_rule import (
+    ENV,
+    RULE_FILE,
+    SUFFIX_DIR,
+    SuffixTrees,
+    exported_rule,
+    ngram_range,
+    pick,
+    settings,
+    uses_suffix,
+)
+
 TESTED = ("0.32.0",)
-SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".vllm-suffix"
-"""Where scripts/setup_suffix_decoding.sh puts arctic-inference's suffix tree by default (git-ignored)."""
 log = logging.getLogger("eagle3.hybrid")
-
-MODEL_FREE = ("suffix_score", "suffix_match", "suffix_len", "ngram_match", "ngram_len")
-"""The model-free drafters' own signals: the suffix tree's score and match length, prompt lookup's n-gram length,
-each draft's length."""
-HEAD = ("head_p1", "head_expected", "suffix_agree", "ngram_agree")
-"""The head's side: its softmax probability of its first draft token, its draft's expected accepted length under
-its own probabilities (the sum over j of p_1 ... p_j), and how many leading tokens the suffix / n-gram draft shares
-with the head's (two drafters agreeing is evidence for both)."""
-FEATURES = MODEL_FREE + HEAD
-"""What a router may read of a round (a rule names the ones it uses, MODEL_FREE by default)."""
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def signals(suffix: tuple[list[int], float, int] | None, ngram: tuple[list[int], int] | None,
-            head: tuple[list[int], list[float]] | None) -> dict[str, float]:
-    """A round's FEATURES for one request from the suffix draft (tokens, score, match length), the n-gram draft
-    (tokens, n) and the head's (tokens, their probabilities); zeros where a drafter has none. eagle3.replay reads
-    the same."""
-    sx, ng, (hd, p) = suffix or ([], 0.0, 0), ngram or ([], 0), head or ([], [])
-    expected, run = 0.0, 1.0
-    for q in p:
-        run *= q
-        expected += run
-    return {"suffix_score": float(sx[1]), "suffix_match": float(sx[2]), "suffix_len": float(len(sx[0])),
-            "ngram_match": float(ng[1]), "ngram_len": float(len(ng[0])), "head_p1": float(p[0]) if p else 0.0,
-            "head_expected": expected, "suffix_agree": float(_common(sx[0], hd)),
-            "ngram_agree": float(_common(ng[0], hd))}
-
-
-def router_gain(weights: list[float], values: dict[str, float], features: tuple[str, ...] | list[str] = MODEL_FREE
-                ) -> float:
-    """A linear router's predicted gain: `weights` (one per name in `features`, then a constant) on a round's
-    `signals`; eagle3.replay fits and replays the same."""
-    if len(weights) != len(features) + 1:
-        raise ValueError(f"a router's weights are {len(features) + 1} numbers ({', '.join(features)}, constant): got "
-                         f"{weights}")
-    return sum(w * values[f] for w, f in zip(weights, features)) + weights[-1]
-
-
-RULE_FILE = "eagle3_hybrid/rule.json"
-"""Where `eagle3 export --hybrid` writes the rule inside an exported head's folder: a subfolder, which vLLM ignores
-(it refuses unknown tensors in an EAGLE-3 checkpoint, not unknown files)."""
-
-
-def parse_rule(raw: str, source: str = ENV) -> dict[str, Any]:
-    """A hybrid rule from JSON, or from the path of a JSON file; an error naming `source` where it is malformed."""
-    raw = raw.strip()
-    if not raw.startswith(("{", "[")):
-        if not os.path.isfile(raw):
-            raise ValueError(f"{source}={raw!r}: neither a JSON rule nor a file holding one")
-        with open(raw) as f:
-            raw = f.read()
-    rule = json.loads(raw)
-    kinds = {"suffix-score": ("threshold",), "ngram-match": ("length",), "router": ("weights",), "head": ()}
-    if not isinstance(rule, dict) or rule.get("rule") not in kinds:
-        raise ValueError(f"{source}={raw!r}: expected {{\"rule\": one of {sorted(kinds)}, ...}}")
-    missing = [k for k in kinds[rule["rule"]] if k not in rule]
-    if missing:
-        raise ValueError(f"{source}: rule {rule['rule']!r} needs {missing}")
-    if rule["rule"] == "router":
-        features = rule.setdefault("features", list(MODEL_FREE))
-        unknown = sorted(set(features) - set(FEATURES))
-        if unknown:
-            raise ValueError(f"{source}: a router's features are among {list(FEATURES)}: got {unknown}")
-        bad = {n: w for n, w in rule["weights"].items() if n not in ("suffix", "ngram") or len(w) != len(features) + 1}
-        if bad:
-            raise ValueError(f"{source}: a router weighs `suffix` and/or `ngram`, each with {len(features) + 1} "
-                             f"numbers ({', '.join(features)}, constant): got {bad}")
-    return rule
-
-
-def settings() -> dict[str, Any] | None:
-    """The hybrid's rule from EAGLE3_HYBRID (JSON, or a JSON file's path, or `auto`: the rule exported beside the
-    head, read once the head's folder is known), None where unset; a malformed value is an error."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return None
-    if raw == "auto":
-        return {"rule": "auto"}
-    return parse_rule(raw)
-
-
-def exported_rule(head: str | Path) -> dict[str, Any]:
-    """The rule `eagle3 export --hybrid` wrote beside the head in `head` (EAGLE3_HYBRID=auto)."""
-    f = Path(head) / RULE_FILE
-    if not f.is_file():
-        raise ValueError(f"{ENV}=auto: {head} has no {RULE_FILE} (export the head with `eagle3 export --to vllm "
-                         f"--hybrid RULE`, or set {ENV} to the rule itself)")
-    return parse_rule(str(f), str(f))
 
 
 def register() -> None:
@@ -198,40 +109,30 @@ class Hybrid:
         self.k = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.head_probs: list[Any] = []
-        self._warned = False
         """The head's draft-token probabilities of this round, one [requests] tensor per draft step."""
-        if rule["rule"] == "router" and set(rule["features"]) & {"head_p1", "head_expected"}:
+        self._warned = False
+        self.watching = rule["rule"] == "router" and bool(set(rule["features"]) & {"head_p1", "head_expected"})
+        if self.watching:
             self._watch(proposer)
-        self.ngram_range = (2, 4)
-        if rule["rule"] == "router":
-            self.ngram_range = (int(rule.get("min", 2)), int(rule.get("max", 4)))
-        if rule["rule"] in ("suffix-score", "router"):
-            from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-            self.depth = spec.suffix_decoding_max_tree_depth
-            self.factor, self.min_prob = spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob
-            self.suffix = SuffixDecodingCache(max_tree_depth=self.depth,
-                                              max_cached_requests=spec.suffix_decoding_max_cached_requests)
+        self.ngram_range = ngram_range(self.rule)
+        self.suffix = None
+        if uses_suffix(self.rule):
+            self.suffix = SuffixTrees(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                                      spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
 
     def choose(self, drafts: Any, batch: Any, sampled: list[list[int]]) -> list[list[int]]:
         head = drafts.tolist() if hasattr(drafts, "tolist") else [list(d) for d in drafts]
-        kind = self.rule["rule"]
-        if kind == "suffix-score":
-            other = [d[0] if d and d[1] >= self.rule["threshold"] else None for d in self._suffix(batch, sampled)]
-        elif kind == "ngram-match":
-            lo = int(self.rule["length"])
-            other = [d[1] if d else None for d in self._ngram(batch, sampled, lo, int(self.rule.get("max", max(4, lo))))]
-        elif kind == "router":
-            other = self._route(self._suffix(batch, sampled), self._ngram(batch, sampled, *self.ngram_range),
-                                head, self._head(len(head)))
-        else:
-            other = [None] * len(head)
+        n = len(head)
+        suffix = self._suffix(batch, sampled) if self.suffix is not None else [None] * n
+        ngram = self._ngram(batch, sampled, *self.ngram_range) if self.ngram_range else [None] * n
+        probs = self._head(n)
         out = []
-        for h, o, s in zip(head, other, sampled, strict=True):
+        for h, p, sx, ng, s in zip(head, probs, suffix, ngram, sampled, strict=True):
             if not s:  # a partial prefill: no draft, as vLLM's own drafters
                 out.append([])
-            else:
-                out.append(o if o is not None else h)
+                continue
+            other = pick(self.rule, h, p, sx, (ng[1], ng[0]) if ng else None)
+            out.append(other if other is not None else h)
         return out
 
     def _watch(self, proposer: Any) -> None:
@@ -252,6 +153,8 @@ class Hybrid:
 
     def _head(self, n: int) -> list[list[float]]:
         """Per request, the head's draft-token probabilities of this round (empty lists where none were kept)."""
+        if not self.watching:
+            return [[] for _ in range(n)]
         if len(self.head_probs) != self.k:
             if not self._warned:
                 log.warning("eagle3 hybrid: %d head logits kept for %d draft steps: the router reads no head "
@@ -262,40 +165,19 @@ class Hybrid:
 
         return torch.stack([p[:n] for p in self.head_probs], dim=1).tolist()
 
-    def _route(self, suffix: list[tuple[list[int], float, int] | None], ngram: list[tuple[int, list[int]] | None],
-               head: list[list[int]], probs: list[list[float]]) -> list[list[int] | None]:
-        """The linear router's pick per request: the model-free draft with the largest positive predicted gain."""
-        weights, features = self.rule["weights"], self.rule["features"]
-        out: list[list[int] | None] = []
-        for sx, ng, hd, hp in zip(suffix, ngram, head, probs, strict=True):
-            values = signals(sx, (ng[1], ng[0]) if ng else None, (hd, hp))
-            drafts = {"suffix": sx[0] if sx else [], "ngram": ng[1] if ng else []}
-            gains = {n: router_gain(w, values, features) for n, w in weights.items() if drafts.get(n)}
-            best = max(gains, key=gains.__getitem__, default=None)
-            out.append(drafts[best] if best is not None and gains[best] > 0 else None)
-        return out
-
     def _suffix(self, batch: Any, sampled: list[list[int]]) -> list[tuple[list[int], float, int] | None]:
         """vLLM's `method=suffix` proposer (v1/spec_decode/suffix_decoding.py): per request (its draft, score, match
         length), None where it has none."""
-        cache, out = self.suffix, []
+        out: list[tuple[list[int], float, int] | None] = []
         for i, ids in enumerate(sampled):
             num_tokens = int(batch.num_tokens_no_spec[i])
             if not ids or num_tokens >= self.max_model_len:
                 out.append(None)
                 continue
-            req = batch.req_ids[i]
-            if req not in cache.active_requests:
-                if req in cache.cached_requests:
-                    cache.evict_cached_response(req)
-                cache.start_request(req, batch.token_ids_cpu[i, :batch.num_prompt_tokens[i]])
-            cache.add_active_response(req, ids)
-            pattern = batch.token_ids_cpu[i, max(0, num_tokens - self.depth):num_tokens]
-            d = cache.speculate(req, pattern, max_spec_tokens=min(self.k, self.max_model_len - num_tokens - 1),
-                                max_spec_factor=self.factor, min_token_prob=self.min_prob)
-            out.append((list(d.token_ids), float(d.score), int(d.match_len)) if d.token_ids else None)
-        for req in cache.active_requests - batch.req_id_to_index.keys():
-            cache.stop_request(req)
+            out.append(self.suffix.propose(batch.req_ids[i], batch.token_ids_cpu[i, :batch.num_prompt_tokens[i]], ids,
+                                           batch.token_ids_cpu[i, :num_tokens],
+                                           min(self.k, self.max_model_len - num_tokens - 1)))
+        self.suffix.retire(batch.req_id_to_index.keys())
         return out
 
     def _ngram(self, batch: Any, sampled: list[list[int]], lo: int, hi: int) -> list[tuple[int, list[int]] | None]:

@@ -1,0 +1,54 @@
+"""eagle3's hybrid drafter in the real SGLang 0.5.23 on CPU (eagle3.engines.sglang_hybrid, a `sglang.srt.plugins`
+entry point wrapping the EAGLE-3 draft worker's round): the head is exported with the rule beside it and the server
+started with EAGLE3_HYBRID=auto, as a user serves it; its greedy text is the plain target's, and its verify steps
+are the trace replay's (eagle3.replay) on the same prompts under the same rule.
+
+    bash scripts/setup_sglang_cpu.sh && PYTHON=.venv-sglang/bin/python bash scripts/setup_suffix_decoding.sh
+    pytest -m sglang tests/test_sglang_hybrid.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sglang_real import CPU_FLAGS, _omp_bind, sglang_env  # noqa: F401  (fixture)
+from test_vllm_engine import _tiny_setup
+from test_vllm_hybrid import PROMPTS, ROUTER, _blind, _replay
+
+from eagle3.engines import EngineRun
+from eagle3.engines.sglang_eval import run_sglang
+from eagle3.replay import suffix_tree
+
+pytestmark = pytest.mark.sglang
+
+
+def test_hybrid_in_sglang_is_lossless_and_verifies_the_replays_rounds(tmp_path):
+    """The router (suffix decoding's draft of 2+ tokens, else prompt lookup's on a 3+ match, else the head's) with a
+    head whose fc is random: its own drafts miss, so whatever SGLang accepts comes from the rounds the rule handed
+    to a model-free drafter, and a plugin that did not load, or wrote the chains to the wrong rows, shows as the
+    head's rounds (one token each) or as rounds the replay does not have."""
+    try:
+        suffix_tree()
+    except ImportError as e:
+        pytest.skip(str(e))
+    from eagle3.engines.reference import compare_greedy, hf_greedy
+    from eagle3.engines.vllm_eval import stop_token_ids
+
+    torch.set_num_threads(2)
+    _omp_bind(1)
+    cfg = _tiny_setup(tmp_path)
+    cfg.target.device, cfg.eval.engine = "cpu", "sglang"
+    cfg.target.sglang.launch_args, cfg.target.sglang.startup_timeout_s = list(CPU_FLAGS), 900
+    _blind(cfg.checkpoint_dir / "best")
+    k = cfg.eval.num_steps
+    assert cfg.eval.topk == 1 and cfg.eval.num_draft_tokens == k + 1
+    s = run_sglang(EngineRun(cfg.target, cfg.eval, cfg.paths), PROMPTS, cfg.checkpoint_dir / "best", hybrid=ROUTER)
+    assert s["hybrid"] == ROUTER and s["draft"].endswith("sglang")
+    assert (cfg.paths.export_dir / "sglang" / "eagle3_hybrid" / "rule.json").is_file()
+    stop = stop_token_ids(cfg.target)
+    same = compare_greedy(s["outputs"], hf_greedy(cfg.target, PROMPTS, cfg.eval.max_new_tokens, stop), stop)
+    assert same["greedy_same"] == len(PROMPTS), same
+    want = _replay(cfg, "router", k)
+    assert want["other"] > 0 and want["drafted"] > want["other"], want  # both drafters were chosen
+    assert sum(s["verify_steps_per_prompt"]) == want["rounds"], (s["verify_steps_per_prompt"], want)
+    assert want["rounds"] < _replay(cfg, "head", k)["rounds"] * 3 // 4  # the rule's rounds, not the blind head's
