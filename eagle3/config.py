@@ -400,8 +400,8 @@ class EvalConfig(Section):
     all of MT-bench in minutes on a CPU, the built-in about an hour); with vLLM a later turn is rendered after vLLM's
     plain greedy answer to the earlier one, and n-gram drafting (`ngram`) replays the same prompts."""
     hybrid: HybridConfig | None = None
-    """With `engine: vllm`: also serve the head paired with a model-free drafter (eagle3's hybrid, a vLLM plugin) on
-    the same prompts, its τ and tokens per target forward beside the head's and n-gram's. Greedy only."""
+    """With `engine: vllm` or `sglang`: also serve the head paired with a model-free drafter (eagle3's hybrid, an
+    engine plugin) on the same prompts, its τ and tokens per target forward beside the head's. Greedy only."""
     checkpoint: str | None = None
     """Draft to evaluate; default: the trainer's best export."""
     seed: int = 0
@@ -418,9 +418,11 @@ class EvalConfig(Section):
         if self.engine == "sglang" and self.draft_sampling == "probabilistic" and self.temperature > 0:
             raise ValueError("draft_sampling=probabilistic: SGLang verifies only its draft's top-k (one-hot "
                              "proposals); use draft_sampling=greedy with engine sglang")
-        if self.hybrid is not None and (self.engine != "vllm" or self.topk != 1 or self.temperature > 0):
-            raise ValueError("eval.hybrid is served by vLLM (engine: vllm) with a greedy chain (topk 1, temperature "
-                             f"0); got engine {self.engine!r}, topk {self.topk}, temperature {self.temperature}")
+        if self.hybrid is not None and (self.engine not in ("vllm", "sglang") or self.topk != 1
+                                        or self.temperature > 0):
+            raise ValueError("eval.hybrid is served by vLLM or SGLang (engine: vllm|sglang) with a greedy chain (topk "
+                             f"1, temperature 0); got engine {self.engine!r}, topk {self.topk}, temperature "
+                             f"{self.temperature}")
         return self
 
 

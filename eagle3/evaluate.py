@@ -503,10 +503,21 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
 
 def sglang_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path
                  ) -> dict[str, Any]:
-    """The built-in's rendered prompts through an SGLang server with the head."""
+    """The built-in's rendered prompts through an SGLang server with the head, its figures per set and category
+    (the card's SGLang columns); with eval.hybrid, then through a server with eagle3's hybrid drafter (its
+    columns, and how many of its outputs equal the head's)."""
     from eagle3.engines.sglang_eval import run_sglang
 
-    result = run_sglang(run, [p for ps in rendered.values() for p in ps], folder)
+    prompts = [p for ps in rendered.values() for p in ps]
+    groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
+    sets = list(report["sets"])
+    result = run_sglang(run, prompts, folder, groups=groups, sets=sets)
+    if run.eval.hybrid is not None:
+        hy = run_sglang(run, prompts, folder, run.eval.hybrid.engine_rule(run.eval.ngram_max), groups, sets)
+        result["hybrid_groups"] = hy.pop("groups")
+        outs = hy.pop("outputs", None)
+        result["hybrid"] = hy | {"same_outputs_as_head": sum(a == b for a, b in
+                                                             zip(outs or [], result["outputs"] or [], strict=False))}
     # SGLang counts emitted tokens: the built-in's last step of a turn, cut at max_new_tokens or eos, must count
     # only what it emitted too
     return {**result, "builtin_tau": _emitted_tau(report)}

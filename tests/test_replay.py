@@ -191,8 +191,8 @@ def test_settings_refuse_a_malformed_rule(monkeypatch, tmp_path):
 
 
 def test_eval_hybrid_is_served_by_vllm_with_a_greedy_chain():
-    """eval.hybrid names vLLM's plugin: another engine, a tree or sampling is refused at load, naming why; the rule
-    reaches the plugin as it reads it."""
+    """eval.hybrid names an engine plugin (vLLM's or SGLang's): the built-in engine, a tree or sampling is refused at
+    load, naming why; the rule reaches the plugin as it reads it."""
     from eagle3.config import load_config
 
     cfg = load_config(None, ["eval.engine=vllm", "eval.hybrid={rule: ngram-match, length: 3}"])
@@ -201,7 +201,7 @@ def test_eval_hybrid_is_served_by_vllm_with_a_greedy_chain():
         "rule": "suffix-score", "threshold": 1.0}
     for bad in (["eval.engine=builtin"], ["eval.engine=vllm", "eval.topk=2", "eval.num_draft_tokens=5"],
                 ["eval.engine=vllm", "eval.temperature=0.7"]):
-        with pytest.raises(Exception, match="eval.hybrid is served by vLLM"):
+        with pytest.raises(Exception, match="eval.hybrid is served by vLLM or SGLang"):
             load_config(None, [*bad, "eval.hybrid={rule: suffix-score}"])
     with pytest.raises(Exception, match="eval.hybrid.rul"):
         load_config(None, ["eval.engine=vllm", "eval.hybrid={rul: x}"])

@@ -16,6 +16,7 @@ from test_vllm_engine import _tiny_setup
 from test_vllm_hybrid import PROMPTS, ROUTER, _blind, _replay
 
 from eagle3.engines import EngineRun
+from eagle3.engines.hybrid_rule import MODEL_FREE
 from eagle3.engines.sglang_eval import run_sglang
 from eagle3.replay import suffix_tree
 
@@ -52,3 +53,35 @@ def test_hybrid_in_sglang_is_lossless_and_verifies_the_replays_rounds(tmp_path):
     assert want["other"] > 0 and want["drafted"] > want["other"], want  # both drafters were chosen
     assert sum(s["verify_steps_per_prompt"]) == want["rounds"], (s["verify_steps_per_prompt"], want)
     assert want["rounds"] < _replay(cfg, "head", k)["rounds"] * 3 // 4  # the rule's rounds, not the blind head's
+
+
+def test_eval_puts_sglangs_hybrid_on_the_card(tmp_path):
+    """`eagle3 eval --engine sglang` with eval.hybrid (a router file, as bench_hybrid.py writes one): the built-in run,
+    SGLang with the head, then SGLang with the hybrid on the same prompts; the card's rows get SGLang's τ and tokens
+    per forward for both, and the hybrid's greedy text is the head's."""
+    import json
+
+    from eagle3.config import HybridConfig
+    from eagle3.evaluate import run
+    from eagle3.report import card, card_lines
+
+    try:
+        suffix_tree()
+    except ImportError as e:
+        pytest.skip(str(e))
+    _omp_bind(1)
+    cfg = _tiny_setup(tmp_path)
+    cfg.target.device, cfg.eval.engine = "cpu", "sglang"
+    cfg.target.sglang.launch_args, cfg.target.sglang.startup_timeout_s = list(CPU_FLAGS), 900
+    router = tmp_path / "router.json"
+    router.write_text(json.dumps(ROUTER))
+    cfg.eval.hybrid = HybridConfig(rule="router", router=str(router))
+    report = run(cfg)
+    s = report["engines"]["sglang"]
+    assert s["hybrid"]["hybrid"] == ROUTER | {"features": list(MODEL_FREE)}
+    assert s["hybrid"]["same_outputs_as_head"] == s["requests"] == 3
+    rows = [r for r in card(report) if "sglang_hybrid_tau" in r]
+    assert rows and all(r["sglang_hybrid_tokens_per_forward"] >= 1 and r["sglang_tokens_per_forward"] >= 1
+                        for r in rows), rows
+    header = card_lines(card(report))[0]
+    assert "sglang hybrid τ" in header and "sglang hybrid tok/fwd" in header and "sglang tok/fwd" in header, header

@@ -67,6 +67,21 @@ def parse_sglang_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def group_figures(metas: list[dict[str, Any]], groups: list[str], sets: list[str]) -> dict[str, dict[str, Any]]:
+    """Per group of prompts (`set/category`, one per prompt) and per set (its groups pooled): SGLang's τ and tokens
+    per target forward (completion tokens over the prefill plus the verify steps: what compares drafting methods,
+    REFERENCE.md §3)."""
+    def figures(ms: list[dict[str, Any]]) -> dict[str, Any]:
+        f = parse_sglang_meta(ms)
+        forwards = f["requests"] + f["verify_steps"]
+        return f | {"tokens_per_forward": f["completion_tokens"] / forwards if forwards else float("nan")}
+
+    out = {g: figures([m for m, h in zip(metas, groups, strict=True) if h == g]) for g in dict.fromkeys(groups)}
+    for name in sets:
+        out[name] = figures([m for m, h in zip(metas, groups, strict=True) if h == name or h.startswith(name + "/")])
+    return out
+
+
 CPU_GREEDY = (
     "not the sampled acceptance: SGLang's CPU platform verifies every draft greedily at any temperature "
     "(speculative/eagle_utils.py `_verify_uses_greedy` in SGLang 0.5.23: its sampling kernel is CUDA-only), so this "
@@ -168,9 +183,11 @@ def serving(run: EngineRun, draft_folder: Path | None, hybrid: dict[str, Any] | 
 
 
 def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | None = None,
-               hybrid: dict[str, Any] | None = None) -> dict[str, Any]:
+               hybrid: dict[str, Any] | None = None, groups: list[str] | None = None,
+               sets: list[str] | None = None) -> dict[str, Any]:
     """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order, one at a time; `hybrid`:
-    with eagle3's hybrid drafter (eagle3.engines.sglang_hybrid) and that rule."""
+    with eagle3's hybrid drafter (eagle3.engines.sglang_hybrid) and that rule; `groups` (one `set/category` per
+    prompt) and `sets`: the figures per group and per set too (`groups`, group_figures)."""
     from eagle3.engines import prompt_agreement
     from eagle3.engines.vllm_eval import stop_token_ids
     from eagle3.logs import Progress
@@ -183,7 +200,10 @@ def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | No
             outs.append(generate(url, ids, run, stop))
             progress.update(1)
         caveat = sampling_caveat(url, run)
-    result = parse_sglang_meta([o.get("meta_info", {}) for o in outs])
+    metas = [o.get("meta_info", {}) for o in outs]
+    result = parse_sglang_meta(metas)
+    if groups is not None:
+        result["groups"] = group_figures(metas, groups, sets or [])
     result.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop,
                   outputs=[o.get("output_ids") for o in outs],
                   verify_steps_per_prompt=[int(o.get("meta_info", {}).get("spec_verify_ct", 0)) for o in outs])
