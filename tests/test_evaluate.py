@@ -16,6 +16,7 @@ from eagle3.config import Config
 from eagle3.engines import EngineRun
 from eagle3.engines.sglang_eval import parse_sglang_meta
 from eagle3.engines.vllm_eval import parse_vllm_metrics
+from eagle3.evaluate import PromptRenderer
 from eagle3.prompts import load_prompt_set, mt_bench, read_jsonl_prompts
 
 VOCAB = 512
@@ -550,6 +551,8 @@ def test_sglang_alone_reports_categories_that_add_up_and_survives_a_turn_that_en
                                                                               "output_ids": [5, 6]})
 
     class Render:
+        turn = PromptRenderer.turn  # the real per-turn rendering around this stand-in template
+
         def __call__(self, history, tools=None):
             return [1, 2, 3]
 
@@ -594,6 +597,8 @@ def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ng
     monkeypatch.setattr(vllm_dialogues, "stop_token_ids", lambda target: [2])
 
     class Render:
+        turn = PromptRenderer.turn  # the real per-turn rendering around this stand-in template
+
         def __call__(self, history, tools=None):
             return [len(t.content) for t in history]  # one id per turn: the text's length
 
