@@ -15,14 +15,16 @@ matched a long n-gram, a learned router, the oracle that takes the longest accep
 the head's (greedy) answer to the first, as the built-in evaluator renders them. The learned routers (eagle3.replay
 .fit_router: per model-free drafter, a least-squares fit of its accepted length minus the head's on a round's
 signals, which the engine plugin has too) are fitted on half the prompts and measured on the other half, both ways:
-`learned` on the model-free drafters' own signals, `learned+head` on those and the head's confidence (its draft
-tokens' softmax probabilities, and how far each model-free draft agrees with the head's).
+`learned` on the model-free drafters' own signals, `learned+agree` on those and how far each model-free draft
+agrees with the head's (what SGLang's plugin can read), `learned+head` on those and the head's confidence too (its
+draft tokens' softmax probabilities: vLLM's plugin). `--router FILE ...` replays rules as they are (a router fitted
+on another run's traces: its figure out of sample).
 
 `--from-vllm DIR` replays vLLM's own greedy texts instead (a `bench_vs_ngram.py --engine-only` run's folder): the
 replay's single methods then meet vLLM's counters for the same turns (the reproduction check), the head column being
 vLLM's. Prints tokens per target forward per set and category, the oracle over the best single method, and writes
-`replay.json` and `router.json` (the learned+head router fitted on every turn: `eagle3 export --to vllm --hybrid
-router.json` serves it) under --out. The suffix tree: `PYTHON=.venv/bin/python bash scripts/setup_suffix_decoding.sh` (into
+`replay.json`, `router.json` (the learned+head router fitted on every turn: `eagle3 export --to vllm --hybrid
+router.json` serves it) and `router-sglang.json` (learned+agree, for `--to sglang`) under --out. The suffix tree: `PYTHON=.venv/bin/python bash scripts/setup_suffix_decoding.sh` (into
 .vllm-suffix); without it the suffix columns are left out, said so.
 """
 
@@ -69,6 +71,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--from-vllm", metavar="DIR", help="replay vLLM's own texts: a bench_vs_ngram.py --engine-only run's "
                    "--out folder (its rendered prompts and the head's outputs), instead of decoding here")
+    p.add_argument("--router", nargs="*", default=[], metavar="FILE",
+                   help="rules to replay as they are (JSON files as EAGLE3_HYBRID reads them: e.g. a router another run "
+                        "fitted, for its figure on prompts it was not fitted on)")
     p.add_argument("--out", default="runs/bench-hybrid")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     a = p.parse_args()
@@ -76,7 +81,7 @@ def main() -> int:
     setup_logging()
 
     from eagle3.data.types import Turn
-    from eagle3.engines.hybrid_rule import FEATURES, MODEL_FREE
+    from eagle3.engines.hybrid_rule import FEATURES, MODEL_FREE, SGLANG_FEATURES, parse_rule
     from eagle3.evaluate import PromptRenderer, draft_for_target, settings_from
     from eagle3.prompts import load_prompt_set
     from eagle3.replay import (
@@ -85,6 +90,7 @@ def main() -> int:
         Trace,
         always,
         default_rules,
+        engine_rule,
         fit_router,
         head_chains,
         learned,
@@ -157,11 +163,14 @@ def main() -> int:
         rec.group = fold
         rep.add(trace, chains)
     fitted = {(f, feats): fit_router([r for r in rec.rows if r[0] != f], feats)
-              for f in (0, 1) for feats in (MODEL_FREE, FEATURES)}
+              for f in (0, 1) for feats in (MODEL_FREE, SGLANG_FEATURES, FEATURES)}
     fold_rules = {key: learned(w, key[1]) for key, w in fitted.items()}
     current = [0]
     rules["learned (2-fold)"] = lambda props: fold_rules[(current[0], MODEL_FREE)](props)
+    rules["learned+agree (2-fold)"] = lambda props: fold_rules[(current[0], SGLANG_FEATURES)](props)
     rules["learned+head (2-fold)"] = lambda props: fold_rules[(current[0], FEATURES)](props)
+    for f in a.router:
+        rules[f"rule:{Path(f).parent.name}/{Path(f).name}"] = engine_rule(parse_rule(f, f))
     rules = {**{n: r for n, r in rules.items() if n != "oracle"}, "oracle": rules["oracle"]}
     rep = Replayer(k, rules, suffix_tokens=a.suffix_tokens, suffix=suffix)
     for trace, chains, fold in done:
@@ -189,10 +198,12 @@ def main() -> int:
                                                     "routers": folds}, indent=1))
     print("router weights per fold (features, then a constant):", json.dumps(folds))
     # fitted on every prompt, for serving (eagle3 export --hybrid <out>/router.json): its figure here would be in-sample
-    router = {"rule": "router", "features": list(FEATURES), "weights": fit_router(rec.rows, FEATURES),
-              "min": ev.ngram_min, "max": ev.ngram_max}
-    (folder / "router.json").write_text(json.dumps(router, indent=1))
-    print(f"router for serving (all prompts): {folder / 'router.json'}")
+    for name, feats in (("router.json", FEATURES), ("router-sglang.json", SGLANG_FEATURES)):
+        router = {"rule": "router", "features": list(feats), "weights": fit_router(rec.rows, feats),
+                  "min": ev.ngram_min, "max": ev.ngram_max}
+        (folder / name).write_text(json.dumps(router, indent=1))
+    print(f"routers for serving (fitted on all prompts): {folder / 'router.json'} (vLLM), "
+          f"{folder / 'router-sglang.json'} (SGLang: no head probabilities)")
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from eagle3.checkpoints import resolve_draft_folder
-from eagle3.engines.hybrid_rule import RULE_FILE, parse_rule
+from eagle3.engines.hybrid_rule import HEAD_PROBS, RULE_FILE, parse_rule
 from eagle3.formats import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -86,7 +86,7 @@ def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype
             hybrid = parse_rule(json.dumps(hybrid), "--hybrid")
         except ValueError as e:
             raise ExportError(str(e)) from e
-        head_probs = set(hybrid.get("features", [])) & {"head_p1", "head_expected"}
+        head_probs = set(hybrid.get("features", [])) & set(HEAD_PROBS)
         if to == "sglang" and hybrid["rule"] == "router" and head_probs:
             raise ExportError(f"--hybrid: SGLang's topk-1 chain keeps no probabilities of the head's tokens, so a "
                               f"router on {sorted(head_probs)} is served by vLLM only (eagle3.engines.sglang_hybrid):"

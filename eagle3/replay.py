@@ -327,6 +327,19 @@ def learned(weights: dict[str, list[float]], features: tuple[str, ...] | list[st
     return rule
 
 
+def engine_rule(rule: dict[str, Any]) -> Rule:
+    """The replay of a rule as the engine plugins read it (eagle3.engines.hybrid_rule.parse_rule's dict; the n-gram
+    drafter's own lookup range stands for the rule's)."""
+    kind = rule["rule"]
+    if kind == "suffix-score":
+        return suffix_if_score(float(rule["threshold"]))
+    if kind == "ngram-match":
+        return ngram_if_match(int(rule["length"]))
+    if kind == "router":
+        return learned(rule["weights"], rule.get("features", MODEL_FREE))
+    return always("head")
+
+
 def default_rules(k: int, suffix: bool = True) -> dict[str, Rule]:
     """The single methods and the rules over them the card compares (`suffix`: the suffix tree is available)."""
     rules: dict[str, Rule] = {"head": always("head"), "ngram": always("ngram")}

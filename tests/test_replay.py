@@ -243,3 +243,29 @@ def test_a_router_fitted_on_rounds_takes_the_drafter_that_gains():
     rule = learned(weights)
     assert rule(props(2.5, 0, 0)) == "suffix" and rule(props(0.3, 0, 0)) == "head"
     assert rule(props(2.5, 0, 0, tokens=())) == "head"
+
+
+def test_an_engine_rule_replays_as_the_plugins_decide():
+    """eagle3.replay.engine_rule (bench_hybrid --router) and hybrid_rule.pick (both plugins) take the same drafter
+    on the same round, for each kind of rule."""
+    from eagle3.engines.hybrid_rule import parse_rule, pick
+    from eagle3.replay import Proposal, engine_rule
+
+    rules = [{"rule": "suffix-score", "threshold": 1.5}, {"rule": "ngram-match", "length": 3},
+             {"rule": "router", "features": ["head_p1", "suffix_agree", "ngram_match"],
+              "weights": {"suffix": [-2.0, -1.0, 0.0, 1.0], "ngram": [0.0, 0.0, 1.0, -2.5]}}, {"rule": "head"}]
+    rounds = [(Proposal([5, 6, 7], probs=[p1, 0.5, 0.5]), Proposal(sx, score=score, match=2), Proposal(ng, match=n))
+              for p1 in (0.1, 0.9) for sx, score in (([5, 9], 2.0), ([8], 0.5), ([], 0.0))
+              for ng, n in (([1, 2, 3], 3), ([4], 2), ([], 0))]
+    for raw in rules:
+        rule = parse_rule(json.dumps(raw))
+        replayed = engine_rule(rule)
+        seen = set()
+        for head, sx, ng in rounds:
+            got = replayed({"head": head, "suffix": sx, "ngram": ng})
+            chain = pick(rule, head.tokens, head.probs, (sx.tokens, sx.score, sx.match) if sx.tokens else None,
+                         (ng.tokens, ng.match) if ng.tokens else None)
+            want = "head" if chain is None else ("suffix" if sx.tokens and chain == sx.tokens else "ngram")
+            assert got == want, (raw, head, sx, ng)
+            seen.add(got)
+        assert len(seen) == (1 if raw["rule"] == "head" else 2 if raw["rule"] != "router" else 3), (raw, seen)

@@ -28,6 +28,10 @@ its own probabilities (the sum over j of p_1 ... p_j), and how many leading toke
 with the head's (two drafters agreeing is evidence for both)."""
 FEATURES = MODEL_FREE + HEAD
 """What a router may read of a round (a rule names the ones it uses, MODEL_FREE by default)."""
+HEAD_PROBS = ("head_p1", "head_expected")
+"""The features read off the head's softmax: SGLang's topk-1 chain keeps none (eagle3.engines.sglang_hybrid)."""
+SGLANG_FEATURES = tuple(f for f in FEATURES if f not in HEAD_PROBS)
+"""What a router served in SGLang may read."""
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -39,6 +39,7 @@ from typing import Any
 
 from eagle3.engines.hybrid_rule import (
     ENV,
+    HEAD_PROBS,
     RULE_FILE,
     SuffixTrees,
     exported_rule,
@@ -54,7 +55,6 @@ TARGET = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft"
 """The method wrapped: the EAGLE-3 draft worker's round (v2, the only EAGLE worker 0.5.23 has)."""
 ENTRY_POINT = "eagle3_hybrid"
 """Its name in the `sglang.srt.plugins` group."""
-HEAD_PROBS = ("head_p1", "head_expected")
 
 
 def _say(msg: str) -> None:

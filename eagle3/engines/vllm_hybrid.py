@@ -42,6 +42,7 @@ from typing import Any
 
 from eagle3.engines.hybrid_rule import (
     ENV,
+    HEAD_PROBS,
     RULE_FILE,
     SUFFIX_DIR,
     SuffixTrees,
@@ -111,7 +112,7 @@ class Hybrid:
         self.head_probs: list[Any] = []
         """The head's draft-token probabilities of this round, one [requests] tensor per draft step."""
         self._warned = False
-        self.watching = rule["rule"] == "router" and bool(set(rule["features"]) & {"head_p1", "head_expected"})
+        self.watching = rule["rule"] == "router" and bool(set(rule["features"]) & set(HEAD_PROBS))
         if self.watching:
             self._watch(proposer)
         self.ngram_range = ngram_range(self.rule)
