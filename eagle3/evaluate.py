@@ -434,7 +434,25 @@ def _sglang_dialogues(run: EngineRun, sets: list[PromptSet], render: PromptRende
                       ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
     from eagle3.engines.sglang_eval import run_sglang_dialogues
 
-    return run_sglang_dialogues(run, sets, render, folder)
+    result, rendered = run_sglang_dialogues(run, sets, render, folder)
+    if run.eval.hybrid is not None:  # the hybrid on the turns the head's run rendered
+        _sglang_hybrid(run, result, [p for ps in rendered.values() for p in ps], result["prompt_groups"],
+                       list(rendered), folder)
+    return result, rendered
+
+
+def _sglang_hybrid(run: EngineRun, head: dict[str, Any], prompts: list[list[int]], groups: list[str],
+                   sets: list[str], folder: Path) -> None:
+    """eagle3's hybrid drafter in SGLang on the prompts the head decoded: its figures per group into `head`
+    (`hybrid_groups`, the card's columns) and its run's summary (`hybrid`: with how many outputs equal the head's)."""
+    from eagle3.engines.sglang_eval import run_sglang
+
+    assert run.eval.hybrid is not None
+    hy = run_sglang(run, prompts, folder, run.eval.hybrid.engine_rule(run.eval.ngram_max), groups, sets)
+    head["hybrid_groups"] = hy.pop("groups")
+    outs = hy.pop("outputs", None)
+    head["hybrid"] = hy | {"same_outputs_as_head": sum(a == b for a, b in
+                                                       zip(outs or [], head.get("outputs") or [], strict=False))}
 
 
 def _vllm_dialogues(run: EngineRun, sets: list[PromptSet], render: PromptRenderer, folder: Path
@@ -513,11 +531,7 @@ def sglang_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, lis
     sets = list(report["sets"])
     result = run_sglang(run, prompts, folder, groups=groups, sets=sets)
     if run.eval.hybrid is not None:
-        hy = run_sglang(run, prompts, folder, run.eval.hybrid.engine_rule(run.eval.ngram_max), groups, sets)
-        result["hybrid_groups"] = hy.pop("groups")
-        outs = hy.pop("outputs", None)
-        result["hybrid"] = hy | {"same_outputs_as_head": sum(a == b for a, b in
-                                                             zip(outs or [], result["outputs"] or [], strict=False))}
+        _sglang_hybrid(run, result, prompts, groups, sets, folder)
     # SGLang counts emitted tokens: the built-in's last step of a turn, cut at max_new_tokens or eos, must count
     # only what it emitted too
     return {**result, "builtin_tau": _emitted_tau(report)}

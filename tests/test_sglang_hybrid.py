@@ -58,7 +58,8 @@ def test_hybrid_in_sglang_is_lossless_and_verifies_the_replays_rounds(tmp_path):
 def test_eval_puts_sglangs_hybrid_on_the_card(tmp_path):
     """`eagle3 eval --engine sglang` with eval.hybrid (a router file, as bench_hybrid.py writes one): the built-in run,
     SGLang with the head, then SGLang with the hybrid on the same prompts; the card's rows get SGLang's τ and tokens
-    per forward for both, and the hybrid's greedy text is the head's."""
+    per forward for both, and the hybrid's greedy text is the head's. Then the same with SGLang alone
+    (eval.builtin false): the same rounds."""
     import json
 
     from eagle3.config import HybridConfig
@@ -85,3 +86,10 @@ def test_eval_puts_sglangs_hybrid_on_the_card(tmp_path):
                         for r in rows), rows
     header = card_lines(card(report))[0]
     assert "sglang hybrid τ" in header and "sglang hybrid tok/fwd" in header and "sglang tok/fwd" in header, header
+
+    cfg.eval.builtin = False  # SGLang alone decodes every turn (the Kimi recipe's mode), then the hybrid replays them
+    alone = run(cfg)
+    a = alone["engines"]["sglang"]
+    assert a["hybrid"]["same_outputs_as_head"] == a["requests"] == 3
+    assert a["hybrid"]["verify_steps"] == s["hybrid"]["verify_steps"]  # the same turns, the same rounds
+    assert any("sglang_hybrid_tokens_per_forward" in r for r in card(alone))

@@ -230,6 +230,8 @@ def run_sglang_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_fol
     results: dict[str, Any] = {}
     rendered: dict[str, list] = {}
     metas: list[dict[str, Any]] = []
+    groups: list[str] = []
+    outputs: list[list[int] | None] = []
     total = sum(ps.num_turns for ps in sets)
     with serving(run, draft_folder) as (url, draft), Progress(total, "sglang", unit="turn") as progress:
         for ps in sets:
@@ -240,6 +242,8 @@ def run_sglang_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_fol
                     ids = render.turn(prompt, hist, text)
                     out = generate(url, ids, run, stop)
                     set_metas.append(out.get("meta_info", {}))
+                    groups.append(f"{ps.name}/{prompt.category or ''}")
+                    outputs.append(out.get("output_ids"))
                     per_turn.append({"category": prompt.category, **turn_steps(set_metas[-1])})
                     rendered[ps.name].append(ids)
                     if text is not None:
@@ -251,7 +255,8 @@ def run_sglang_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_fol
             metas += set_metas
         caveat = sampling_caveat(url, run)
     pooled = parse_sglang_meta(metas)
-    pooled.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop, sets=results)
+    pooled.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop, sets=results,
+                  prompt_groups=groups, outputs=outputs, groups=group_figures(metas, groups, [ps.name for ps in sets]))
     if caveat:
         pooled["untrusted"] = caveat
     return pooled, rendered
