@@ -500,8 +500,10 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
     """The built-in's rendered prompts inside vLLM, one group per set and category so vLLM's τ fills the same card
     (prompts without a category form the group `set/`, so a set's row is always its groups pooled); with
     eval.ngram, vLLM's own n-gram drafting on the same prompts (the card's vLLM n-gram column); with eval.hybrid,
-    eagle3's hybrid drafter in vLLM (its columns)."""
-    from eagle3.engines.vllm_dialogues import hybrid_beside, ngram_beside
+    eagle3's hybrid drafter in vLLM (its columns) and, for a rule on suffix decoding, vLLM's suffix decoding alone
+    (the `vllm suffix` columns: the single methods beside the pairing)."""
+    from eagle3.engines.hybrid_rule import uses_suffix
+    from eagle3.engines.vllm_dialogues import hybrid_beside, ngram_beside, suffix_beside
     from eagle3.engines.vllm_eval import pooled_groups, run_vllm
 
     prompts = [p for ps in rendered.values() for p in ps]
@@ -516,6 +518,9 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
     if run.eval.hybrid is not None:
         hy_groups, result["hybrid"] = hybrid_beside(run, folder, prompts, groups, result)
         result["hybrid_groups"] = hy_groups | {name: pooled_groups(hy_groups, name) for name in report["sets"]}
+        if uses_suffix(run.eval.hybrid.engine_rule(run.eval.ngram_max)):  # the drafter it pairs the head with, alone
+            sx_groups, result["suffix"] = suffix_beside(run, prompts, groups, result)
+            result["suffix_groups"] = sx_groups | {name: pooled_groups(sx_groups, name) for name in report["sets"]}
     return {**result, "builtin_tau": _pooled_tau(report), "prompt_groups": groups}
 
 

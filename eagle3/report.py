@@ -204,10 +204,11 @@ def card(report: dict[str, Any]) -> list[dict[str, Any]]:
                 row[f"{engine}_tau"] = e["groups"][row["set"]]["tau"]
                 if e.get("hybrid_groups"):  # the head's tokens per forward beside the hybrid's
                     row[f"{engine}_tokens_per_forward"] = e["groups"][row["set"]].get("tokens_per_forward")
-            if row["set"] in (e.get("hybrid_groups") or {}):
-                g = e["hybrid_groups"][row["set"]]
-                row[f"{engine}_hybrid_tau"] = g["tau"]
-                row[f"{engine}_hybrid_tokens_per_forward"] = g.get("tokens_per_forward")
+            for method in ("hybrid", "suffix"):  # eagle3's hybrid, and suffix decoding alone beside it
+                if row["set"] in (e.get(f"{method}_groups") or {}):
+                    g = e[f"{method}_groups"][row["set"]]
+                    row[f"{engine}_{method}_tau"] = g["tau"]
+                    row[f"{engine}_{method}_tokens_per_forward"] = g.get("tokens_per_forward")
             if row["set"] in (e.get("ngram_groups") or {}):
                 g = e["ngram_groups"][row["set"]]
                 row[f"{engine}_ngram_tau"] = g["tau"]

@@ -138,7 +138,7 @@ def test_hybrid_in_vllm_is_lossless_and_accepts_what_the_replay_does(tmp_path, v
 def test_eval_puts_the_hybrid_on_the_card(tmp_path, vllm_python):  # noqa: F811
     """`eagle3 eval` with engine vllm and eval.hybrid: the built-in run, vLLM with the head, then vLLM with the hybrid
     on the same prompts; the card's rows get the hybrid's τ and tokens per forward beside the head's, and its greedy
-    text is the head's."""
+    text is the head's. With a suffix rule (and vLLM alone), suffix decoding alone gets its columns beside them."""
     from eagle3.config import HybridConfig
     from eagle3.evaluate import run
     from eagle3.report import card, card_lines
@@ -154,3 +154,15 @@ def test_eval_puts_the_hybrid_on_the_card(tmp_path, vllm_python):  # noqa: F811
                         for r in rows), rows
     header = card_lines(card(report))[0]
     assert "vllm hybrid τ" in header and "vllm hybrid tok/fwd" in header and "vllm tok/fwd" in header, header
+    assert "suffix" not in header  # prompt lookup's hybrid: n-gram's own column is eval.ngram's
+
+    try:  # a suffix rule: suffix decoding alone beside it, the single method the pairing must beat
+        suffix_tree()
+    except ImportError as e:
+        pytest.skip(str(e))
+    cfg.eval.builtin, cfg.eval.hybrid = False, HybridConfig(rule="suffix-score", threshold=1.0)
+    alone = run(cfg)
+    a = alone["engines"]["vllm"]
+    assert a["suffix"]["method"] == "suffix" and a["suffix"]["same_outputs_as_head"] == 3, a["suffix"]
+    header = card_lines(card(alone))[0]
+    assert "vllm suffix τ" in header and "vllm suffix tok/fwd" in header and "vllm hybrid tok/fwd" in header, header

@@ -171,13 +171,18 @@ def ngram_match(tokens: Sequence[int], k: int, min_n: int = 2, max_n: int = 4) -
     return 0, []
 
 
+def suffix_dir() -> Path:
+    """Where arctic-inference's suffix tree was built: EAGLE3_SUFFIX_DIR, else SUFFIX_DIR."""
+    return Path(os.environ.get("EAGLE3_SUFFIX_DIR", SUFFIX_DIR))
+
+
 def suffix_cache_class() -> Any:
     """arctic-inference's SuffixDecodingCache: installed, or built by scripts/setup_suffix_decoding.sh into
     .vllm-suffix (or the folder EAGLE3_SUFFIX_DIR names), which goes on sys.path here."""
     import importlib
     import sys
 
-    folder = Path(os.environ.get("EAGLE3_SUFFIX_DIR", SUFFIX_DIR))
+    folder = suffix_dir()
     if folder.is_dir() and str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     try:

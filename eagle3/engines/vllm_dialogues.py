@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.engines import EngineRun
+from eagle3.engines.hybrid_rule import uses_suffix
 from eagle3.engines.vllm_eval import pooled_groups, run_vllm, stop_token_ids
 
 log = logging.getLogger("eagle3")
@@ -52,6 +53,9 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
     if run.eval.hybrid is not None:
         hybrid, result["hybrid"] = hybrid_beside(run, draft_folder, prompts, groups, result)
         result["hybrid_groups"] = hybrid | {ps.name: pooled_groups(hybrid, ps.name) for ps in sets}
+        if uses_suffix(run.eval.hybrid.engine_rule(run.eval.ngram_max)):
+            suffix, result["suffix"] = suffix_beside(run, prompts, groups, result)
+            result["suffix_groups"] = suffix | {ps.name: pooled_groups(suffix, ps.name) for ps in sets}
     report_sets: dict[str, Any] = {}
     for ps in sets:
         turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
@@ -79,6 +83,17 @@ def _with_ngram(head: dict[str, Any], ngram: dict[str, Any] | None) -> dict[str,
     """A card row's figures: the head's, and n-gram drafting's τ and tokens per forward where it ran."""
     return head | ({"ngram": {"tau": ngram["tau"], "tokens_per_forward": ngram.get("tokens_per_forward")}}
                    if ngram else {})
+
+
+def suffix_beside(run: EngineRun, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """vLLM's suffix decoding (method=suffix) on the prompts the head decoded, the model-free drafter a suffix
+    hybrid pairs the head with: (its figures per group, its run's result with how many outputs equal the head's)."""
+    sx = run_vllm(run, None, prompts, groups=groups, method="suffix", check_greedy=False)
+    found = sx.pop("groups", {})
+    if (outs := sx.pop("outputs", None)) is not None and head.get("outputs") is not None:
+        sx["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
+    return found, sx
 
 
 def hybrid_beside(run: EngineRun, draft_folder: Path, prompts: list[list[int]], groups: list[str],

@@ -194,6 +194,7 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
     the target: speculative decoding must not change greedy text (`greedy_same` of `greedy_compared`). `hybrid`
     (method eagle3): the rule of eagle3's hybrid drafter, a vLLM plugin (eagle3.engines.vllm_hybrid)."""
     from eagle3.bundled import resolve_target_path
+    from eagle3.engines.hybrid_rule import suffix_dir
     from eagle3.engines.reference import compare_greedy, hf_greedy
     from eagle3.engines.vllm_hybrid import child_hybrid_args
     from eagle3.engines.vllm_torchvision import torchvision_env
@@ -210,6 +211,8 @@ def run_vllm(run: EngineRun, draft_folder: Path | None, prompts: list[list[int]]
         prompts_file.write_text(json.dumps(prompts))
         torchvision_env(env, Path(tmp))
         hybrid_args = [] if hybrid is None else child_hybrid_args(env, Path(tmp), method)
+        if method == "suffix":  # arctic-inference's suffix tree, where scripts/setup_suffix_decoding.sh built it
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (str(suffix_dir()), env.get("PYTHONPATH", "")) if x)
         side_args = _side_files(run, Path(tmp), len(prompts), groups, images)
         side_args += ["--mla"] if read_target_info(run.target.path).mla else []
         cmd = [python, str(Path(__file__).resolve()), "--target", resolve_target_path(run.target.path),

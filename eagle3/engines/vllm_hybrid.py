@@ -44,12 +44,12 @@ from eagle3.engines.hybrid_rule import (
     ENV,
     HEAD_PROBS,
     RULE_FILE,
-    SUFFIX_DIR,
     SuffixTrees,
     exported_rule,
     ngram_range,
     pick,
     settings,
+    suffix_dir,
     uses_suffix,
 )
 
@@ -217,7 +217,6 @@ def child_hybrid_args(env: dict[str, str], folder: Path, method: str) -> list[st
     dist.mkdir(exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: eagle3-hybrid\nVersion: 0.0\n")
     (dist / "entry_points.txt").write_text("[vllm.general_plugins]\neagle3_hybrid = eagle3.engines.vllm_hybrid:register\n")
-    suffix = os.environ.get("EAGLE3_SUFFIX_DIR", str(SUFFIX_DIR))
-    paths = [str(folder), str(Path(__file__).resolve().parents[2]), suffix, env.get("PYTHONPATH", "")]
+    paths = [str(folder), str(Path(__file__).resolve().parents[2]), str(suffix_dir()), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
     return ["--hybrid", "auto"]  # the rule: exported beside the head (eagle3.engines.vllm_eval)
