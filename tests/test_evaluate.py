@@ -571,7 +571,8 @@ def test_sglang_alone_reports_categories_that_add_up_and_survives_a_turn_that_en
 def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ngram_per_category(tmp_path, monkeypatch):
     """`eval.builtin: false` with vLLM: the second turn is rendered after vLLM's plain answer to the first (one
     run per turn index), every method replays the same rendered prompts, and a set's and a category's τ and tokens
-    per forward pool their groups' counters (n-gram's beside the head's)."""
+    per forward pool their groups' counters (n-gram's beside the head's); a turn past the target's window is left
+    out and counted."""
     from eagle3.engines import vllm_dialogues, vllm_eval
     from eagle3.prompts import Prompt, PromptSet
 
@@ -621,6 +622,17 @@ def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ng
     coding = r["categories"]["coding"]
     assert coding["turns"] == 2 and coding["tau"] == pytest.approx(1 + 4 / 4)
     assert coding["ngram"]["tokens_per_forward"] == pytest.approx(9 / (9 - 3))
+    assert "turns_past_context_window" not in r
+
+    # a turn whose prompt + max_new_tokens is past the target's window is left out, as the built-in leaves it out
+    from eagle3.targets import info
+
+    n = cfg.eval.max_new_tokens
+    monkeypatch.setattr(info, "target_context_window", lambda path: (n + 2, "config.json"))
+    calls.clear()
+    out, rendered = vllm_dialogues.run_vllm_dialogues(_engine_run(cfg), [ps], Render(), tmp_path)
+    assert rendered["cats"] == [[12], [12]]  # turn 2 has 3 prompt tokens: 3 + n > n + 2
+    assert out["sets"]["cats"]["turns_past_context_window"] == 1 and out["sets"]["cats"]["turns"] == 2
 
 
 @pytest.mark.parametrize("device,route", [("cpu", "/server_info"), ("cpu", "/get_server_info"),

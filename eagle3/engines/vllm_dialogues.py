@@ -24,16 +24,31 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
     tokens per target forward per set and category, n-gram's beside them; vLLM's results; rendered prompts per
     set), the engine's results holding `prompt_groups` (a `set/category` per rendered prompt, in order)."""
     from eagle3.data.types import Turn
+    from eagle3.targets.info import target_context_window
 
     stop = stop_token_ids(run.target)
+    window = target_context_window(run.target.path)
     # (set, prompt) -> history so far; rendered prompts by (set, prompt, turn), answered round by round
     hist = {(s, i): list(p.messages or []) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts)}
     ids: dict[tuple[int, int, int], list[int]] = {}
+    past: set[tuple[int, int]] = set()  # dialogues whose turn no longer fits the target's window: left out from there
+    left_out: Counter[str] = Counter()  # per set, the turns left out so
     rounds = max((len(p.to_generate()) for ps in sets for p in ps.prompts), default=0)
     for r in range(rounds):
-        todo = [(s, i, p) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts) if r < len(p.to_generate())]
-        for s, i, p in todo:
-            ids[s, i, r] = render.turn(p, hist[s, i], p.to_generate()[r])
+        todo = [(s, i, p) for s, ps in enumerate(sets) for i, p in enumerate(ps.prompts)
+                if r < len(p.to_generate()) and (s, i) not in past]
+        for s, i, p in list(todo):
+            turn = render.turn(p, hist[s, i], p.to_generate()[r])
+            if window is not None and len(turn) + run.eval.max_new_tokens > window[0]:
+                # as the built-in evaluator: past the window the target decodes from positions it never saw
+                log.warning("%s %s turn %d: %d prompt tokens + %d new ones are past the target's context window "
+                            "(%d, %s): left out", sets[s].name, p.id, r + 1, len(turn), run.eval.max_new_tokens,
+                            *window)
+                past.add((s, i))
+                left_out[sets[s].name] += len(p.to_generate()) - r
+                todo.remove((s, i, p))
+                continue
+            ids[s, i, r] = turn
         answer = [(s, i, p) for s, i, p in todo if r + 1 < len(p.to_generate())]
         if answer:
             log.info("vLLM: round %d of %d, plain greedy answers to %d turn(s) to render the next", r + 1, rounds,
@@ -64,6 +79,8 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
                 for g, n in turns.items() if g.split("/", 1)[1]}
         report_sets[ps.name] = row | {"turns": sum(turns.values()), "prompts": len(ps.prompts)} | (
             {"categories": dict(sorted(cats.items()))} if cats else {})
+        if left_out[ps.name]:
+            report_sets[ps.name]["turns_past_context_window"] = left_out[ps.name]
     result.update(prompt_groups=groups, stop_token_ids=stop)
     return {"sets": report_sets, **result}, rendered
 
