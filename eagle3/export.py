@@ -65,6 +65,20 @@ target's merged input embeddings, vLLM 0.32 the placeholder token's embedding.""
 HYBRID_DIR = RULE_FILE.split("/")[0]
 
 
+def _served_rule(hybrid: dict[str, Any], to: Engine) -> dict[str, Any]:
+    """The hybrid rule as the engine's plugin reads it, or an ExportError where that engine cannot serve it."""
+    try:
+        hybrid = parse_rule(json.dumps(hybrid), "--hybrid")
+    except ValueError as e:
+        raise ExportError(str(e)) from e
+    head_probs = set(hybrid.get("features", [])) & set(HEAD_PROBS)
+    if to == "sglang" and hybrid["rule"] == "router" and head_probs:
+        raise ExportError(f"--hybrid: SGLang's topk-1 chain keeps no probabilities of the head's tokens, so a router "
+                          f"on {sorted(head_probs)} is served by vLLM only (eagle3.engines.sglang_hybrid): export it "
+                          "--to vllm, or fit one on the other features for SGLang")
+    return hybrid
+
+
 @writes(lambda out, **_: out, "export")
 def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype: str | None = "bfloat16",
            num_speculative_tokens: int = 3, target_family: ArchFamily | None = None,
@@ -82,15 +96,7 @@ def export(checkpoint: str | Path, out: str | Path, to: Engine = "sglang", dtype
     if to not in ("sglang", "vllm"):
         raise ExportError(f"unknown engine {to!r}; choose sglang or vllm")
     if hybrid is not None:
-        try:
-            hybrid = parse_rule(json.dumps(hybrid), "--hybrid")
-        except ValueError as e:
-            raise ExportError(str(e)) from e
-        head_probs = set(hybrid.get("features", [])) & set(HEAD_PROBS)
-        if to == "sglang" and hybrid["rule"] == "router" and head_probs:
-            raise ExportError(f"--hybrid: SGLang's topk-1 chain keeps no probabilities of the head's tokens, so a "
-                              f"router on {sorted(head_probs)} is served by vLLM only (eagle3.engines.sglang_hybrid):"
-                              " export it --to vllm, or fit one on the other features for SGLang")
+        hybrid = _served_rule(hybrid, to)
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or None")
     folder = resolve_draft_folder(checkpoint)

@@ -62,15 +62,7 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
     rendered = {ps.name: [ids[k] for k in order if k[0] == s] for s, ps in enumerate(sets)}
     result = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False)
     head = result.pop("groups", {})
-    ngram: dict[str, Any] = {}
-    if run.eval.ngram:
-        ngram, result["ngram"] = ngram_beside(run, prompts, groups, result)
-    if run.eval.hybrid is not None:
-        hybrid, result["hybrid"] = hybrid_beside(run, draft_folder, prompts, groups, result)
-        result["hybrid_groups"] = hybrid | {ps.name: pooled_groups(hybrid, ps.name) for ps in sets}
-        if uses_suffix(run.eval.hybrid.engine_rule(run.eval.ngram_max)):
-            suffix, result["suffix"] = suffix_beside(run, prompts, groups, result)
-            result["suffix_groups"] = suffix | {ps.name: pooled_groups(suffix, ps.name) for ps in sets}
+    ngram = _others_beside(run, draft_folder, prompts, groups, [ps.name for ps in sets], result)
     report_sets: dict[str, Any] = {}
     for ps in sets:
         turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
@@ -83,6 +75,22 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
             report_sets[ps.name]["turns_past_context_window"] = left_out[ps.name]
     result.update(prompt_groups=groups, stop_token_ids=stop)
     return {"sets": report_sets, **result}, rendered
+
+
+def _others_beside(run: EngineRun, draft_folder: Path, prompts: list[list[int]], groups: list[str],
+                   sets: list[str], result: dict[str, Any]) -> dict[str, Any]:
+    """The other methods on the prompts the head decoded, into `result`: n-gram drafting (eval.ngram), eagle3's
+    hybrid (eval.hybrid) and, for a suffix rule, suffix decoding alone. -> n-gram's figures per group ({} if not run)."""
+    ngram: dict[str, Any] = {}
+    if run.eval.ngram:
+        ngram, result["ngram"] = ngram_beside(run, prompts, groups, result)
+    if run.eval.hybrid is not None:
+        hybrid, result["hybrid"] = hybrid_beside(run, draft_folder, prompts, groups, result)
+        result["hybrid_groups"] = hybrid | {name: pooled_groups(hybrid, name) for name in sets}
+        if uses_suffix(run.eval.hybrid.engine_rule(run.eval.ngram_max)):
+            suffix, result["suffix"] = suffix_beside(run, prompts, groups, result)
+            result["suffix_groups"] = suffix | {name: pooled_groups(suffix, name) for name in sets}
+    return ngram
 
 
 def ngram_beside(run: EngineRun, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
