@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from eagle3.engines.hybrid_rule import MODEL_FREE, ngram_match, router_gain, signals, suffix_cache_class
+from eagle3.engines.hybrid_rule import (
+    MODEL_FREE,
+    common_prefix,
+    ngram_match,
+    router_gain,
+    signals,
+    suffix_cache_class,
+)
 
 
 def suffix_tree() -> Any:
@@ -91,12 +98,7 @@ Rule = Callable[[dict[str, Proposal]], str]
 
 def accepted_length(draft: list[int], truth: list[int]) -> int:
     """The common prefix of a draft and the target's continuation: what greedy verification accepts."""
-    n = 0
-    for d, t in zip(draft, truth):
-        if d != t:
-            break
-        n += 1
-    return n
+    return common_prefix(draft, truth)
 
 
 @torch.inference_mode()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_sglang_real import CPU_FLAGS, _omp_bind, sglang_env  # noqa: F401  (fixture)
 from test_vllm_engine import _tiny_setup
-from test_vllm_hybrid import PROMPTS, ROUTER, _blind, _replay
+from test_vllm_hybrid import PROMPTS, ROUTER, _blind, _replay, assert_hybrid_on_card
 
 from eagle3.engines import EngineRun
 from eagle3.engines.hybrid_rule import MODEL_FREE
@@ -64,7 +64,7 @@ def test_eval_puts_sglangs_hybrid_on_the_card(tmp_path):
 
     from eagle3.config import HybridConfig
     from eagle3.evaluate import run
-    from eagle3.report import card, card_lines
+    from eagle3.report import card
 
     try:
         suffix_tree()
@@ -81,11 +81,7 @@ def test_eval_puts_sglangs_hybrid_on_the_card(tmp_path):
     s = report["engines"]["sglang"]
     assert s["hybrid"]["hybrid"] == ROUTER | {"features": list(MODEL_FREE)}
     assert s["hybrid"]["same_outputs_as_head"] == s["requests"] == 3
-    rows = [r for r in card(report) if "sglang_hybrid_tau" in r]
-    assert rows and all(r["sglang_hybrid_tokens_per_forward"] >= 1 and r["sglang_tokens_per_forward"] >= 1
-                        for r in rows), rows
-    header = card_lines(card(report))[0]
-    assert "sglang hybrid τ" in header and "sglang hybrid tok/fwd" in header and "sglang tok/fwd" in header, header
+    assert_hybrid_on_card(report, "sglang")
 
     cfg.eval.builtin = False  # SGLang alone decodes every turn (the Kimi recipe's mode), then the hybrid replays them
     alone = run(cfg)

@@ -134,6 +134,19 @@ def test_hybrid_in_vllm_is_lossless_and_accepts_what_the_replay_does(tmp_path, v
 
 
 
+def assert_hybrid_on_card(report: dict, engine: str) -> str:
+    """Every card row the engine ran has the hybrid's tokens per forward beside the head's; -> the card's header,
+    which names both (and the hybrid's τ)."""
+    from eagle3.report import card, card_lines
+
+    rows = [r for r in card(report) if f"{engine}_hybrid_tau" in r]
+    assert rows and all(r[f"{engine}_hybrid_tokens_per_forward"] >= 1 and r[f"{engine}_tokens_per_forward"] >= 1
+                        for r in rows), rows
+    header = card_lines(card(report))[0]
+    assert all(f"{engine} {c}" in header for c in ("hybrid τ", "hybrid tok/fwd", "tok/fwd")), header
+    return header
+
+
 @pytest.mark.vllm
 def test_eval_puts_the_hybrid_on_the_card(tmp_path, vllm_python):  # noqa: F811
     """`eagle3 eval` with engine vllm and eval.hybrid: the built-in run, vLLM with the head, then vLLM with the hybrid
@@ -149,11 +162,7 @@ def test_eval_puts_the_hybrid_on_the_card(tmp_path, vllm_python):  # noqa: F811
     v = report["engines"]["vllm"]
     assert v["hybrid"]["hybrid"] == {"rule": "ngram-match", "length": 2, "max": 4}
     assert v["hybrid"]["same_outputs_as_head"] == v["prompts"] == 3
-    rows = [r for r in card(report) if "vllm_tau" in r]
-    assert rows and all(r["vllm_hybrid_tokens_per_forward"] >= 1 and r["vllm_tokens_per_forward"] >= 1
-                        for r in rows), rows
-    header = card_lines(card(report))[0]
-    assert "vllm hybrid τ" in header and "vllm hybrid tok/fwd" in header and "vllm tok/fwd" in header, header
+    header = assert_hybrid_on_card(report, "vllm")
     assert "suffix" not in header  # prompt lookup's hybrid: n-gram's own column is eval.ngram's
 
     try:  # a suffix rule: suffix decoding alone beside it, the single method the pairing must beat

@@ -34,7 +34,8 @@ SGLANG_FEATURES = tuple(f for f in FEATURES if f not in HEAD_PROBS)
 """What a router served in SGLang may read."""
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two drafts share (what greedy verification accepts of a draft against the truth)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -55,8 +56,8 @@ def signals(suffix: tuple[list[int], float, int] | None, ngram: tuple[list[int],
         expected += run
     return {"suffix_score": float(sx[1]), "suffix_match": float(sx[2]), "suffix_len": float(len(sx[0])),
             "ngram_match": float(ng[1]), "ngram_len": float(len(ng[0])), "head_p1": float(p[0]) if p else 0.0,
-            "head_expected": expected, "suffix_agree": float(_common(sx[0], hd)),
-            "ngram_agree": float(_common(ng[0], hd))}
+            "head_expected": expected, "suffix_agree": float(common_prefix(sx[0], hd)),
+            "ngram_agree": float(common_prefix(ng[0], hd))}
 
 
 def router_gain(weights: list[float], values: dict[str, float], features: tuple[str, ...] | list[str] = MODEL_FREE
