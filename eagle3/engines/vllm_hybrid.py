@@ -22,7 +22,7 @@ Rules (eagle3.replay measures the same ones on traces, benchmarks/bench_hybrid.p
   list): the draft with the largest predicted gain in accepted tokens over the head's where it is positive, else
   the head's. The head's own signals (`head_p1`, `head_expected`) are the probabilities its softmax gave its draft
   tokens, read off the proposer's logits (vLLM computes them and drops them in greedy mode). Fitted on traces by
-  eagle3.replay.fit_router (`eagle3 router` writes one beside an exported head);
+  eagle3.replay.fit_router (benchmarks/bench_hybrid.py writes one; `eagle3 export --hybrid` puts it beside the head);
 - `{"rule": "head"}`: the head's alone, through this path (the control).
 EAGLE3_HYBRID holds the rule as JSON, or the path of a JSON file holding it, or `auto`: the rule `eagle3 export
 --hybrid RULE` wrote into the exported head's folder (RULE_FILE), so one command serves the head with its router:
