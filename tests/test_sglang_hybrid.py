@@ -89,3 +89,33 @@ def test_eval_puts_sglangs_hybrid_on_the_card(tmp_path):
     assert a["hybrid"]["same_outputs_as_head"] == a["requests"] == 3
     assert a["hybrid"]["verify_steps"] == s["hybrid"]["verify_steps"]  # the same turns, the same rounds
     assert any("sglang_hybrid_tokens_per_forward" in r for r in card(alone))
+
+
+def test_hybrid_in_sglang_with_requests_batched_together(tmp_path):
+    """Prompts sent at once share SGLang's draft batches: the plugin rewrites each request's own row (its check that a
+    row's root is that request's last token would stop the server otherwise), and every text is the plain target's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagle3.engines.reference import compare_greedy, hf_greedy
+    from eagle3.engines.sglang_eval import generate, serving
+    from eagle3.engines.vllm_eval import stop_token_ids
+
+    try:
+        suffix_tree()
+    except ImportError as e:
+        pytest.skip(str(e))
+    _omp_bind(1)
+    cfg = _tiny_setup(tmp_path)
+    cfg.target.device, cfg.eval.engine = "cpu", "sglang"
+    cfg.target.sglang.launch_args, cfg.target.sglang.startup_timeout_s = list(CPU_FLAGS), 900
+    run = EngineRun(cfg.target, cfg.eval, cfg.paths)
+    stop = stop_token_ids(cfg.target)
+    prompts = PROMPTS * 3
+    with serving(run, cfg.checkpoint_dir / "best", ROUTER) as (url, _), ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda ids: generate(url, ids, run, stop), prompts))
+    metas = [o["meta_info"] for o in outs]
+    assert all(m["completion_tokens"] == cfg.eval.max_new_tokens for m in metas), metas
+    same = compare_greedy([o["output_ids"] for o in outs], hf_greedy(cfg.target, prompts, cfg.eval.max_new_tokens, stop),
+                          stop)
+    assert same["greedy_same"] == len(prompts), same
+    assert sum(m["spec_verify_ct"] for m in metas) < len(prompts) * (cfg.eval.max_new_tokens - 1) * 3 // 4  # drafts pay
