@@ -502,26 +502,24 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
     eval.ngram, vLLM's own n-gram drafting on the same prompts (the card's vLLM n-gram column); with eval.hybrid,
     eagle3's hybrid drafter in vLLM (its columns) and, for a rule on suffix decoding, vLLM's suffix decoding alone
     (the `vllm suffix` columns: the single methods beside the pairing)."""
-    from eagle3.engines.hybrid_rule import uses_suffix
-    from eagle3.engines.vllm_dialogues import hybrid_beside, ngram_beside, suffix_beside
+    from eagle3.engines.vllm_dialogues import others_beside
     from eagle3.engines.vllm_eval import pooled_groups, run_vllm
 
     prompts = [p for ps in rendered.values() for p in ps]
-    groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
+    groups = _prompt_groups(report)
     images = [t.get("images", []) for r in report["sets"].values() for t in r["per_turn"]]
     result = run_vllm(run, folder, prompts, groups=groups, images=images)
     found = result.setdefault("groups", {})
     found |= {name: pooled_groups(found, name) for name in report["sets"]}
+    ng_groups = others_beside(run, folder, prompts, groups, list(report["sets"]), result)
     if run.eval.ngram:
-        ng_groups, result["ngram"] = ngram_beside(run, prompts, groups, result)
         result["ngram_groups"] = ng_groups | {name: pooled_groups(ng_groups, name) for name in report["sets"]}
-    if run.eval.hybrid is not None:
-        hy_groups, result["hybrid"] = hybrid_beside(run, folder, prompts, groups, result)
-        result["hybrid_groups"] = hy_groups | {name: pooled_groups(hy_groups, name) for name in report["sets"]}
-        if uses_suffix(run.eval.hybrid.engine_rule(run.eval.ngram_max)):  # the drafter it pairs the head with, alone
-            sx_groups, result["suffix"] = suffix_beside(run, prompts, groups, result)
-            result["suffix_groups"] = sx_groups | {name: pooled_groups(sx_groups, name) for name in report["sets"]}
     return {**result, "builtin_tau": _pooled_tau(report), "prompt_groups": groups}
+
+
+def _prompt_groups(report: dict[str, Any]) -> list[str]:
+    """`set/category` of each turn the built-in decoded, in its order: the groups an engine's figures come in."""
+    return [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
 
 
 def sglang_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[list[int]]], folder: Path
@@ -532,7 +530,7 @@ def sglang_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, lis
     from eagle3.engines.sglang_eval import run_sglang
 
     prompts = [p for ps in rendered.values() for p in ps]
-    groups = [f"{name}/{t.get('category') or ''}" for name, r in report["sets"].items() for t in r["per_turn"]]
+    groups = _prompt_groups(report)
     sets = list(report["sets"])
     result = run_sglang(run, prompts, folder, groups=groups, sets=sets)
     if run.eval.hybrid is not None:

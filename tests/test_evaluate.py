@@ -583,7 +583,8 @@ def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ng
         "ngram": {"cats/coding": (1, [1, 1, 1], 9), "cats/writing": (0, [0, 0, 0], 8)},
     }
 
-    def run_vllm(run, draft_folder, prompts, groups=None, method="eagle3", check_greedy=True):
+    def run_vllm(run, draft_folder, prompts, groups=None, method="eagle3", check_greedy=True, hybrid=None):
+        assert hybrid is None  # no eval.hybrid here
         calls.append((method, prompts, groups))
         if method == "plain":
             return {"outputs": [[40 + i, 2] for i in range(len(prompts))]}

@@ -62,7 +62,7 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
     rendered = {ps.name: [ids[k] for k in order if k[0] == s] for s, ps in enumerate(sets)}
     result = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False)
     head = result.pop("groups", {})
-    ngram = _others_beside(run, draft_folder, prompts, groups, [ps.name for ps in sets], result)
+    ngram = others_beside(run, draft_folder, prompts, groups, [ps.name for ps in sets], result)
     report_sets: dict[str, Any] = {}
     for ps in sets:
         turns = Counter(g for g in groups if g.startswith(ps.name + "/"))
@@ -77,58 +77,39 @@ def run_vllm_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folde
     return {"sets": report_sets, **result}, rendered
 
 
-def _others_beside(run: EngineRun, draft_folder: Path, prompts: list[list[int]], groups: list[str],
-                   sets: list[str], result: dict[str, Any]) -> dict[str, Any]:
-    """The other methods on the prompts the head decoded, into `result`: n-gram drafting (eval.ngram), eagle3's
-    hybrid (eval.hybrid) and, for a suffix rule, suffix decoding alone. -> n-gram's figures per group ({} if not run)."""
+def others_beside(run: EngineRun, draft_folder: Path, prompts: list[list[int]], groups: list[str],
+                  sets: list[str], result: dict[str, Any]) -> dict[str, Any]:
+    """The other methods on the prompts the head decoded, into `result` (their run's summary; the hybrid's and
+    suffix decoding's figures per group and per set as `<method>_groups`): n-gram drafting (eval.ngram), eagle3's
+    hybrid (eval.hybrid) and, for a suffix rule, suffix decoding alone. -> n-gram's figures per group ({} if not
+    run), which the callers place themselves (beside the head's rows when vLLM ran alone)."""
     ngram: dict[str, Any] = {}
     if run.eval.ngram:
-        ngram, result["ngram"] = ngram_beside(run, prompts, groups, result)
+        ngram, result["ngram"] = beside(run, prompts, groups, result, "ngram")
     if run.eval.hybrid is not None:
-        hybrid, result["hybrid"] = hybrid_beside(run, draft_folder, prompts, groups, result)
+        rule = run.eval.hybrid.engine_rule(run.eval.ngram_max)
+        hybrid, result["hybrid"] = beside(run, prompts, groups, result, "eagle3", draft_folder, rule)
         result["hybrid_groups"] = hybrid | {name: pooled_groups(hybrid, name) for name in sets}
-        if uses_suffix(run.eval.hybrid.engine_rule(run.eval.ngram_max)):
-            suffix, result["suffix"] = suffix_beside(run, prompts, groups, result)
+        if uses_suffix(rule):
+            suffix, result["suffix"] = beside(run, prompts, groups, result, "suffix")
             result["suffix_groups"] = suffix | {name: pooled_groups(suffix, name) for name in sets}
     return ngram
 
 
-def ngram_beside(run: EngineRun, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
-                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """vLLM's n-gram drafting on the prompts the head decoded: (its figures per group, its run's result with how
-    many of its outputs equal the head's: both are greedy, so all of them unless a bf16 near-tie flips one)."""
-    ng = run_vllm(run, None, prompts, groups=groups, method="ngram", check_greedy=False)
-    found = ng.pop("groups", {})
-    if (outs := ng.pop("outputs", None)) is not None and head.get("outputs") is not None:
-        ng["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
-    return found, ng
+def beside(run: EngineRun, prompts: list[list[int]], groups: list[str], head: dict[str, Any], method: str,
+           draft_folder: Path | None = None, hybrid: dict[str, Any] | None = None
+           ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Another vLLM run on the prompts the head decoded (vLLM's n-gram drafting or suffix decoding, or the head with
+    eagle3's `hybrid` rule): (its figures per group, its run's result with how many of its outputs equal the head's:
+    all greedy, so all of them unless a bf16 near-tie flips one)."""
+    other = run_vllm(run, draft_folder, prompts, groups=groups, method=method, check_greedy=False, hybrid=hybrid)
+    found = other.pop("groups", {})
+    if (outs := other.pop("outputs", None)) is not None and head.get("outputs") is not None:
+        other["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
+    return found, other
 
 
 def _with_ngram(head: dict[str, Any], ngram: dict[str, Any] | None) -> dict[str, Any]:
     """A card row's figures: the head's, and n-gram drafting's τ and tokens per forward where it ran."""
     return head | ({"ngram": {"tau": ngram["tau"], "tokens_per_forward": ngram.get("tokens_per_forward")}}
                    if ngram else {})
-
-
-def suffix_beside(run: EngineRun, prompts: list[list[int]], groups: list[str], head: dict[str, Any]
-                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """vLLM's suffix decoding (method=suffix) on the prompts the head decoded, the model-free drafter a suffix
-    hybrid pairs the head with: (its figures per group, its run's result with how many outputs equal the head's)."""
-    sx = run_vllm(run, None, prompts, groups=groups, method="suffix", check_greedy=False)
-    found = sx.pop("groups", {})
-    if (outs := sx.pop("outputs", None)) is not None and head.get("outputs") is not None:
-        sx["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
-    return found, sx
-
-
-def hybrid_beside(run: EngineRun, draft_folder: Path, prompts: list[list[int]], groups: list[str],
-                  head: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """eagle3's hybrid drafter (eval.hybrid) on the prompts the head decoded: (its figures per group, its run's
-    result with how many of its outputs equal the head's)."""
-    assert run.eval.hybrid is not None
-    hy = run_vllm(run, draft_folder, prompts, groups=groups, check_greedy=False,
-                  hybrid=run.eval.hybrid.engine_rule(run.eval.ngram_max))
-    found = hy.pop("groups", {})
-    if (outs := hy.pop("outputs", None)) is not None and head.get("outputs") is not None:
-        hy["same_outputs_as_head"] = sum(a == b for a, b in zip(outs, head["outputs"], strict=True))
-    return found, hy
