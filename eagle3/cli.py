@@ -226,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SGLang's layer-id spelling for a target architecture outside eagle3's table "
                          "(eagle3/layer_ids.py); refused without it")
     ex.add_argument("--hybrid", metavar="RULE", default=None,
-                    help="vLLM: eagle3's hybrid drafter rule, JSON or a JSON file (benchmarks/bench_hybrid.py's "
-                         "router.json), written beside the head for EAGLE3_HYBRID=auto (eagle3.engines.vllm_hybrid)")
+                    help="eagle3's hybrid drafter rule, JSON or a JSON file (benchmarks/bench_hybrid.py's "
+                         "router.json), written beside the head for EAGLE3_HYBRID=auto (the vLLM and SGLang plugins, "
+                         "eagle3.engines.hybrid_rule)")
     ex.add_argument("checkpoint", help="a training checkpoint folder (or an eagle3 export)")
     ex.add_argument("out", help="output folder")
     _add_sglang(sub)

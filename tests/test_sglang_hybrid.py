@@ -23,23 +23,30 @@ from eagle3.replay import suffix_tree
 pytestmark = pytest.mark.sglang
 
 
+def _sglang_setup(tmp_path):
+    """The vLLM tests' tiny target and head (tests/test_vllm_engine.py `_tiny_setup`), served by SGLang on this CPU
+    (one rank on its core); skips where arctic-inference's suffix tree does not import."""
+    try:
+        suffix_tree()
+    except ImportError as e:
+        pytest.skip(str(e))
+    _omp_bind(1)
+    cfg = _tiny_setup(tmp_path)
+    cfg.target.device, cfg.eval.engine = "cpu", "sglang"
+    cfg.target.sglang.launch_args, cfg.target.sglang.startup_timeout_s = list(CPU_FLAGS), 900
+    return cfg
+
+
 def test_hybrid_in_sglang_is_lossless_and_verifies_the_replays_rounds(tmp_path):
     """The router (suffix decoding's draft of 2+ tokens, else prompt lookup's on a 3+ match, else the head's) with a
     head whose fc is random: its own drafts miss, so whatever SGLang accepts comes from the rounds the rule handed
     to a model-free drafter, and a plugin that did not load, or wrote the chains to the wrong rows, shows as the
     head's rounds (one token each) or as rounds the replay does not have."""
-    try:
-        suffix_tree()
-    except ImportError as e:
-        pytest.skip(str(e))
     from eagle3.engines.reference import compare_greedy, hf_greedy
     from eagle3.engines.vllm_eval import stop_token_ids
 
     torch.set_num_threads(2)
-    _omp_bind(1)
-    cfg = _tiny_setup(tmp_path)
-    cfg.target.device, cfg.eval.engine = "cpu", "sglang"
-    cfg.target.sglang.launch_args, cfg.target.sglang.startup_timeout_s = list(CPU_FLAGS), 900
+    cfg = _sglang_setup(tmp_path)
     _blind(cfg.checkpoint_dir / "best")
     k = cfg.eval.num_steps
     assert cfg.eval.topk == 1 and cfg.eval.num_draft_tokens == k + 1
@@ -66,14 +73,7 @@ def test_eval_puts_sglangs_hybrid_on_the_card(tmp_path):
     from eagle3.evaluate import run
     from eagle3.report import card
 
-    try:
-        suffix_tree()
-    except ImportError as e:
-        pytest.skip(str(e))
-    _omp_bind(1)
-    cfg = _tiny_setup(tmp_path)
-    cfg.target.device, cfg.eval.engine = "cpu", "sglang"
-    cfg.target.sglang.launch_args, cfg.target.sglang.startup_timeout_s = list(CPU_FLAGS), 900
+    cfg = _sglang_setup(tmp_path)
     router = tmp_path / "router.json"
     router.write_text(json.dumps(ROUTER))
     cfg.eval.hybrid = HybridConfig(rule="router", router=str(router))
@@ -100,14 +100,7 @@ def test_hybrid_in_sglang_with_requests_batched_together(tmp_path):
     from eagle3.engines.sglang_eval import generate, serving
     from eagle3.engines.vllm_eval import stop_token_ids
 
-    try:
-        suffix_tree()
-    except ImportError as e:
-        pytest.skip(str(e))
-    _omp_bind(1)
-    cfg = _tiny_setup(tmp_path)
-    cfg.target.device, cfg.eval.engine = "cpu", "sglang"
-    cfg.target.sglang.launch_args, cfg.target.sglang.startup_timeout_s = list(CPU_FLAGS), 900
+    cfg = _sglang_setup(tmp_path)
     run = EngineRun(cfg.target, cfg.eval, cfg.paths)
     stop = stop_token_ids(cfg.target)
     prompts = PROMPTS * 3

@@ -206,11 +206,10 @@ def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | No
         result["groups"] = group_figures(metas, groups, sets or [])
     result.update(url=url, draft=str(draft) if draft else None, stop_token_ids=stop,
                   outputs=[o.get("output_ids") for o in outs],
-                  verify_steps_per_prompt=[int(o.get("meta_info", {}).get("spec_verify_ct", 0)) for o in outs])
+                  verify_steps_per_prompt=[int(m.get("spec_verify_ct", 0)) for m in metas])
     if hybrid is not None:
         result["hybrid"] = hybrid
-    result.update(prompt_agreement("SGLang", [len(p) for p in prompts],
-                                   [o.get("meta_info", {}).get("prompt_tokens") for o in outs]))
+    result.update(prompt_agreement("SGLang", [len(p) for p in prompts], [m.get("prompt_tokens") for m in metas]))
     if caveat:
         result["untrusted"] = caveat
     return result
