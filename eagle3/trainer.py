@@ -417,8 +417,10 @@ def train_loop(s: Session) -> dict[str, Any]:
             continue
         if plan.source_tokens is not None:  # once per epoch (a resumed one again): the mixture as drawn
             log_mixture(s.tracker, state.epoch, plan.source_tokens)
-        # closing() stops and joins the prefetch thread however the loop ends (max_steps may end an epoch early)
-        with closing(s.train_ds.iter_collated(plan.batches[state.batch_index:usable], _pin(s.accelerator))) as batches:
+        # Only the batches this run will train: online, a batch past the last step would cost target forwards and
+        # store traffic for nothing. closing() stops and joins the prefetch thread however the loop ends.
+        end = min(usable, state.batch_index + (s.total_steps - state.step) * tc.grad_accum)
+        with closing(s.train_ds.iter_collated(plan.batches[state.batch_index:end], _pin(s.accelerator))) as batches:
             while state.step < s.total_steps and state.batch_index + tc.grad_accum <= usable:
                 threads.adjust()
                 metrics = train_step(s, batches, plan)

@@ -263,6 +263,38 @@ def test_online_mode_matches_offline(tiny_cache, tmp_path):
     assert not (tmp_path / "no-cache").exists()
 
 
+def test_online_mode_computes_only_the_batches_it_trains(tiny_cache, tmp_path, monkeypatch):
+    """max_steps ending mid-epoch: the prefetcher must not ask the target for batches past the last step (each is
+    a target forward, and through the Mooncake Store states nobody reads). A slow step lets it run ahead."""
+    import time
+
+    from eagle3 import online
+
+    cfg = make_cfg(tiny_cache, tmp_path / "on", max_steps=2, eval_every=100)
+    cfg.extract.mode, cfg.extract.cache_dir, cfg.extract.prefetch = "online", str(tmp_path / "no-cache"), 2
+    asked: list[list[int]] = []
+    capture, step = online.capture_items, trainer.after_step
+
+    def counted(backend, dataset, indices, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if len(dataset) == len(prepared_train):
+            asked.append(list(indices))
+        return capture(backend, dataset, indices, *a, **k)
+
+    def slow_step(s, metrics):  # noqa: ANN001, ANN202
+        time.sleep(0.5)
+        step(s, metrics)
+
+    from eagle3.data.prepared import load_prepared
+
+    prepared_train = load_prepared(cfg.prepared_dir).train
+    monkeypatch.setattr(online, "capture_items", counted)
+    monkeypatch.setattr(trainer, "after_step", slow_step)
+    trainer.run(cfg)
+    plan = plan_epoch([len(x) for x in prepared_train["input_ids"]], cfg.train.batch_tokens, cfg.train.seed, 0, 0, 1)
+    assert len(plan.batches) > 4  # the epoch goes on past step 2
+    assert asked == [list(b) for b in plan.batches[:2]]
+
+
 def test_copy_init_trains_from_the_circuit_and_online_mode_is_refused(tiny_cache, tmp_path, monkeypatch):
     """draft.copy_init: the first kv head of the first layer starts as eagle3.induction's circuit (keys only on the
     lowest-frequency RoPE dims), then trains; online mode has no cache to fit the circuit's readouts on."""
