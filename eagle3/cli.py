@@ -163,7 +163,8 @@ def cmd_sglang(args: argparse.Namespace) -> int:
 
         os.environ[ENV_HOSTNAME] = args.mooncake_host
     return serve(cfg.target, cfg.data.max_length, args.port, args.host, dry_run=args.action == "command",
-                 local_rank=args.local_rank, request=request_shape(cfg.extract, cfg.train))
+                 local_rank=args.local_rank, request=request_shape(cfg.extract, cfg.train),
+                 images=cfg.draft.image_inputs is not None)  # set once the data holds images
 
 
 def cmd_mooncake(args: argparse.Namespace) -> int:

@@ -466,11 +466,10 @@ def test_target_embeddings_cache_the_pictures_and_feed_them_to_the_head(tmp_path
 def test_online_training_captures_image_samples_as_extraction_caches_them(tmp_path):
     """extract.mode=online with image samples: the items the target computes while the head trains are the cache's
     items (states, image positions, the merged image embeddings; a text sample has none), and a few online steps
-    train under target-embeddings; the SGLang backend, which does not send images, is refused by name."""
+    train under target-embeddings (the SGLang backend's: tests/test_sglang_images.py)."""
     import torch
 
     from eagle3.cache import HiddenStateDataset
-    from eagle3.data.prepared import PreparedError
     from eagle3.extract import run as extract
     from eagle3.online import capture_items
     from eagle3.targets.argmax import ArgmaxHead
@@ -503,7 +502,3 @@ def test_online_training_captures_image_samples_as_extraction_caches_them(tmp_pa
                     f"data.output_dir={cfg.prepared_dir}")
     m = train(run)
     assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0
-    sglang = _prep_cfg(tmp_path, target, data, *more, "extract.mode=online", "target.backend=sglang",
-                       f"output_dir={tmp_path / 'sg'}", f"data.output_dir={cfg.prepared_dir}")
-    with pytest.raises(PreparedError, match="SGLang backend does not send images yet"):
-        train(sglang)

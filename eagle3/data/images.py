@@ -23,6 +23,7 @@ import base64
 import binascii
 import hashlib
 import io
+import mimetypes
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,14 @@ def image_bytes(ref: str) -> bytes:
         raise ImageError("image_missing", ref) from None
     except OSError as e:
         raise ImageError("image_unreadable", f"{ref}: {e}") from None
+
+
+def data_url(ref: str) -> str:
+    """The image as a `data:` URL (what an engine on another machine can read; SGLang's image_data takes them)."""
+    if ref.startswith("data:"):
+        return ref
+    mime = mimetypes.guess_type(ref)[0] or "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(image_bytes(ref)).decode()}"
 
 
 def image_digest(ref: str) -> str:

@@ -228,16 +228,13 @@ def _config_part(fp_in: dict[str, Any]) -> dict[str, Any]:
     return {**fp_in, "sources": [{k: s.get(k) for k in _SOURCE_NAMING} for s in fp_in.get("sources", [])]}
 
 
-def check_image_inputs(draft: DraftConfig, target: TargetConfig, prepared_dir: Path, stage: str) -> None:
-    """Prepared data with images: what `extract` and `train` can do with it today, or why not, in one error."""
+def check_image_inputs(draft: DraftConfig, prepared_dir: Path) -> None:
+    """Prepared data with images: the head's convention at image positions must be chosen first, in one error."""
     where = f"the prepared data in {prepared_dir} holds samples with images"
     if draft.image_inputs is None:
         raise PreparedError(f"{where}: set draft.image_inputs to the engine the head will serve in: `placeholder` "
                             "(vLLM: the placeholder token's embedding at image positions) or `target-embeddings` "
                             "(SGLang: the target's merged image embeddings)")
-    if target.backend != "hf":
-        raise PreparedError(f"{where}: `eagle3 {stage}` runs image samples through target.backend=hf only (the "
-                            f"SGLang backend does not send images yet); target.backend is {target.backend!r}")
 
 
 def check_prepared(data: DataConfig, draft: DraftConfig, target: TargetConfig, prepared_dir: Path,
@@ -250,7 +247,7 @@ def check_prepared(data: DataConfig, draft: DraftConfig, target: TargetConfig, p
     if then is None:
         return
     if "images" in then:
-        check_image_inputs(draft, target, prepared_dir, stage)
+        check_image_inputs(draft, prepared_dir)
     # The sources as the config names them, never read: the raw data need not be on a training machine.
     now = {**_settings(data, draft), "sources": [_naming(src, data.thinking) for src in data.sources]}
     try:

@@ -22,13 +22,11 @@ def make_backend(target: TargetConfig, extract: ExtractConfig, max_length: int, 
     """The configured target backend: HF in-process (`target.backend: hf`) or SGLang servers (one started with room
     for `max_length`-token prompts, data.max_length, its log in `logs_dir`; `request`: the largest request's tokens and
     the storage its states travel in, eagle3.targets.sglang.request_shape; `preflight`: None follows
-    extract.preflight; `images`: the samples hold images, HF only)."""
+    extract.preflight; `images`: the samples hold images)."""
     if target.backend == "hf":
         from eagle3.targets.hf import HFTarget
 
         return HFTarget(target, extract, images=images)
-    if images:
-        raise ValueError("image samples need target.backend=hf (the SGLang backend does not send images yet)")
     from eagle3.targets.sglang import SGLangTarget
 
-    return SGLangTarget(target, extract, max_length, logs_dir, request=request, preflight=preflight)
+    return SGLangTarget(target, extract, max_length, logs_dir, request=request, preflight=preflight, images=images)

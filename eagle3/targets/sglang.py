@@ -47,12 +47,15 @@ import os
 import shlex
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eagle3.config import ExtractConfig, SGLangSettings, TargetConfig
+from eagle3.data.images import data_url
+from eagle3.engines.vllm_eval import collapse_image_tokens  # its owner: a script that runs without eagle3
 from eagle3.layer_ids import ArchFamily, validate_layer_ids
 from eagle3.precision import DTYPES
 from eagle3.process import this_process
@@ -72,6 +75,7 @@ from eagle3.targets.sglang_dump import (
     read_dump,
     remove_dump_dir,
     sequence_key,
+    served_ids,
 )
 from eagle3.targets.sglang_flags import (  # noqa: F401 - the capture server's flags, re-exported for its users
     CONTEXT_MARGIN,
@@ -95,6 +99,9 @@ from eagle3.targets.sglang_server import (
     wait_healthy,
 )
 from eagle3.targets.sglang_store import LostStates, StoreHandover, server_segment, wire_bytes_per_token
+
+if TYPE_CHECKING:
+    from eagle3.data.images import VisionInputs
 
 log = logging.getLogger("eagle3")
 
@@ -141,6 +148,47 @@ def server_env(dump_dir: str | Path, layer_ids: list[int], family: ArchFamily,
 
 
 # ----------------------------------------------------------------------------------------------- the client
+@dataclass
+class Prompt:
+    """One prompt as the capture server takes it and hands its states back."""
+
+    sent: list[int]
+    """The ids in the request: each image's token run collapsed to its one placeholder (SGLang's processor expands
+    it again from the picture, as the HF processor did when the data was prepared)."""
+    served: list[int]
+    """The ids the server's model holds and names the dump by (sglang_dump.served_ids)."""
+    images: list[str]
+    image_positions: list[int] | None
+    """The prompt's image token positions ([] for a text prompt), None where the samples hold no images."""
+    key: str
+
+    @classmethod
+    def of(cls, ids: list[int], images: list[str], vision: VisionInputs | None, vocab_size: int) -> Prompt:
+        if vision is None:
+            return cls(ids, ids, [], None, sequence_key(ids))
+        token = vision.image_token_id
+        sent = collapse_image_tokens(ids, token)
+        if sent.count(token) != len(images):
+            raise ValueError(f"a prompt with {len(images)} images holds {sent.count(token)} runs of its image token "
+                             f"{token}")
+        served = served_ids(ids, token, vocab_size)
+        return cls(sent, served, images, [i for i, t in enumerate(ids) if t == token], sequence_key(served))
+
+
+def _distinct_keys(indices: list[int], prompts: list[Prompt]) -> list[list[int]]:
+    """`indices` in requests whose prompts' dump names differ: prompts alike but for their pictures hold the same
+    served ids, and one request would have them write one file."""
+    parts: list[list[int]] = []
+    for i in indices:
+        for part in parts:
+            if all(prompts[j].key != prompts[i].key for j in part):
+                part.append(i)
+                break
+        else:
+            parts.append([i])
+    return parts
+
+
 class SGLangTarget:
     """`TargetBackend` over SGLang servers: one launched here, or those running at `target.sglang.url`."""
 
@@ -152,10 +200,11 @@ class SGLangTarget:
 
     def __init__(self, target: TargetConfig, extract: ExtractConfig, max_length: int, logs_dir: Path, *,
                  preflight: bool | None = None, startup_timeout_s: float | None = None, info: TargetInfo | None = None,
-                 request: tuple[int, str] | None = None):
+                 request: tuple[int, str] | None = None, images: bool = False):
         """max_length: data.max_length, the longest prompt it captures; logs_dir: where a server started here logs;
         request: (tokens of the largest request, the storage its states travel in), `request_shape` (default: an
-        offline extraction's)."""
+        offline extraction's); images: the samples hold images (sent with their prompts; the target's processor
+        names its image token)."""
         s = target.sglang
         self.target, self.max_length, self.logs_dir = target, max_length, logs_dir
         self.info = info or _target_info(target)
@@ -165,6 +214,13 @@ class SGLangTarget:
         self.family: ArchFamily = self.info.family
         self.layer_ids = target.layer_ids(self.num_layers)
         self.dtype: torch.dtype = DTYPES[target.dtype]
+        self.vision: VisionInputs | None = None
+        if images:
+            from eagle3.data.images import VisionInputs
+
+            self.vision = VisionInputs.of(target)
+            if self.vision is None:
+                raise ValueError(f"target.path={target.path!r} takes no images (no image processor)")
         self.timeout_s = s.timeout_s
         self.request_tokens, self.storage = request or (extract.batch_tokens, "exact")
         place = this_process()
@@ -228,7 +284,8 @@ class SGLangTarget:
         if self.handover is not None:
             s = self.target.sglang
             store = (self.handover.store.addr,
-                     server_segment(s, self.hidden_size, self.target.dtype, (self.request_tokens, self.storage)))
+                     server_segment(s, self.hidden_size, self.target.dtype, (self.request_tokens, self.storage),
+                                    images=self.vision is not None))
         self.server = SGLangServer(capture_flags(self.target, self.max_length, str(self.info.folder)),
                                    {**server_env(self.dump_dir, self.layer_ids, self.family, store),
                                     **capture_env(self.target, self.max_length, self.info)}, self.log_file,
@@ -263,31 +320,45 @@ class SGLangTarget:
         """Cache size per token: 3 aux + 1 final states of `hidden_size` values (Kimi's: docs/kimi-k2.5.md)."""
         return 4 * self.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
 
-    def capture(self, sequences: list[list[int]], names: list[str] | None = None) -> list[Captured]:
+    def capture(self, sequences: list[list[int]], images: list[list[str]] | None = None,
+                names: list[str] | None = None) -> list[Captured]:
         """States for every token of every sequence, in order; errors name the sample (`names[i]` if given). With the
-        `mooncake` transport they come in `request`'s storage (fp8 with their scales, when it says so)."""
+        `mooncake` transport they come in `request`'s storage (fp8 with their scales, when it says so). `images`:
+        each sequence's images (eagle3.data.images references, in the order of its image tokens), sent with it;
+        its states then hold the target's merged input embeddings at its image tokens."""
         if not sequences:
             return []
         seqs = [[int(t) for t in s] for s in sequences]
-        keys = [sequence_key(s) for s in seqs]
         if names is not None and len(names) != len(seqs):
             raise ValueError(f"capture: {len(names)} names for {len(seqs)} sequences")
-        labels = names or [f"#{i} of this batch ({len(s)} tokens, key {k[:12]})" for i, (s, k) in
-                           enumerate(zip(seqs, keys, strict=True))]
-        unique: dict[str, int] = {}
-        for i, k in enumerate(keys):
+        if images is not None and len(images) != len(seqs):
+            raise ValueError(f"capture: {len(images)} image lists for {len(seqs)} sequences")
+        if images is not None and any(images) and self.vision is None:
+            raise ValueError("samples with images need SGLangTarget(..., images=True)")
+        prompts = [Prompt.of(s, list(images[i]) if images is not None else [], self.vision, self.vocab_size)
+                   for i, s in enumerate(seqs)]
+        labels = names or [f"#{i} of this batch ({len(s)} tokens, key {p.key[:12]})" for i, (s, p) in
+                           enumerate(zip(seqs, prompts, strict=True))]
+        unique: dict[tuple[str, tuple[str, ...]], int] = {}
+        for i, p in enumerate(prompts):
             if not seqs[i]:
                 raise ValueError(f"sample {labels[i]}: empty token sequence")
-            unique.setdefault(k, i)  # identical prompts are sent (and dumped) once
-        order = [(seqs[i], labels[i]) for i in unique.values()]
+            unique.setdefault((p.key, tuple(p.images)), i)  # identical prompts are sent (and dumped) once
+        got: dict[int, Captured] = {}
         with self._lock:
-            got = self._from_store(order) if self.handover is not None else self._from_dumps(order, list(unique))
-        out = dict(zip(unique, got, strict=True))
-        return [out[k] for k in keys]
+            for part in _distinct_keys(list(unique.values()), prompts):
+                order = [(prompts[i], labels[i]) for i in part]
+                caps = self._from_store(order) if self.handover is not None else self._from_dumps(order)
+                got.update(zip(part, caps, strict=True))
+        return [got[unique[(p.key, tuple(p.images))]] for p in prompts]
 
-    def _generate(self, url: str, prompts: list[list[int]], rids: list[str] | None = None) -> list[dict[str, Any]]:
-        """One batched /generate of `prompts` (one new token each: the prefill is the work); their responses."""
-        body: dict[str, Any] = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    def _generate(self, url: str, prompts: list[Prompt], rids: list[str] | None = None) -> list[dict[str, Any]]:
+        """One batched /generate of `prompts` (one new token each: the prefill is the work), their pictures as
+        `data:` URLs (a server on another machine reads no local file); their responses."""
+        body: dict[str, Any] = {"input_ids": [p.sent for p in prompts],
+                                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if any(p.images for p in prompts):
+            body["image_data"] = [[data_url(r) for r in p.images] for p in prompts]  # [] for a text prompt
         if rids is not None:
             body["rid"] = rids
         resp = http_json("POST", f"{url}/generate", body, timeout=self.timeout_s)
@@ -298,22 +369,22 @@ class SGLangTarget:
                                f"{len(resp) if isinstance(resp, list) else '?'} for {len(prompts)} prompts")
         return resp
 
-    def _from_dumps(self, order: list[tuple[list[int], str]], keys: list[str]) -> list[Captured]:
+    def _from_dumps(self, order: list[tuple[Prompt, str]]) -> list[Captured]:
         """The `shm` transport: each prompt's dump file, read, checked and deleted."""
         try:
-            resp = self._generate(self.url, [ids for ids, _ in order])
+            resp = self._generate(self.url, [p for p, _ in order])
             out = []
-            for key, (ids, label), r in zip(keys, order, resp, strict=True):
-                self._check_meta(r.get("meta_info") or {}, len(ids), label)
-                path = self._await_dump(key, label, len(ids))
-                out.append(read_dump(path, ids, layer_ids=self.layer_ids, hidden_size=self.hidden_size,
-                                     sample=label, dtype=self.dtype))
+            for (p, label), r in zip(order, resp, strict=True):
+                self._check_meta(r.get("meta_info") or {}, len(p.served), label)
+                path = self._await_dump(p.key, label, len(p.served))
+                out.append(read_dump(path, p.served, layer_ids=self.layer_ids, hidden_size=self.hidden_size,
+                                     sample=label, dtype=self.dtype, image_positions=p.image_positions))
             return out
         finally:
-            for key in keys:
-                dump_path(self.dump_dir, key).unlink(missing_ok=True)
+            for p, _ in order:
+                dump_path(self.dump_dir, p.key).unlink(missing_ok=True)
 
-    def _from_store(self, order: list[tuple[list[int], str]], url: str | None = None) -> list[Captured]:
+    def _from_store(self, order: list[tuple[Prompt, str]], url: str | None = None) -> list[Captured]:
         """The `mooncake` transport: the request names each prompt's key; the states are read from the store,
         checked and removed. A server that fails the request is failed over (`url` pins one: the preflight); states
         lost between the server's put and this read are asked for again (a whole request: nothing half-read)."""
@@ -324,7 +395,7 @@ class SGLangTarget:
             server = url or self.pool.pick()
             rids = self.handover.keys(len(order))
             try:
-                resp = self._generate(server, [ids for ids, _ in order], rids)
+                resp = self._generate(server, [p for p, _ in order], rids)
             except Exception as e:
                 self.handover.discard(rids)
                 if url is None and server_gone(e):
@@ -333,10 +404,11 @@ class SGLangTarget:
                 raise
             try:
                 out = []
-                for rid, (ids, label), r in zip(rids, order, resp, strict=True):
-                    self._check_meta(r.get("meta_info") or {}, len(ids), label)
-                    out.append(self.handover.read(rid, ids, layer_ids=self.layer_ids, hidden_size=self.hidden_size,
-                                                  sample=label, dtype=self.dtype, server=server))
+                for rid, (p, label), r in zip(rids, order, resp, strict=True):
+                    self._check_meta(r.get("meta_info") or {}, len(p.served), label)
+                    out.append(self.handover.read(rid, p.served, layer_ids=self.layer_ids,
+                                                  hidden_size=self.hidden_size, sample=label, dtype=self.dtype,
+                                                  server=server, image_positions=p.image_positions))
                 return out
             except LostStates as e:
                 lost += 1
@@ -406,9 +478,10 @@ class SGLangTarget:
                          time.monotonic() - t0)
 
     def _probe(self, url: str, ids: list[int], label: str) -> Captured:
+        p = Prompt.of(ids, [], None, self.vocab_size)
         if self.handover is None:
-            return self._from_dumps([(ids, label)], [sequence_key(ids)])[0]
-        return self._from_store([(ids, label)], url=url)[0]
+            return self._from_dumps([(p, label)])[0]
+        return self._from_store([(p, label)], url=url)[0]
 
     def _check_segment(self, url: str) -> str:
         """The store's room at `url`'s server against what this run's processes can leave waiting there at once."""
@@ -416,7 +489,7 @@ class SGLangTarget:
         meta = self.handover.last_meta
         lent = int(meta.get("segment_bytes", "0"))
         world = this_process().world
-        per_token = wire_bytes_per_token(self.hidden_size, self.target.dtype, self.storage)
+        per_token = wire_bytes_per_token(self.hidden_size, self.target.dtype, self.storage, self.vision is not None)
         need = segment_bytes(world, self.request_tokens, per_token, margin=1.0)
         if lent < need:
             raise StoreError(
@@ -433,12 +506,13 @@ class SGLangTarget:
 
 # ------------------------------------------------------------------------------------------------------ CLI
 def serve(target: TargetConfig, max_length: int, port: int | None, host: str, dry_run: bool,
-          local_rank: int | None = None, request: tuple[int, str] | None = None) -> int:
+          local_rank: int | None = None, request: tuple[int, str] | None = None, images: bool = False) -> int:
     """`eagle3 sglang serve|command`: print the capture server's command line, then (serve) become that server.
 
     The port defaults to the one of `target.sglang.url` (its entry `local_rank` when it lists servers), else 30000.
     With the `mooncake` transport the server joins the store, lending `server_segment` bytes for `request` (the
-    config's `request_shape`), and checks at start that it can (the master up, Mooncake in SGLang's Python)."""
+    config's `request_shape`; `images`: the samples hold images), and checks at start that it can (the master up,
+    Mooncake in SGLang's Python)."""
     s = target.sglang
     url, dump_dir = server_address(s, this_process().local_rank if local_rank is None else local_rank)
     if port is None:
@@ -453,7 +527,8 @@ def serve(target: TargetConfig, max_length: int, port: int | None, host: str, dr
     store = None
     if s.transport == "mooncake":
         store = (StoreAddress.of(s.mooncake),
-                 server_segment(s, info.hidden_size, target.dtype, request or (ExtractConfig().batch_tokens, "exact")))
+                 server_segment(s, info.hidden_size, target.dtype, request or (ExtractConfig().batch_tokens, "exact"),
+                                images))
     env = {**server_env(dump_dir, layer_ids, info.family, store), **capture_env(target, max_length, info)}
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
     if dry_run:

@@ -51,6 +51,7 @@ from eagle3.targets.sglang_dump import (
     ENV_SEGMENT,
     STORE_KEY_PREFIX,
     ensure_dump_dir,
+    image_parts,
     pack,
     prompt_states,
     store_key_storage,
@@ -162,11 +163,14 @@ def pack_aux(aux_hidden_states: Any, num_layers: int, hidden_size: int) -> Any:
 
 
 def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_states: Any, dump_dir: str,
-                  layer_ids: list[int], store: Any = None) -> int:
+                  layer_ids: list[int], store: Any = None, vocab_size: int | None = None) -> int:
     """Hand over each prompt of a prefill batch (to `store` when its rid asks for it, else a dump file); return how
     many were handed over (0 for other batches).
 
-    `input_ids` may be None (the Kimi-K2.5 wrapper): the forward batch `meta` then supplies them."""
+    `input_ids` may be None (the Kimi-K2.5 wrapper): the forward batch `meta` then supplies them. A batch with
+    images carries the model's merged input embeddings (`mm_input_embeds`, every row of the batch); each prompt's
+    rows at id `vocab_size - 1`, where SGLang clamped its image pads (eagle3.targets.sglang_dump.served_ids), go
+    with its states (`image_parts`)."""
     if not _is_prefill(meta):
         return 0
     differ = tp_disagreement(aux_hidden_states, hidden_states)  # every TP rank takes part: before any return
@@ -194,8 +198,17 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
         _warn_once("rows", f"the batch has {sum(lens)} new tokens but the states have {rows} rows (sharded or padded "
                            f"states?); nothing is written")
         return 0
+    embeds = getattr(meta, "mm_input_embeds", None)
+    if embeds is not None and (vocab_size is None or int(embeds.shape[0]) != sum(lens)):
+        _warn_once("mm", f"a batch with images has merged input embeddings of {tuple(embeds.shape)} for {sum(lens)} "
+                         f"new tokens (vocab size {vocab_size}); none are handed over")
+        embeds = None
     rids = list(getattr(meta, "rids", None) or [None] * len(lens))
     starts = [sum(lens[:i]) for i in range(len(lens))]
+
+    def image(ids: Any, s: int, n: int) -> dict[str, Any] | None:
+        return None if embeds is None else image_parts(ids[s:s + n], embeds[s:s + n], vocab_size - 1)
+
     if differ:
         _refuse_batch(differ, rids, starts, lens, input_ids, dump_dir, store)
         return 0
@@ -205,15 +218,15 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
                               "started with it (EAGLE3_MOONCAKE_*: `eagle3 sglang serve` with target.sglang.transport "
                               "mooncake); its states are not handed over")
     elif to_store:
-        _put_in_store(store, [(rids[i], starts[i], lens[i]) for i in to_store], input_ids, aux, hidden_states,
-                      layer_ids)
+        _put_in_store(store, [(rids[i], starts[i], lens[i], image(input_ids, starts[i], lens[i])) for i in to_store],
+                      input_ids, aux, hidden_states, layer_ids)
     files = [i for i in range(len(lens)) if i not in to_store]
     if files:
         # One device->host copy for the whole batch, then cheap CPU slicing.
         ids_c, aux_c, fin_c = input_ids.to("cpu"), aux.to("cpu"), hidden_states.to("cpu")
         for i in files:
             s, n = starts[i], lens[i]
-            write_dump(dump_dir, ids_c[s:s + n], aux_c[s:s + n], fin_c[s:s + n], layer_ids)
+            write_dump(dump_dir, ids_c[s:s + n], aux_c[s:s + n], fin_c[s:s + n], layer_ids, image(input_ids, s, n))
     return len(files) + (len(to_store) if store is not None else 0)
 
 
@@ -257,15 +270,16 @@ def _refuse_batch(why: str, rids: list[Any], starts: list[int], lens: list[int],
             write_error(dump_dir, input_ids[s:s + n].to("cpu"), why)
 
 
-def _put_in_store(store: Any, prompts: list[tuple[str, int, int]], input_ids: Any, aux: Any, final: Any,
-                  layer_ids: list[int]) -> None:
-    """Each (rid, start, length) prompt's states into the store under its rid, encoded as the rid asks; a failed
-    put leaves a small `<rid>#error` record with the reason, so the client says why instead of "not found"."""
+def _put_in_store(store: Any, prompts: list[tuple[str, int, int, dict[str, Any] | None]], input_ids: Any, aux: Any,
+                  final: Any, layer_ids: list[int]) -> None:
+    """Each (rid, start, length, image parts) prompt's states into the store under its rid, encoded as the rid asks;
+    a failed put leaves a small `<rid>#error` record with the reason, so the client says why instead of "not found"."""
     objects, errors = {}, {}
-    for rid, s, n in prompts:
+    for rid, s, n, image in prompts:
         try:
             storage = store_key_storage(rid)
-            tensors, meta = prompt_states(input_ids[s:s + n], aux[s:s + n], final[s:s + n], layer_ids, storage)
+            tensors, meta = prompt_states(input_ids[s:s + n], aux[s:s + n], final[s:s + n], layer_ids, storage,
+                                          image)
             meta["segment_bytes"] = str(store.segment)
             meta["segment"] = store.segment_name
             objects[rid] = pack(tensors, meta)
@@ -282,6 +296,13 @@ def _put_in_store(store: Any, prompts: list[tuple[str, int, int]], input_ids: An
     for rid, why in errors.items():
         _warn_once(f"put{why[:40]}", f"request {rid}: {why}")
         store.put_small(rid + "#error", why.encode())
+
+
+def _vocab_size(lm_head: Any) -> int | None:
+    """The vocabulary the model clamps image pads into (`input_embedding.num_embeddings`, mm_utils.py): the
+    (parallel) lm_head's full, unpadded size, which equals its embedding's."""
+    n = getattr(lm_head, "num_embeddings", None)
+    return int(n) if n is not None else None
 
 
 _STORE: list[Any] = []
@@ -325,7 +346,7 @@ def plugin() -> None:
                       aux_hidden_states: Any = None, *args: Any, **kwargs: Any) -> None:
         try:
             capture_batch(input_ids, hidden_states, logits_metadata, aux_hidden_states, dump_dir, layer_ids,
-                          store[0] if store else None)
+                          store[0] if store else None, vocab_size=_vocab_size(lm_head))
         except Exception:  # a failed capture must not kill serving; the client reports the missing dump
             _warn_once("exc", "capture failed (the client will report the missing dump):\n" + traceback.format_exc())
 

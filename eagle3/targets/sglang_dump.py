@@ -14,7 +14,9 @@ so an incomplete capture can never be mistaken for a complete one: the client fi
     <dump_dir>/<sha256 of int64 token ids>.safetensors
         aux       [T, 3H]  residual streams entering the three aux layers (eagle3 convention), concatenated
         final     [T, H]   last layer output after the final norm
-        input_ids [T]      int64, checked against the prompt
+        input_ids [T]      int64, checked against the prompt (SGLang's ids: an image position holds `served_ids`' id)
+        image_rows [n]     int64, for a prompt with images only: the rows that may be image positions (`image_parts`)
+        image_embeds [n, H] the target's merged input embeddings at those rows (the vision projector's outputs)
         metadata: format, layer_ids (eagle3 convention), convention
 """
 
@@ -114,9 +116,26 @@ def ensure_dump_dir(dump_dir: str | Path) -> Path:
     return d
 
 
+def served_ids(token_ids: list[int], image_token_id: int | None, vocab_size: int) -> list[int]:
+    """The ids SGLang 0.5.23's model holds for a prompt: at each image position the hash pad value it put there for
+    the radix cache, clamped to vocab_size - 1 before the embedding (`managers/mm_utils.py`); others unchanged. The
+    dump is named by and checked against these."""
+    if image_token_id is None:
+        return list(token_ids)
+    return [vocab_size - 1 if t == image_token_id else t for t in token_ids]
+
+
+def image_parts(input_ids: torch.Tensor, embeds: torch.Tensor, clamped_id: int) -> dict[str, torch.Tensor]:
+    """Server side, a prompt of an image batch: its rows holding `clamped_id` (every image position, and any text
+    token of that id, which the client leaves out) and the merged input embeddings there."""
+    rows = torch.nonzero(input_ids.reshape(-1) == clamped_id).flatten()
+    return {"image_rows": rows.to(torch.int64), "image_embeds": embeds[rows].detach()}
+
+
 def write_dump(dump_dir: str | Path, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
-               layer_ids: list[int]) -> Path:
-    """Write one prompt's states atomically (temp file + rename): a reader never sees a half-written dump."""
+               layer_ids: list[int], image: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write one prompt's states atomically (temp file + rename): a reader never sees a half-written dump.
+    `image`: its `image_parts`, for a prompt of a batch with images."""
     input_ids = input_ids.detach().to(device="cpu", dtype=torch.int64).reshape(-1).contiguous()
     key = sequence_key(input_ids)
     d = Path(dump_dir)
@@ -125,6 +144,7 @@ def write_dump(dump_dir: str | Path, input_ids: torch.Tensor, aux: torch.Tensor,
         "input_ids": input_ids,
         "aux": aux.detach().to("cpu").contiguous(),
         "final": final.detach().to("cpu").contiguous(),
+        **{k: v.to("cpu").contiguous() for k, v in (image or {}).items()},
     }
     meta = {"format": DUMP_FORMAT, "layer_ids": json.dumps(list(layer_ids)), "convention": LAYER_ID_CONVENTION}
     save_file(tensors, str(tmp), metadata=meta)
@@ -134,8 +154,9 @@ def write_dump(dump_dir: str | Path, input_ids: torch.Tensor, aux: torch.Tensor,
 
 
 def read_dump(path: Path, token_ids: list[int], *, layer_ids: list[int], hidden_size: int, sample: str,
-              dtype: torch.dtype | None = None) -> Captured:
-    """Load and validate one dump against the prompt it must describe; every error names `sample`."""
+              dtype: torch.dtype | None = None, image_positions: list[int] | None = None) -> Captured:
+    """Load and validate one dump against the prompt it must describe (`served_ids`, `image_positions` for a
+    prompt with images: check_states); every error names `sample`."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -145,14 +166,17 @@ def read_dump(path: Path, token_ids: list[int], *, layer_ids: list[int], hidden_
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise DumpError(f"sample {sample}: unreadable dump {path}: {e}") from None
     return check_states(t, meta, token_ids, layer_ids=layer_ids, hidden_size=hidden_size, sample=sample,
-                        where=str(path), dtype=dtype)
+                        where=str(path), dtype=dtype, image_positions=image_positions)
 
 
 def check_states(t: dict[str, torch.Tensor], meta: dict[str, str], token_ids: list[int], *, layer_ids: list[int],
-                 hidden_size: int, sample: str, where: str, dtype: torch.dtype | None = None) -> Captured:
+                 hidden_size: int, sample: str, where: str, dtype: torch.dtype | None = None,
+                 image_positions: list[int] | None = None) -> Captured:
     """One prompt's states as the server handed them over (a dump file or a store object), checked against the
     prompt they must describe: format, layer ids, token ids, shapes, finite values. fp8 states (a `storage` in the
-    metadata other than exact) come back quantised, their scales beside them, as an fp8 cache holds them."""
+    metadata other than exact) come back quantised, their scales beside them, as an fp8 cache holds them.
+    `image_positions` (a prompt with images): the merged input embeddings at those positions, in order, become
+    `image_embeds`; each must be among the dump's image rows."""
     if meta.get("format") != DUMP_FORMAT:
         raise DumpError(f"sample {sample}: {where} has format {meta.get('format')!r}, expected {DUMP_FORMAT!r}")
     if meta.get("convention") != LAYER_ID_CONVENTION:
@@ -199,7 +223,34 @@ def check_states(t: dict[str, torch.Tensor], meta: dict[str, str], token_ids: li
     if dtype is not None:
         aux = aux if "aux" in scaled else aux.to(dtype)
         final = final if "final" in scaled else final.to(dtype)
-    return Captured(aux=aux, final=final, aux_scale=scales.get("aux"), final_scale=scales.get("final"))
+    embeds = None if image_positions is None else _image_embeds(t, image_positions, hidden_size, sample, where)
+    if embeds is not None and dtype is not None:
+        embeds = embeds.to(dtype)
+    return Captured(aux=aux, final=final, aux_scale=scales.get("aux"), final_scale=scales.get("final"),
+                    image_embeds=embeds)
+
+
+def _image_embeds(t: dict[str, torch.Tensor], positions: list[int], hidden_size: int, sample: str,
+                  where: str) -> torch.Tensor:
+    """The merged input embeddings at `positions` (the prompt's image tokens), from the dump's image rows."""
+    if not positions:  # a text prompt among image samples: none, as the HF backend gives
+        return torch.empty(0, hidden_size, dtype=t["final"].dtype)
+    if "image_rows" not in t or "image_embeds" not in t:
+        raise DumpError(f"sample {sample}: {where} holds no image embeddings, but the prompt has {len(positions)} "
+                        "image tokens: did the server get the pictures (a multimodal target, image_data sent)?")
+    rows, embeds = t["image_rows"].tolist(), t["image_embeds"]
+    if tuple(embeds.shape) != (len(rows), hidden_size):
+        raise DumpError(f"sample {sample}: {where} holds image embeddings of shape {tuple(embeds.shape)} for "
+                        f"{len(rows)} rows, expected ({len(rows)}, {hidden_size})")
+    at = {r: i for i, r in enumerate(rows)}
+    missing = [p for p in positions if p not in at]
+    if missing:
+        raise DumpError(f"sample {sample}: the server merged no picture at image positions {missing[:8]} (its "
+                        f"image rows: {rows[:8]}...)")
+    picked = embeds[[at[p] for p in positions]]
+    if not all_finite(picked):
+        raise DumpError(f"sample {sample}: the dump holds NaN/inf image embeddings")
+    return picked
 
 
 # --------------------------------------------------------------------------- one prompt's states as one object
@@ -217,9 +268,11 @@ def storage_scaled(storage: str) -> set[str]:
 
 
 def prompt_states(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, layer_ids: list[int],
-                  storage: str = "exact") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                  storage: str = "exact", image: dict[str, torch.Tensor] | None = None,
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of one prompt's dump, its states encoded by the cache's own codec (`storage`),
-    on whatever device they are (a server quantises on its GPU before copying half the bytes to the host)."""
+    on whatever device they are (a server quantises on its GPU before copying half the bytes to the host);
+    `image`: its `image_parts` (kept exact, as a cache keeps them)."""
     tensors = {"input_ids": input_ids.detach().to(dtype=torch.int64).reshape(-1)}
     for name, x in (("aux", aux), ("final", final)):
         if name in storage_scaled(storage):
@@ -228,6 +281,7 @@ def prompt_states(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tenso
             tensors[name], tensors[f"{name}_scale"] = quantize(x.detach(), STATE_PARTS[name])
         else:
             tensors[name] = x.detach()
+    tensors.update(image or {})
     meta = {"format": DUMP_FORMAT, "layer_ids": json.dumps(list(layer_ids)), "convention": LAYER_ID_CONVENTION,
             "storage": storage}
     return tensors, meta

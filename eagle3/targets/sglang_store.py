@@ -39,18 +39,21 @@ def request_shape(extract: ExtractConfig, train: TrainConfig) -> tuple[int, str]
     return extract.batch_tokens, "exact"
 
 
-def wire_bytes_per_token(hidden_size: int, dtype: str, storage: str) -> int:
-    """Bytes one token's states take in the store: the codec's states and scales, and its int64 id."""
+def wire_bytes_per_token(hidden_size: int, dtype: str, storage: str, images: bool = False) -> int:
+    """Bytes one token's states take in the store: the codec's states and scales, and its int64 id; with `images`,
+    the most an image token adds (its merged input embedding, exact, and its row index)."""
     from eagle3.cache.codec import codec_for
 
     item = torch.empty(0, dtype=DTYPES[dtype]).element_size()
-    return codec_for(storage).bytes_per_token(hidden_size, item) + 8
+    return codec_for(storage).bytes_per_token(hidden_size, item) + 8 + (hidden_size * item + 8 if images else 0)
 
 
-def server_segment(s: SGLangSettings, hidden_size: int, dtype: str, request: tuple[int, str]) -> int:
-    """Bytes a capture server lends the store for this config (eagle3.targets.mooncake.segment_bytes)."""
+def server_segment(s: SGLangSettings, hidden_size: int, dtype: str, request: tuple[int, str],
+                   images: bool = False) -> int:
+    """Bytes a capture server lends the store for this config (eagle3.targets.mooncake.segment_bytes); `images`: the
+    samples hold images (wire_bytes_per_token)."""
     tokens, storage = request
-    return segment_bytes(s.mooncake.clients, tokens, wire_bytes_per_token(hidden_size, dtype, storage),
+    return segment_bytes(s.mooncake.clients, tokens, wire_bytes_per_token(hidden_size, dtype, storage, images),
                          s.mooncake.segment_gb)
 
 
@@ -83,22 +86,22 @@ class StoreHandover:
         return [store_key(self.run, self.rank, self.session, next(self._n), self.storage) for _ in range(n)]
 
     def read(self, key: str, token_ids: list[int], *, layer_ids: list[int], hidden_size: int, sample: str,
-             dtype: torch.dtype, server: str) -> Captured:
-        """The checked states of one prompt, owned by the caller (copied out of the receive buffer)."""
+             dtype: torch.dtype, server: str, image_positions: list[int] | None = None) -> Captured:
+        """The checked states of one prompt (check_states), owned by the caller (copied out of the receive buffer)."""
         try:
             blob = self.store.get(key)
         except StoreError as e:
             raise self._why_missing(key, str(e), sample, server) from None
         tensors, meta = unpack(blob, f"sample {sample}: the store's object {key}")
         cap = check_states(tensors, meta, token_ids, layer_ids=layer_ids, hidden_size=hidden_size, sample=sample,
-                           where=f"the store's object {key}", dtype=dtype)
+                           where=f"the store's object {key}", dtype=dtype, image_positions=image_positions)
         self.last_meta = meta
 
         def own(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.clone()
 
         return Captured(aux=own(cap.aux), final=own(cap.final), aux_scale=own(cap.aux_scale),
-                        final_scale=own(cap.final_scale))
+                        final_scale=own(cap.final_scale), image_embeds=own(cap.image_embeds))
 
     def _why_missing(self, key: str, why: str, sample: str, server: str) -> Exception:
         error = self.store.get_small(key + "#error")

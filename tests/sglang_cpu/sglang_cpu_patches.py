@@ -328,6 +328,43 @@ def _patch_mla_eagle3_set_embed(mod) -> None:
     _log("patched Eagle3DeepseekV2ForCausalLM.set_embed / set_embed_and_head (no CUDA calls on CPU)")
 
 
+IMPORT_BOUND_OPS = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
+                    "fused_qkvzba_split_reshape_cat_contiguous_cpu")
+"""CPU ops `sglang/srt/models/qwen3_5.py` binds at import time (`if _is_cpu:`, AMX or not)."""
+
+
+def _patch_sgl_kernel_ops(torch) -> None:
+    """`torch.ops.sgl_kernel.NAME` resolves for the IMPORT_BOUND_OPS, to the stand-in's function of that name (which
+    raises NotImplementedError when called); every other missing op stays missing.
+
+    SGLang's CPU build registers its kernels as torch ops, and `qwen3_5.py` binds four of them at import time; with no
+    op there the import fails, and SGLang's multimodal registry, importing `multimodal/processors/qwen_vl.py` (which
+    imports that model), drops the Qwen2-VL / Qwen2.5-VL processor with a log line only, then refuses the model:
+    "No processor registered for architecture". Only those names: SGLang probes others with `hasattr` to pick fused
+    paths (`convert_weight_packed` decides whether the AMX backend exists at all).
+    """
+    ops = torch.ops
+    namespace = ops.sgl_kernel
+    if getattr(namespace, "_eagle3_cpu_patched", False):
+        return
+
+    class StandInOps(type(namespace)):
+        _eagle3_cpu_patched = True
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except (AttributeError, RuntimeError):
+                if name not in IMPORT_BOUND_OPS:
+                    raise
+                import sgl_kernel
+
+                return getattr(sgl_kernel, name)
+
+    ops.sgl_kernel = StandInOps("sgl_kernel")
+    _log(f"torch.ops.sgl_kernel: {', '.join(IMPORT_BOUND_OPS)} resolve to stand-ins that raise when called")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Lazy application: a post-import hook per patched module
 # ---------------------------------------------------------------------------------------------------------------
@@ -337,6 +374,7 @@ _HOOKS.update({
     "sglang.srt.layers.attention.torch_native_backend": _patch_torch_native_backend,
     "sglang.srt.speculative.draft_utils": _patch_draft_backend_factory,
     "sglang.srt.models.kimi_k25_eagle3": _patch_mla_eagle3_set_embed,
+    "torch": _patch_sgl_kernel_ops,
 })
 
 
@@ -346,6 +384,7 @@ PATCH_NAMES = {
     "torch_native_extend": "sglang.srt.layers.attention.torch_native_backend",
     "draft_backends": "sglang.srt.speculative.draft_utils",
     "mla_eagle3_embed": "sglang.srt.models.kimi_k25_eagle3",
+    "sgl_kernel_ops": "torch",
 }
 
 
