@@ -412,8 +412,12 @@ def run_engine_only(run: EngineRun, data: DataConfig) -> tuple[dict[str, Any], d
     folder = resolve_checkpoint(run.eval, run.paths)
     engine = run.eval.engine
     log.info("eval in %s only: target %s, draft %s", engine, run.target.path, folder)
-    render = PromptRenderer(load_tokenizer(run.target), data)
     sets = [load_prompt_set(n, run.paths.prepared_dir, run.eval.max_prompts) for n in run.eval.prompt_sets]
+    vision = vision_of(run.target, with_images := [ps for ps in sets if ps.has_images])
+    if vision is not None and engine != "sglang":
+        raise UserError(f"prompt set(s) {', '.join(ps.name for ps in with_images)} hold images: {engine} alone "
+                        "(eval.builtin false) sends none; measure them with eval.builtin true, or in SGLang")
+    render = PromptRenderer(load_tokenizer(run.target), data, vision)
     render.check_tools(sets)
     result, rendered = ENGINE_ONLY[engine](run, sets, render, folder)
     report: dict[str, Any] = {
@@ -442,13 +446,13 @@ def _sglang_dialogues(run: EngineRun, sets: list[PromptSet], render: PromptRende
 
 
 def _sglang_hybrid(run: EngineRun, head: dict[str, Any], prompts: list[list[int]], groups: list[str],
-                   sets: list[str], folder: Path) -> None:
+                   sets: list[str], folder: Path, images: list[list[str]] | None = None) -> None:
     """eagle3's hybrid drafter in SGLang on the prompts the head decoded: its figures per group into `head`
     (`hybrid_groups`, the card's columns) and its run's summary (`hybrid`: with how many outputs equal the head's)."""
     from eagle3.engines.sglang_eval import run_sglang
 
     assert run.eval.hybrid is not None
-    hy = run_sglang(run, prompts, folder, run.eval.hybrid.engine_rule(run.eval.ngram_max), groups, sets)
+    hy = run_sglang(run, prompts, folder, run.eval.hybrid.engine_rule(run.eval.ngram_max), groups, sets, images)
     head["hybrid_groups"] = hy.pop("groups")
     outs = hy.pop("outputs", None)
     head["hybrid"] = hy | {"same_outputs_as_head": sum(a == b for a, b in
@@ -507,14 +511,18 @@ def vllm_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, list[
 
     prompts = [p for ps in rendered.values() for p in ps]
     groups = _prompt_groups(report)
-    images = [t.get("images", []) for r in report["sets"].values() for t in r["per_turn"]]
-    result = run_vllm(run, folder, prompts, groups=groups, images=images)
+    result = run_vllm(run, folder, prompts, groups=groups, images=_prompt_images(report))
     found = result.setdefault("groups", {})
     found |= {name: pooled_groups(found, name) for name in report["sets"]}
     ng_groups = others_beside(run, folder, prompts, groups, list(report["sets"]), result)
     if run.eval.ngram:
         result["ngram_groups"] = ng_groups | {name: pooled_groups(ng_groups, name) for name in report["sets"]}
     return {**result, "builtin_tau": _pooled_tau(report), "prompt_groups": groups}
+
+
+def _prompt_images(report: dict[str, Any]) -> list[list[str]]:
+    """The pictures of each turn the built-in decoded, in its order ([] for a text turn)."""
+    return [t.get("images", []) for r in report["sets"].values() for t in r["per_turn"]]
 
 
 def _prompt_groups(report: dict[str, Any]) -> list[str]:
@@ -532,9 +540,10 @@ def sglang_check(run: EngineRun, report: dict[str, Any], rendered: dict[str, lis
     prompts = [p for ps in rendered.values() for p in ps]
     groups = _prompt_groups(report)
     sets = list(report["sets"])
-    result = run_sglang(run, prompts, folder, groups=groups, sets=sets)
+    images = _prompt_images(report)
+    result = run_sglang(run, prompts, folder, groups=groups, sets=sets, images=images)
     if run.eval.hybrid is not None:
-        _sglang_hybrid(run, result, prompts, groups, sets, folder)
+        _sglang_hybrid(run, result, prompts, groups, sets, folder, images)
     # SGLang counts emitted tokens: the built-in's last step of a turn, cut at max_new_tokens or eos, must count
     # only what it emitted too
     return {**result, "builtin_tau": _emitted_tau(report)}

@@ -165,3 +165,43 @@ def test_online_training_through_sglang_captures_image_samples_as_the_cache(vl):
     run.extract.mode, run.output_dir = "online", str(vl["root"] / "online")
     m = train(run)
     assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0
+
+
+def test_eval_with_sglang_on_the_bundled_image_prompts(vl, monkeypatch):
+    """`eagle3 eval --engine sglang` with the bundled image set and a head trained with target-embeddings (SGLang's
+    convention): eagle3 exports the head and starts SGLang with it, which reads exactly the ids the built-in rendered
+    (each image's run sent collapsed, with its picture), reproduces the vision-language model's own greedy output, fills
+    a card row per picture kind, and takes as many verify steps per prompt as the built-in. Then SGLang alone
+    (eval.builtin false) decodes the same prompts with their pictures to the same outputs."""
+    from eagle3.engines.reference import compare_greedy, hf_greedy
+    from eagle3.evaluate import run as evaluate
+    from eagle3.trainer import run as train
+
+    monkeypatch.setenv("EAGLE3_HOME", str(vl["root"] / "home"))
+    head = vl["hf"].model_copy(deep=True)
+    head.output_dir = str(vl["root"] / "head")
+    head.data.output_dir, head.extract.cache_dir = str(vl["hf"].prepared_dir), str(vl["hf"].cache_dir)
+    head.train.max_steps, head.train.eval_every, head.train.save_every = 20, 20, 20
+    train(head)
+    cfg = vl["sg"].model_copy(deep=True)
+    cfg.output_dir, cfg.target.sglang.url = head.output_dir, None
+    cfg.eval.prompt_sets, cfg.eval.max_prompts, cfg.eval.max_new_tokens, cfg.eval.engine = ["images"], 1, 8, "sglang"
+    report = evaluate(cfg)
+    b, s = report["sets"]["images"], report["engines"]["sglang"]
+    assert report["image_inputs"] == "target-embeddings" and b["greedy_mismatches"] == 0
+    assert s["draft"] and Path(s["draft"]).name == "sglang"
+    assert s["image_prompts"] == 4 and s["prompts_checked"] == s["prompts_same_tokens"] == 4, s
+    prompts = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())["images"]
+    images = [t["images"] for t in b["per_turn"]]
+    stop = s["stop_token_ids"]
+    reference = hf_greedy(cfg.target, prompts, cfg.eval.max_new_tokens, stop, images)
+    same = compare_greedy(s["outputs"], reference, stop)
+    assert same["greedy_same"] == 4, same
+    assert s["verify_steps_per_prompt"] == [t["verify_steps"] for t in b["per_turn"]], (s, b["per_turn"])
+    assert set(s["groups"]) >= {"images/chart", "images/code", "images/shapes", "images/text", "images"}
+
+    alone = cfg.model_copy(deep=True)
+    alone.eval.builtin, alone.output_dir = False, str(vl["root"] / "alone")
+    alone.eval.checkpoint = str(cfg.checkpoint_dir / "best")
+    r = evaluate(alone)
+    assert r["engines"]["sglang"]["outputs"] == s["outputs"] and r["sets"]["images"]["turns"] == 4

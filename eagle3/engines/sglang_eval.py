@@ -139,16 +139,25 @@ def sglang_draft(run: EngineRun, folder: Path, hybrid: dict[str, Any] | None = N
                   num_speculative_tokens=run.eval.num_steps, target_family=run.target.layer_id_family, hybrid=hybrid)
 
 
-def generate(url: str, ids: list[int], run: EngineRun, stop: list[int]) -> dict[str, Any]:
-    """One greedy (or seeded sampled) `/generate` for token ids, stopping where the built-in evaluator stops."""
+def generate(url: str, ids: list[int], run: EngineRun, stop: list[int], images: list[str] | None = None,
+             image_token: int | None = None) -> dict[str, Any]:
+    """One greedy (or seeded sampled) `/generate` for token ids, stopping where the built-in evaluator stops. A
+    prompt with `images` (its ids hold each image's `image_token` run as the HF processor expanded it) is sent as
+    the target's serving path takes it: each run collapsed to one placeholder, which SGLang expands again from the
+    picture it gets as a `data:` URL (its `prompt_tokens` then equal the built-in's: prompt_agreement)."""
+    from eagle3.data.images import data_url
+    from eagle3.engines.vllm_eval import collapse_image_tokens
     from eagle3.targets.sglang_server import http_json
 
     e = run.eval
     params: dict[str, Any] = {"temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "stop_token_ids": stop}
     if e.temperature > 0:
         params["sampling_seed"] = e.seed
-    return http_json("POST", url.rstrip("/") + "/generate", {"input_ids": ids, "sampling_params": params},
-                     timeout=run.target.sglang.timeout_s)
+    body: dict[str, Any] = {"input_ids": ids, "sampling_params": params}
+    if images:
+        assert image_token is not None
+        body |= {"input_ids": collapse_image_tokens(ids, image_token), "image_data": [data_url(r) for r in images]}
+    return http_json("POST", url.rstrip("/") + "/generate", body, timeout=run.target.sglang.timeout_s)
 
 
 @contextmanager
@@ -184,20 +193,23 @@ def serving(run: EngineRun, draft_folder: Path | None, hybrid: dict[str, Any] | 
 
 def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | None = None,
                hybrid: dict[str, Any] | None = None, groups: list[str] | None = None,
-               sets: list[str] | None = None) -> dict[str, Any]:
+               sets: list[str] | None = None, images: list[list[str]] | None = None) -> dict[str, Any]:
     """SGLang's τ on `prompts` (the token ids the built-in evaluator decoded), in order, one at a time; `hybrid`:
     with eagle3's hybrid drafter (eagle3.engines.sglang_hybrid) and that rule; `groups` (one `set/category` per
-    prompt) and `sets`: the figures per group and per set too (`groups`, group_figures)."""
+    prompt) and `sets`: the figures per group and per set too (`groups`, group_figures); `images`: each prompt's
+    pictures ([] for a text prompt), sent with it (`generate`)."""
     from eagle3.engines import prompt_agreement
-    from eagle3.engines.vllm_eval import stop_token_ids
+    from eagle3.engines.vllm_eval import image_token, stop_token_ids
     from eagle3.logs import Progress
 
     stop = stop_token_ids(run.target)
+    images = images if images is not None and any(images) else None
+    token = image_token(run) if images is not None else None
     outs = []
     with serving(run, draft_folder, hybrid) as (url, draft), \
             Progress(len(prompts), "sglang", unit="prompt") as progress:
-        for ids in prompts:
-            outs.append(generate(url, ids, run, stop))
+        for i, ids in enumerate(prompts):
+            outs.append(generate(url, ids, run, stop, images[i] if images is not None else None, token))
             progress.update(1)
         caveat = sampling_caveat(url, run)
     metas = [o.get("meta_info", {}) for o in outs]
@@ -210,6 +222,8 @@ def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | No
     if hybrid is not None:
         result["hybrid"] = hybrid
     result.update(prompt_agreement("SGLang", [len(p) for p in prompts], [m.get("prompt_tokens") for m in metas]))
+    if images is not None:
+        result["image_prompts"] = sum(1 for x in images if x)
     if caveat:
         result["untrusted"] = caveat
     return result
@@ -218,7 +232,8 @@ def run_sglang(run: EngineRun, prompts: list[list[int]], draft_folder: Path | No
 def run_sglang_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_folder: Path
                          ) -> tuple[dict[str, Any], dict[str, list]]:
     """Engine only (`eval.builtin: false`): every turn of every prompt decoded by SGLang, a later turn rendered
-    after SGLang's own answers (the built-in evaluator is not run: the target is too big for this process).
+    after SGLang's own answers (the built-in evaluator is not run: the target is too big for this process), a
+    turn's pictures (`render.vision`: its history's) sent with it.
     Returns (τ per prompt set and pooled, rendered prompts per set)."""
     from eagle3.data.types import Turn
     from eagle3.engines.vllm_eval import stop_token_ids
@@ -226,6 +241,7 @@ def run_sglang_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_fol
     from eagle3.report import by_category
 
     stop = stop_token_ids(run.target)
+    token = render.vision.image_token_id if render.vision is not None else None
     results: dict[str, Any] = {}
     rendered: dict[str, list] = {}
     metas: list[dict[str, Any]] = []
@@ -239,7 +255,8 @@ def run_sglang_dialogues(run: EngineRun, sets: list[Any], render: Any, draft_fol
                 hist: list[Turn] = list(prompt.messages or [])
                 for text in prompt.to_generate():
                     ids = render.turn(prompt, hist, text)
-                    out = generate(url, ids, run, stop)
+                    images = [i for t in hist for i in t.images] if prompt.token_ids is None else []
+                    out = generate(url, ids, run, stop, images, token)
                     set_metas.append(out.get("meta_info", {}))
                     groups.append(f"{ps.name}/{prompt.category or ''}")
                     outputs.append(out.get("output_ids"))

@@ -253,7 +253,7 @@ def _side_files(run: EngineRun, tmp: Path, n: int, groups: list[str] | None, ima
         (tmp / f"{name}.json").write_text(json.dumps(data))
         args += [f"--{name}", str(tmp / f"{name}.json")]
         if name == "images":
-            args += ["--image-token-id", str(_image_token(run))]
+            args += ["--image-token-id", str(image_token(run))]
     return args
 
 
@@ -364,7 +364,7 @@ def _child(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _image_token(run: EngineRun) -> int:
+def image_token(run: EngineRun) -> int:
     """The target's image placeholder id, as its processor names it (eagle3.data.images.VisionInputs)."""
     from eagle3.data.images import VisionInputs
 
