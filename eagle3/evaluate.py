@@ -409,14 +409,14 @@ def run_engine_only(run: EngineRun, data: DataConfig) -> tuple[dict[str, Any], d
     hour on a CPU)."""
     from eagle3.data.templates import load_tokenizer
 
-    folder = resolve_checkpoint(run.eval, run.paths)
     engine = run.eval.engine
-    log.info("eval in %s only: target %s, draft %s", engine, run.target.path, folder)
     sets = [load_prompt_set(n, run.paths.prepared_dir, run.eval.max_prompts) for n in run.eval.prompt_sets]
     vision = vision_of(run.target, with_images := [ps for ps in sets if ps.has_images])
     if vision is not None and engine != "sglang":
         raise UserError(f"prompt set(s) {', '.join(ps.name for ps in with_images)} hold images: {engine} alone "
                         "(eval.builtin false) sends none; measure them with eval.builtin true, or in SGLang")
+    folder = resolve_checkpoint(run.eval, run.paths)
+    log.info("eval in %s only: target %s, draft %s", engine, run.target.path, folder)
     render = PromptRenderer(load_tokenizer(run.target), data, vision)
     render.check_tools(sets)
     result, rendered = ENGINE_ONLY[engine](run, sets, render, folder)

@@ -191,6 +191,22 @@ def test_a_text_only_target_is_not_asked_image_prompts(tmp_path):
     assert vision_of(TargetConfig(path=str(tok)), []) is None
 
 
+@needs_torchvision
+def test_vllm_alone_is_not_asked_image_prompts(tmp_path, monkeypatch):
+    """eval.builtin false: SGLang sends each turn's pictures (tests/test_sglang_images.py); vLLM's engine-only
+    dialogues do not, so image sets are refused by name before any head or engine is looked for."""
+    from eagle3.config import Config
+    from eagle3.evaluate import run
+    from eagle3.logs import UserError
+
+    monkeypatch.setenv("EAGLE3_HOME", str(tmp_path / "home"))
+    cfg = Config(output_dir=str(tmp_path / "run"))
+    cfg.target.path = str(tiny_qwen25_vl(tmp_path / "qwen", with_model=False))
+    cfg.eval.builtin, cfg.eval.engine, cfg.eval.prompt_sets, cfg.eval.max_prompts = False, "vllm", ["images"], 1
+    with pytest.raises(UserError, match="images hold images: vllm alone \\(eval.builtin false\\) sends none"):
+        run(cfg)
+
+
 def test_the_bundled_image_set_draws_the_same_pictures_once(tmp_path):
     """12 prompts, 3 per kind, each a 448x448 picture before its question; drawn once, the same bytes when drawn
     again elsewhere."""

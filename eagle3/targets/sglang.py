@@ -15,7 +15,9 @@ How the states travel (decided here, see eagle3.targets.sglang_dump and eagle3.t
   token is 4 x hidden bf16 values (docs/kimi-k2.5.md), many times that as JSON text. (SGLang's `--enable-return-hidden-states` returns only
   the final state, `--enable-return-aux-hidden-states` only the aux states, both as JSON lists.)
 - `SGLangTarget.capture` posts the token ids to `/generate` (one batched request, `max_new_tokens: 1`), then
-  reads, validates and deletes each prompt's file. The client and the server must share the folder (same
+  reads, validates and deletes each prompt's file. A prompt with images is sent with its pictures (`data:` URLs) and
+  each image's token run collapsed to one placeholder; its dump also holds the merged input embeddings at its image
+  tokens (the `Prompt` class: the ids sent, the ids the server's model holds, the image positions). The client and the server must share the folder (same
   machine); the preflight proves that with a probe prompt.
 
 Why not an in-process `ModelRunner` as SpecForge does: for TP=8 that means 8 ranks of this program each

@@ -23,6 +23,11 @@ The contract with the model code, as SGLang 0.5.23 has it (tests/test_sglang_rea
 - the Kimi-K2.5 wrapper embeds the tokens itself and calls its language model with `input_ids=None`
   (`managers/mm_utils.py`): the ids then come from the forward batch, which always carries them.
 
+- a batch with images (a vision-language target, the pictures sent with the request) carries the merged input
+  embeddings in the logits metadata (`mm_input_embeds`, every row of the batch), and its ids hold vocab_size - 1 at
+  image positions (SGLang's hash pads, clamped before the embedding): each prompt's rows at that id go with its
+  states (eagle3.targets.sglang_dump.image_parts), from which the client takes its image positions.
+
 Plain TP replicates hidden states on every rank after the all-reduce, so rank 0 alone writes. DP attention
 (token-sharded states) is refused by the client's preflight; states of another length than the batch's
 tokens are never written.

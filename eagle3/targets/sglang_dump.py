@@ -9,7 +9,8 @@ CPU tests can play the server's part with the very same writer.
 A file is named by a hash of the prompt's token ids, not by a request id: the capture point inside SGLang (the
 logits processor) sees the batch's token ids but no request ids, and the client knows the ids it sent. A
 prefill that did not cover the whole prompt (a radix-cache hit, a chunked prefill) hashes to a different name,
-so an incomplete capture can never be mistaken for a complete one: the client finds no file and says why.
+so an incomplete capture can never be mistaken for a complete one: the client finds no file and says why. (A
+prompt with images is named by its `served_ids`: SGLang's model holds a clamped pad id at each image position.)
 
     <dump_dir>/<sha256 of int64 token ids>.safetensors
         aux       [T, 3H]  residual streams entering the three aux layers (eagle3 convention), concatenated
