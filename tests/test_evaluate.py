@@ -547,11 +547,12 @@ def test_sglang_alone_reports_categories_that_add_up_and_survives_a_turn_that_en
         yield "http://fake", draft_folder
 
     monkeypatch.setattr(sglang_eval, "serving", serving)
-    monkeypatch.setattr(sglang_eval, "generate", lambda url, ids, run, stop: {"meta_info": next(metas),
+    monkeypatch.setattr(sglang_eval, "generate", lambda url, ids, run, stop, *pictures: {"meta_info": next(metas),
                                                                               "output_ids": [5, 6]})
 
     class Render:
         turn = PromptRenderer.turn  # the real per-turn rendering around this stand-in template
+        vision = None  # a text-only target
 
         def __call__(self, history, tools=None):
             return [1, 2, 3]
@@ -600,6 +601,7 @@ def test_vllm_alone_renders_later_turns_after_vllm_answers_and_pools_head_and_ng
 
     class Render:
         turn = PromptRenderer.turn  # the real per-turn rendering around this stand-in template
+        vision = None  # a text-only target
 
         def __call__(self, history, tools=None):
             return [len(t.content) for t in history]  # one id per turn: the text's length

@@ -177,6 +177,16 @@ class Prompt:
         return cls(sent, served, images, [i for i, t in enumerate(ids) if t == token], sequence_key(served))
 
 
+def _vision(target: TargetConfig) -> VisionInputs:
+    """The target's processor (its image token), for samples with images."""
+    from eagle3.data.images import VisionInputs
+
+    vision = VisionInputs.of(target)
+    if vision is None:
+        raise ValueError(f"target.path={target.path!r} takes no images (no image processor)")
+    return vision
+
+
 def _distinct_keys(indices: list[int], prompts: list[Prompt]) -> list[list[int]]:
     """`indices` in requests whose prompts' dump names differ: prompts alike but for their pictures hold the same
     served ids, and one request would have them write one file."""
@@ -216,13 +226,7 @@ class SGLangTarget:
         self.family: ArchFamily = self.info.family
         self.layer_ids = target.layer_ids(self.num_layers)
         self.dtype: torch.dtype = DTYPES[target.dtype]
-        self.vision: VisionInputs | None = None
-        if images:
-            from eagle3.data.images import VisionInputs
-
-            self.vision = VisionInputs.of(target)
-            if self.vision is None:
-                raise ValueError(f"target.path={target.path!r} takes no images (no image processor)")
+        self.vision = _vision(target) if images else None
         self.timeout_s = s.timeout_s
         self.request_tokens, self.storage = request or (extract.batch_tokens, "exact")
         place = this_process()

@@ -47,6 +47,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from eagle3.targets.sglang_dump import (
@@ -203,16 +204,9 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
         _warn_once("rows", f"the batch has {sum(lens)} new tokens but the states have {rows} rows (sharded or padded "
                            f"states?); nothing is written")
         return 0
-    embeds = getattr(meta, "mm_input_embeds", None)
-    if embeds is not None and (vocab_size is None or int(embeds.shape[0]) != sum(lens)):
-        _warn_once("mm", f"a batch with images has merged input embeddings of {tuple(embeds.shape)} for {sum(lens)} "
-                         f"new tokens (vocab size {vocab_size}); none are handed over")
-        embeds = None
+    image = _image_rows(meta, sum(lens), vocab_size)
     rids = list(getattr(meta, "rids", None) or [None] * len(lens))
     starts = [sum(lens[:i]) for i in range(len(lens))]
-
-    def image(ids: Any, s: int, n: int) -> dict[str, Any] | None:
-        return None if embeds is None else image_parts(ids[s:s + n], embeds[s:s + n], vocab_size - 1)
 
     if differ:
         _refuse_batch(differ, rids, starts, lens, input_ids, dump_dir, store)
@@ -233,6 +227,21 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
             s, n = starts[i], lens[i]
             write_dump(dump_dir, ids_c[s:s + n], aux_c[s:s + n], fin_c[s:s + n], layer_ids, image(input_ids, s, n))
     return len(files) + (len(to_store) if store is not None else 0)
+
+
+def _image_rows(meta: Any, tokens: int, vocab_size: int | None) -> Callable[[Any, int, int], dict[str, Any] | None]:
+    """(ids, start, length) -> that prompt's `image_parts` for a batch with images (its `mm_input_embeds`), else
+    None."""
+    embeds = getattr(meta, "mm_input_embeds", None)
+    if embeds is not None and (vocab_size is None or int(embeds.shape[0]) != tokens):
+        _warn_once("mm", f"a batch with images has merged input embeddings of {tuple(embeds.shape)} for {tokens} "
+                         f"new tokens (vocab size {vocab_size}); none are handed over")
+        embeds = None
+
+    def image(ids: Any, s: int, n: int) -> dict[str, Any] | None:
+        return None if embeds is None else image_parts(ids[s:s + n], embeds[s:s + n], vocab_size - 1)
+
+    return image
 
 
 def tp_disagreement(aux_hidden_states: Any, hidden_states: Any) -> str | None:
