@@ -292,9 +292,13 @@ class SpeculativeDecoder:
                  eos_token_ids: Iterable[int] = (), image_inputs: ImageInputs = "placeholder"):
         """`image_inputs`: what the draft reads at a prompt's image tokens, as the engine it serves in feeds it
         (eagle3.config.DraftConfig.image_inputs): `placeholder` (vLLM) the image token's own embedding,
-        `target-embeddings` (SGLang) the target's merged input embedding there."""
+        `target-embeddings` (SGLang) the target's merged input embedding there. The engine's positions come with it:
+        vLLM 0.32 gives the draft the temporal row of an M-RoPE target's positions (`llm_base_proposer.py`
+        `_set_positions`: after a Qwen2.5-VL picture, smaller than the token's index), SGLang the token index."""
         self.target, self.draft, self.s = target, draft, settings
         self.image_inputs = image_inputs
+        self._shift = 0
+        """What the current generation adds to a draft position past the prompt (`_positions`)."""
         self.eos = set(int(e) for e in eos_token_ids)
         self.draft_dtype = next(iter(draft.parameters())).dtype if isinstance(draft, nn.Module) else target.dtype
         self.device = target.device
@@ -387,7 +391,8 @@ class SpeculativeDecoder:
         gen = Generation(out, 0.0, target_forwards=1)
         # The draft reads (f_i, x_{i+1}) at position i: features of the prompt with the prompt shifted by one.
         fed, extra = self._prompt_inputs(prompt, root, bool(images))
-        kv, h_last, logits_last = self._extend(None, aux, fed, start=0, extra=extra)
+        over_prompt = self._positions(bool(images))
+        kv, h_last, logits_last = self._extend(None, aux, fed, start=0, extra=extra, positions=over_prompt)
         m = n  # target position of the root; the target cache holds 0..m-1, the draft's real KV as well
         while root not in self.eos and len(out) < self.s.max_new_tokens:
             tree, kv = self._draft_tree(kv, m, h_last, logits_last, root, generator)
@@ -413,6 +418,17 @@ class SpeculativeDecoder:
         gen.seconds = time.perf_counter() - t0
         return gen
 
+    def _positions(self, images: bool) -> torch.Tensor | None:
+        """The draft's positions over a prompt just prefilled, as the head's engine gives them: None for the token
+        index; with `placeholder` (vLLM) and an M-RoPE target's picture, the temporal row of the target's positions,
+        and the target's offset added to every later one (`_shift`)."""
+        prompt = getattr(self.target, "prompt_positions", None)
+        if not images or self.image_inputs != "placeholder" or prompt is None:
+            self._shift = 0
+            return None
+        self._shift = int(self.target.offset)
+        return prompt
+
     def _prompt_inputs(self, prompt: list[int], root: int, images: bool) -> tuple[list[int], torch.Tensor | None]:
         """The ids the draft reads over the prompt (shifted by one, the root last), and the embeddings of those past
         its vocab: with `target-embeddings`, the prompt's k-th image token becomes `vocab + k` and embeds as the
@@ -430,12 +446,16 @@ class SpeculativeDecoder:
                 k += 1
         return fed, self.target.image_embeds
 
-    def _extend(self, kv: KVCache | None, aux: torch.Tensor, tokens: list[int],
-                start: int, extra: torch.Tensor | None = None) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
-        """Feed target features of accepted tokens into the draft; return its KV and the last hidden/logits."""
+    def _extend(self, kv: KVCache | None, aux: torch.Tensor, tokens: list[int], start: int,
+                extra: torch.Tensor | None = None, positions: torch.Tensor | None = None
+                ) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+        """Feed target features of accepted tokens into the draft at `positions` (default: their indices from
+        `start`, shifted as `_positions` says); return its KV and the last hidden/logits."""
         s = len(tokens)
         feats = self.draft.project(aux.to(self.draft_dtype)[None])
-        pos = torch.arange(start, start + s, device=self.device)[None]
+        if positions is None:
+            positions = torch.arange(start, start + s) + self._shift
+        pos = positions.to(self.device)[None]
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]
         hidden, logits, kv = self.draft.decode(ids, feats, pos, kv, None, extra=extra)
         return kv, hidden[0, -1], logits[0, -1].float()
@@ -454,7 +474,7 @@ class SpeculativeDecoder:
             mask = c.feed(frontier, kv[0][0].shape[2], real).to(self.device)
             ids = torch.tensor([c.tokens[f] for f in frontier], device=self.device)[None]
             hid = torch.stack([parent_hidden[c.parents[f]] for f in frontier])[None]
-            pos = torch.full((1, len(frontier)), m - 1 + step, device=self.device)
+            pos = torch.full((1, len(frontier)), m - 1 + step + self._shift, device=self.device)
             out_h, out_logits, kv = self.draft.decode(ids, hid, pos, kv, mask)
             children: list[int] = []
             for r, node in enumerate(frontier):

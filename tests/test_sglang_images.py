@@ -19,7 +19,7 @@ import torch
 from conftest import TORCHVISION
 from test_images import _jsonl, _prep_cfg
 from test_sglang_real import CPU_FLAGS, DEVICE, _omp_bind, sglang_env  # noqa: F401 - sglang_env: the autouse fixture
-from vlm_models import image_file, tiny_qwen25_vl
+from vlm_models import image_file, sharpen, taught_head, tiny_qwen25_vl
 
 from eagle3 import prepare
 from eagle3.cache import HiddenStateDataset
@@ -66,7 +66,7 @@ def vl(tmp_path_factory, sglang_env):  # noqa: F811
     from eagle3.targets.sglang_server import SGLangServer
 
     root = tmp_path_factory.mktemp("vl")
-    target = tiny_qwen25_vl(root / "qwen", with_model=True)
+    target = sharpen(tiny_qwen25_vl(root / "qwen", with_model=True))
     data = _data(root)
     common = ("target.dtype=float32", "extract.shard_samples=4", "extract.batch_tokens=1024", "data.eval_size=2",
               "draft.vocab_size=320", "draft.image_inputs=target-embeddings", "target.aux_layer_ids=[1,2,3]",
@@ -169,26 +169,23 @@ def test_online_training_through_sglang_captures_image_samples_as_the_cache(vl):
 
 def test_eval_with_sglang_on_the_bundled_image_prompts(vl, monkeypatch):
     """`eagle3 eval --engine sglang` with the bundled image set and a head trained with target-embeddings (SGLang's
-    convention): eagle3 exports the head and starts SGLang with it, which reads exactly the ids the built-in rendered
-    (each image's run sent collapsed, with its picture), reproduces the vision-language model's own greedy output, fills
-    a card row per picture kind, and takes as many verify steps per prompt as the built-in. Then SGLang alone
-    (eval.builtin false) decodes the same prompts with their pictures to the same outputs."""
+    convention) on the target's answers to them: eagle3 exports the head and starts SGLang with it, which reads
+    exactly the ids the built-in rendered (each image's run sent collapsed, with its picture), reproduces the
+    vision-language model's own greedy output, fills a card row per picture kind, and takes as many verify steps per
+    prompt as the built-in, which accepts most drafts. Then SGLang alone (eval.builtin false) decodes the same prompts
+    with their pictures to the same outputs."""
     from eagle3.engines.reference import compare_greedy, hf_greedy
     from eagle3.evaluate import run as evaluate
-    from eagle3.trainer import run as train
 
     monkeypatch.setenv("EAGLE3_HOME", str(vl["root"] / "home"))
-    head = vl["hf"].model_copy(deep=True)
-    head.output_dir = str(vl["root"] / "head")
-    head.data.output_dir, head.extract.cache_dir = str(vl["hf"].prepared_dir), str(vl["hf"].cache_dir)
-    head.train.max_steps, head.train.eval_every, head.train.save_every = 20, 20, 20
-    train(head)
     cfg = vl["sg"].model_copy(deep=True)
-    cfg.output_dir, cfg.target.sglang.url = head.output_dir, None
+    cfg.output_dir, cfg.target.sglang.url = str(vl["root"] / "eval"), None
+    cfg.eval.checkpoint = str(taught_head(vl["hf"].target.path, vl["root"] / "taught", "target-embeddings"))
     cfg.eval.prompt_sets, cfg.eval.max_prompts, cfg.eval.max_new_tokens, cfg.eval.engine = ["images"], 1, 8, "sglang"
     report = evaluate(cfg)
     b, s = report["sets"]["images"], report["engines"]["sglang"]
     assert report["image_inputs"] == "target-embeddings" and b["greedy_mismatches"] == 0
+    assert b["tau"] > 2, b["tau"]
     assert s["draft"] and Path(s["draft"]).name == "sglang"
     assert s["image_prompts"] == 4 and s["prompts_checked"] == s["prompts_same_tokens"] == 4, s
     prompts = json.loads((cfg.eval_dir / "rendered_prompts.json").read_text())["images"]
@@ -202,6 +199,5 @@ def test_eval_with_sglang_on_the_bundled_image_prompts(vl, monkeypatch):
 
     alone = cfg.model_copy(deep=True)
     alone.eval.builtin, alone.output_dir = False, str(vl["root"] / "alone")
-    alone.eval.checkpoint = str(cfg.checkpoint_dir / "best")
     r = evaluate(alone)
     assert r["engines"]["sglang"]["outputs"] == s["outputs"] and r["sets"]["images"]["turns"] == 4

@@ -23,7 +23,7 @@ import torch
 from conftest import TORCHVISION
 from test_vllm_engine import _check_counters, _find_vllm_python
 from vision_cpu.torchvision_stand_in import DEFAULT_DIR
-from vlm_models import QWEN_SPECIALS, QWEN_VOCAB, image_file, processor, tiny_qwen25_vl
+from vlm_models import QWEN_SPECIALS, QWEN_VOCAB, image_file, processor, sharpen, taught_head, tiny_qwen25_vl
 
 from eagle3.engines import vllm_eval
 from eagle3.engines.reference import compare_greedy
@@ -166,25 +166,32 @@ def _blind_greedy(run, prompts: list[list[int]], stop: list[int]) -> list[list[i
 
 
 def test_eval_with_vllm_on_the_bundled_image_prompts(tmp_path, vllm_torchvision, monkeypatch):
-    """`eagle3 eval --engine vllm` with the bundled image set: the built-in evaluator (the head's recorded
-    `placeholder` inputs) and vLLM decode the same rendered prompts with the same pictures; vLLM reads exactly the
-    ids sent, reproduces HF's greedy output, fills a card row per picture kind, and its τ is the built-in's. (A
-    random head drafts about nothing in both, so τ agreeing here shows the wiring, not the convention: the test
-    above and tests/test_image_eval.py check what each engine feeds at image tokens.)"""
+    """`eagle3 eval --engine vllm` with the bundled image set and a head trained with `placeholder` inputs (vLLM's
+    convention) on the target's own answers to those prompts (tests/vlm_models.py `taught_head`): the built-in
+    evaluator and vLLM decode the same rendered prompts with the same pictures; vLLM reads exactly the ids sent,
+    reproduces HF's greedy output, fills a card row per picture kind, and its τ, far above 1, is the built-in's."""
     from eagle3.config import Config
     from eagle3.evaluate import run
 
     monkeypatch.setenv("EAGLE3_HOME", str(tmp_path / "home"))
-    target = _vllm_target(tmp_path / "target")
+    target = sharpen(_vllm_target(tmp_path / "target"))
     cfg = Config(output_dir=str(tmp_path / "run"))
     cfg.target.path, cfg.target.dtype, cfg.target.aux_layer_ids = str(target), "float32", [1, 2, 3]
     cfg.eval.prompt_sets, cfg.eval.max_prompts, cfg.eval.max_new_tokens = ["images"], 1, 8
     cfg.eval.engine = "vllm"
-    _head(target, cfg.checkpoint_dir / "best")
+    cfg.eval.checkpoint = str(taught_head(target, tmp_path / "taught", "placeholder"))
     report = run(cfg)
     b, v = report["sets"]["images"], report["engines"]["vllm"]
     assert report["image_inputs"] == "placeholder" and b["greedy_mismatches"] == 0
     assert v["image_prompts"] == v["image_prompts_same_ids"] == 4, v
     assert v["greedy_same"] == v["greedy_compared"] == 4, v["greedy_first_diffs"]
     assert set(v["groups"]) >= {"images/chart", "images/code", "images/shapes", "images/text", "images"}
-    assert v["tau"] == pytest.approx(v["builtin_tau"], abs=0.05), (v["tau"], v["builtin_tau"])
+    # vLLM drafts after a picture at the temporal row of the target's M-RoPE positions, which the built-in follows
+    # for a placeholder head (eagle3.specdec); at the token index instead it would claim τ 3.4 here, vLLM gives 1.7.
+    # Three of the four pictures' turns took the same verify steps in both (the chart's parted, not traced: BENCHMARKS
+    # "Images"); the pooled τ within 0.2 still tells apart the index positions' 3.4.
+    same = [k for k in ("chart", "code", "shapes", "text")
+            if v["groups"][f"images/{k}"]["tau"] == pytest.approx(b["categories"][k]["tau"])]
+    assert len(same) >= 3, (v["groups"], b["categories"])
+    assert v["tau"] == pytest.approx(v["builtin_tau"], abs=0.2), (v["tau"], v["builtin_tau"])
+    assert b["tau"] > 1.5, b["tau"]  # the taught head drafts, so agreeing says something

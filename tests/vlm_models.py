@@ -109,3 +109,62 @@ def processor(path: str | Path) -> Any:
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(path))
+
+
+def sharpen(target: Path) -> Path:
+    """A saved random VLM with its lm_head scaled up, so its next-token distributions peak (a random one is near flat,
+    whose argmax no head learns from soft targets), and the rows of every token but printable ASCII zeroed (their logit
+    0 stays below the largest of 95 random ones): its greedy answers are text that tokenizes back to the same ids, so
+    a head taught them as conversations drafts them."""
+    from safetensors.torch import load_file, save_file
+
+    f = Path(target) / "model.safetensors"
+    w = load_file(str(f))
+    head = w["lm_head.weight"]
+    head *= 30
+    head[[i for i in range(head.shape[0]) if not 32 <= i < 127]] = 0
+    save_file(w, str(f), metadata={"format": "pt"})
+    return Path(target)
+
+
+def taught_head(target: str | Path, root: Path, image_inputs: str, steps: int = 300) -> Path:
+    """A head (of `image_inputs`' convention) taught a `sharpen`ed target's own greedy answers to the bundled image
+    prompts, one per kind (three copies each): prepared, extracted (HF backend) and trained like a user's, so an
+    engine's acceptance on those prompts is far above 1 and agreeing on it says something. Its best checkpoint."""
+    import json
+
+    from eagle3 import prepare
+    from eagle3.config import load_config
+    from eagle3.data.images import IMAGE_MARK
+    from eagle3.data.templates import load_tokenizer
+    from eagle3.engines.reference import hf_greedy
+    from eagle3.engines.vllm_eval import stop_token_ids
+    from eagle3.evaluate import PromptRenderer, vision_of
+    from eagle3.extract import run as extract
+    from eagle3.prompts import load_prompt_set
+    from eagle3.trainer import run as train
+
+    root.mkdir(parents=True)
+    cfg = load_config(None, [f"output_dir={root / 'run'}", f"target.path={target}", "target.dtype=float32",
+                             f"data.sources=[{{path: {root / 'data.jsonl'}}}]",
+                             "target.aux_layer_ids=[1,2,3]", "data.eval_size=2", "draft.vocab_size=320",
+                             f"draft.image_inputs={image_inputs}", "train.batch_tokens=2048", "train.lr=1e-2",
+                             f"train.max_steps={steps}", f"train.eval_every={steps}", f"train.save_every={steps}"])
+    ps = load_prompt_set("images", max_prompts=1)
+    tok = load_tokenizer(cfg.target)
+    render = PromptRenderer(tok, cfg.data, vision_of(cfg.target, [ps]))
+    stop = stop_token_ids(cfg.target)
+    turns = [(p.messages or [])[0] for p in ps.prompts]
+    answers = hf_greedy(cfg.target, [render([t]) for t in turns], 24, stop, [list(t.images) for t in turns])
+    with open(root / "data.jsonl", "w") as f:
+        for p, turn, a in zip(ps.prompts, turns, answers, strict=True):
+            user = [{"type": "image_url", "image_url": {"url": turn.images[0]}},
+                    {"type": "text", "text": turn.content.replace(IMAGE_MARK, "")}]
+            answer = tok.decode([t for t in a if t not in stop])
+            for k in range(3):
+                f.write(json.dumps({"id": f"{p.id}-{k}", "messages": [{"role": "user", "content": user},
+                                                                      {"role": "assistant", "content": answer}]}) + "\n")
+    prepare.run(cfg)
+    extract(cfg)
+    train(cfg)
+    return cfg.checkpoint_dir / "best"

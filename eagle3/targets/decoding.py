@@ -41,6 +41,9 @@ class HFTargetDecoder:
         text after an image the positions its grid leaves (rope_deltas); 0 for 1-D positions (Kimi-K2.5)."""
         self.image_embeds: torch.Tensor | None = None
         """The LLM's input embeddings at the image tokens of the last prefill (the projector's outputs) [N, H]."""
+        self.prompt_positions: torch.Tensor | None = None
+        """[n]: the temporal row of the last image prefill's M-RoPE positions (None for 1-D positions): what vLLM
+        gives an EAGLE-3 draft as its positions over the prompt (eagle3.specdec)."""
 
     def close(self) -> None:
         self.tap.close()
@@ -56,7 +59,7 @@ class HFTargetDecoder:
         from the images (M-RoPE), whose offset for the tokens after the prompt `forward` then keeps."""
         from eagle3.targets.hf import vision_forward_inputs
 
-        self.offset, self.image_embeds = 0, None
+        self.offset, self.image_embeds, self.prompt_positions = 0, None, None
         if not images:
             return {}, position_ids
         if self.vision is None:
@@ -65,6 +68,13 @@ class HFTargetDecoder:
         extra = vision_forward_inputs(self.model, self.vision, input_ids.view(1, -1), list(images), self.dtype,
                                       self.device)
         return extra, None if hasattr(self.model.model, "rope_deltas") else position_ids
+
+    def _temporal_positions(self, input_ids: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor:
+        """The prompt's M-RoPE positions as the model computed them (get_rope_index), their temporal row [n]."""
+        base = self.model.model
+        ids = input_ids.view(1, -1).to(self.device)
+        positions, _ = base.get_rope_index(ids, extra["mm_token_type_ids"], image_grid_thw=extra.get("image_grid_thw"))
+        return positions[0, 0].to("cpu")
 
     def _keep_image_embeds(self, input_ids: torch.Tensor) -> Any:
         at = (input_ids.view(-1) == self.vision.image_token_id).to(self.device)  # type: ignore[union-attr]
@@ -110,6 +120,7 @@ class HFTargetDecoder:
                 hook.remove()
         if extra and position_ids is None:
             self.offset = int(self.model.model.rope_deltas.view(-1)[0])
+            self.prompt_positions = self._temporal_positions(input_ids, extra)
         feats = None
         if aux:
             feats = self.tap.aux()[0]
