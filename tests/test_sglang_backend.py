@@ -285,6 +285,37 @@ def test_capture_batch_writes_one_dump_per_prompt_and_skips_decode(tmp_path):
     torch.testing.assert_close(c.final, hidden[3:])
 
 
+def test_an_image_batch_hands_over_its_merged_embeddings_at_the_clients_image_positions(tmp_path):
+    """SGLang's ids at image positions are hash pads, clamped to vocab - 1 by the model (or left unclamped: the plugin
+    clamps them too); the dump is named by the client's served ids, carries the merged input embeddings at those rows,
+    and the client reads its own image positions' embeddings in order. A text prompt of the batch gets none; a prompt
+    whose image rows the server did not hand over is an error naming it."""
+    from eagle3.targets.sglang_dump import DumpError, served_ids
+
+    H, V, pad = 4, 50, 7  # pad: the client's image token id
+    client = [[1, pad, pad, pad, 2, 3], [4, 5]]
+    hashes = [1, 1_000_003, 1_000_004, 1_000_005, 2, 3, 4, 5]  # as the scheduler fills them: never clamped here
+    embeds, hidden, aux = torch.randn(8, H), torch.randn(8, H), torch.randn(8, 3 * H)
+    meta = SimpleNamespace(forward_mode=_Mode(extend=True), extend_seq_lens_cpu=[6, 2], mm_input_embeds=embeds)
+    assert sglang_capture.capture_batch(torch.tensor(hashes), hidden, meta, aux, str(tmp_path), IDS,
+                                        vocab_size=V) == 2
+    first = served_ids(client[0], pad, V)
+    assert first == [1, V - 1, V - 1, V - 1, 2, 3]
+    c = read_dump(dump_path(tmp_path, sequence_key(first)), first, layer_ids=IDS, hidden_size=H, sample="a",
+                  image_positions=[1, 2, 3])
+    assert torch.equal(c.image_embeds, embeds[1:4]) and torch.equal(c.final, hidden[:6])
+    text = read_dump(dump_path(tmp_path, sequence_key(client[1])), client[1], layer_ids=IDS, hidden_size=H,
+                     sample="b", image_positions=[])
+    assert text.image_embeds is not None and text.image_embeds.shape == (0, H)
+    meta.mm_input_embeds = None  # the pictures never reached the model
+    (tmp_path / "x").mkdir()
+    sglang_capture.capture_batch(torch.tensor(first + [4, 5]), hidden, meta, aux, str(tmp_path / "x"), IDS,
+                                 vocab_size=V)
+    with pytest.raises(DumpError, match="sample a: .* holds no image embeddings, but the prompt has 3 image tokens"):
+        read_dump(dump_path(tmp_path / "x", sequence_key(first)), first, layer_ids=IDS, hidden_size=H, sample="a",
+                  image_positions=[1, 2, 3])
+
+
 def test_capture_batch_takes_packed_aux_states_and_the_batch_ids(tmp_path):
     """SGLang 0.5.23's DeepSeek/Kimi models pack the aux states into one [T, 3H] tensor, and the Kimi-K2.5
     wrapper calls its language model with input_ids=None (the ids are on the forward batch)."""

@@ -204,7 +204,7 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
         _warn_once("rows", f"the batch has {sum(lens)} new tokens but the states have {rows} rows (sharded or padded "
                            f"states?); nothing is written")
         return 0
-    image = _image_rows(meta, sum(lens), vocab_size)
+    input_ids, image = _image_rows(meta, input_ids, vocab_size)
     rids = list(getattr(meta, "rids", None) or [None] * len(lens))
     starts = [sum(lens[:i]) for i in range(len(lens))]
 
@@ -229,19 +229,21 @@ def capture_batch(input_ids: Any, hidden_states: Any, meta: Any, aux_hidden_stat
     return len(files) + (len(to_store) if store is not None else 0)
 
 
-def _image_rows(meta: Any, tokens: int, vocab_size: int | None) -> Callable[[Any, int, int], dict[str, Any] | None]:
-    """(ids, start, length) -> that prompt's `image_parts` for a batch with images (its `mm_input_embeds`), else
-    None."""
+def _image_rows(meta: Any, input_ids: Any, vocab_size: int | None
+                ) -> tuple[Any, Callable[[Any, int, int], dict[str, Any] | None]]:
+    """The batch's ids, and (ids, start, length) -> that prompt's `image_parts` for a batch with images (its
+    `mm_input_embeds`), else None. The models clamp their image pads in place before the embedding; the ids of an
+    image batch are clamped here too, so a model that clamped a copy names its dumps by the ids the client computes."""
     embeds = getattr(meta, "mm_input_embeds", None)
+    tokens = int(input_ids.shape[0])
     if embeds is not None and (vocab_size is None or int(embeds.shape[0]) != tokens):
         _warn_once("mm", f"a batch with images has merged input embeddings of {tuple(embeds.shape)} for {tokens} "
                          f"new tokens (vocab size {vocab_size}); none are handed over")
         embeds = None
-
-    def image(ids: Any, s: int, n: int) -> dict[str, Any] | None:
-        return None if embeds is None else image_parts(ids[s:s + n], embeds[s:s + n], vocab_size - 1)
-
-    return image
+    if embeds is None or vocab_size is None:
+        return input_ids, lambda ids, s, n: None
+    clamped = vocab_size - 1
+    return input_ids.clamp(max=clamped), lambda ids, s, n: image_parts(ids[s:s + n], embeds[s:s + n], clamped)
 
 
 def tp_disagreement(aux_hidden_states: Any, hidden_states: Any) -> str | None:
