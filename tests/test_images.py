@@ -345,7 +345,7 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
 
 
 @needs_torchvision
-def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_path):
+def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_path, capsys):
     """prepare -> extract -> train on a tiny Qwen2.5-VL with image and text samples, draft.image_inputs=placeholder
     (vLLM's inputs): the cache holds, for an image sample, the states the vision-language model computes for it
     alone, and a few training steps stay finite. Without draft.image_inputs, each stage refuses by name."""
@@ -377,8 +377,11 @@ def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_pat
     torch.testing.assert_close(item["aux"], c.aux, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(item["final"], c.final, rtol=1e-5, atol=1e-5)
 
+    capsys.readouterr()
     m = train(cfg)
     assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0
+    # Qwen2.5-VL's M-RoPE: vLLM drafts at other positions after a picture than the head trains at, and training says so
+    assert "has M-RoPE positions: vLLM gives the draft the temporal row" in capsys.readouterr().err
     # the convention travels with the head: into vLLM's export and its card; SGLang's export refuses it
     from eagle3.export import ExportError, export
 
