@@ -222,6 +222,14 @@ class VisionInputs:
         return vision
 
     @classmethod
+    def required(cls, target: TargetConfig) -> VisionInputs:
+        """`of`, for work that has images: a target that takes none is an error naming it."""
+        vision = cls.of(target)
+        if vision is None:
+            raise ValueError(f"target.path={target.path!r} takes no images (no image processor)")
+        return vision
+
+    @classmethod
     def from_processor(cls, proc: Any) -> VisionInputs | None:
         token = getattr(proc, "image_token", None)
         if getattr(proc, "image_processor", None) is None or not isinstance(token, str):

@@ -23,9 +23,7 @@ def hf_greedy(target: TargetConfig, prompts: list[list[int]], max_new_tokens: in
     if images is not None and any(images):
         from eagle3.data.images import VisionInputs
 
-        vision = VisionInputs.of(target)
-        if vision is None:
-            raise ValueError(f"image prompts, but target {target.path} has no image processor")
+        vision = VisionInputs.required(target)
     model, _ = load_target(target, images=vision is not None)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype

@@ -368,10 +368,7 @@ def image_token(run: EngineRun) -> int:
     """The target's image placeholder id, as its processor names it (eagle3.data.images.VisionInputs)."""
     from eagle3.data.images import VisionInputs
 
-    vision = VisionInputs.of(run.target)
-    if vision is None:
-        raise ValueError(f"image prompts, but target {run.target.path} has no image processor")
-    return vision.image_token_id
+    return VisionInputs.required(run.target).image_token_id
 
 
 def collapse_image_tokens(ids: list[int], image_token: int) -> list[int]:

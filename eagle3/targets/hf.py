@@ -241,9 +241,7 @@ class HFTarget:
         if images:
             from eagle3.data.images import VisionInputs
 
-            self.vision = VisionInputs.of(target)
-            if self.vision is None:
-                raise ValueError(f"target.path={target.path!r} takes no images (no image processor)")
+            self.vision = VisionInputs.required(target)
             self.model = load_vision_lm(self.path, self.dtype, target.device, target.trust_remote_code,
                                         target.revision)
             self.config = self.model.config.get_text_config()

@@ -51,12 +51,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from eagle3.config import ExtractConfig, SGLangSettings, TargetConfig
-from eagle3.data.images import data_url
+from eagle3.data.images import VisionInputs, data_url
 from eagle3.engines.vllm_eval import collapse_image_tokens  # its owner: a script that runs without eagle3
 from eagle3.layer_ids import ArchFamily, validate_layer_ids
 from eagle3.precision import DTYPES
@@ -101,9 +101,6 @@ from eagle3.targets.sglang_server import (
     wait_healthy,
 )
 from eagle3.targets.sglang_store import LostStates, StoreHandover, server_segment, wire_bytes_per_token
-
-if TYPE_CHECKING:
-    from eagle3.data.images import VisionInputs
 
 log = logging.getLogger("eagle3")
 
@@ -177,16 +174,6 @@ class Prompt:
         return cls(sent, served, images, [i for i, t in enumerate(ids) if t == token], sequence_key(served))
 
 
-def _vision(target: TargetConfig) -> VisionInputs:
-    """The target's processor (its image token), for samples with images."""
-    from eagle3.data.images import VisionInputs
-
-    vision = VisionInputs.of(target)
-    if vision is None:
-        raise ValueError(f"target.path={target.path!r} takes no images (no image processor)")
-    return vision
-
-
 def _distinct_keys(indices: list[int], prompts: list[Prompt]) -> list[list[int]]:
     """`indices` in requests whose prompts' dump names differ: prompts alike but for their pictures hold the same
     served ids, and one request would have them write one file."""
@@ -226,7 +213,7 @@ class SGLangTarget:
         self.family: ArchFamily = self.info.family
         self.layer_ids = target.layer_ids(self.num_layers)
         self.dtype: torch.dtype = DTYPES[target.dtype]
-        self.vision = _vision(target) if images else None
+        self.vision = VisionInputs.required(target) if images else None
         self.timeout_s = s.timeout_s
         self.request_tokens, self.storage = request or (extract.batch_tokens, "exact")
         place = this_process()
