@@ -28,7 +28,7 @@ import torch
 from eagle3.config import EvalConfig, TrainConfig
 from eagle3.data.prepared import load_vocab, save_vocab
 from eagle3.formats import CONFIG_NAME, save_draft
-from eagle3.fsutil import damaged_files, file_records, remove_stale_in, replace_dir, tmp_sibling
+from eagle3.fsutil import damaged_files, file_records, remove_dir, remove_stale_in, replace_dir, tmp_sibling
 from eagle3.logs import UserError, disk_full_error
 from eagle3.model import SHAPE_FIELDS, Eagle3DraftConfig
 from eagle3.paths import RunPaths
@@ -99,8 +99,7 @@ def save_checkpoint(accelerator, model, state: TrainState, d2t: torch.Tensor, t2
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
             (tmp / CHECKSUMS).write_text(json.dumps(file_records(tmp, skip=(CHECKSUMS,)), indent=1) + "\n")
             replace_dir(tmp, final)
-            for _, old in list_checkpoints(ckpt_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            _prune(ckpt_dir, keep)
             log.info("checkpoint: %s", final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -108,6 +107,19 @@ def save_checkpoint(accelerator, model, state: TrainState, d2t: torch.Tensor, t2
         raise
     accelerator.wait_for_everyone()
     return final
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    """Delete every step folder older than the newest `keep` complete ones, each renamed aside first (`remove_dir`):
+    a save killed mid-delete leaves a hidden leftover cleared at the next start, never a half-deleted `step_N` that
+    no longer counts as a checkpoint and so is never pruned (it also catches such folders left by older versions)."""
+    complete = list_checkpoints(ckpt_dir)
+    if len(complete) <= keep:
+        return
+    oldest_kept = complete[-keep][0]
+    for n, path in _step_dirs(ckpt_dir):
+        if n < oldest_kept:
+            remove_dir(path)
 
 
 def _dir_bytes(path: Path) -> int:

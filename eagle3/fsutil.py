@@ -39,6 +39,16 @@ def remove_stale_in(folder: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def remove_dir(path: Path) -> None:
+    """Delete a published folder: renamed aside to a hidden `.<name>.old-*` sibling first (one rename), so a kill
+    during the delete leaves a leftover `remove_stale` clears, never a half-deleted folder under its own name."""
+    if not path.exists():
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+    os.replace(path, aside / path.name)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def tmp_sibling(dest: Path, tag: str) -> Path:
     """A fixed-name hidden sibling to build `dest` in, named as leftovers are recognised (`.<name>.tmp-<tag>`): for
     writers whose processes must all agree on the name (mkdtemp's random one would differ per process)."""

@@ -100,3 +100,42 @@ def test_kill_between_the_renames_leaves_no_partial_folder_and_the_next_run_clea
     assert _content(dest) == {"a.txt": "new", "sub/b.txt": "new"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "out"]
     remove_stale(dest)  # nothing left to remove: a no-op
+
+
+def test_a_delete_killed_half_way_leaves_no_partial_folder_under_its_name(tmp_path: Path) -> None:
+    """SIGKILL in the middle of `remove_dir`'s delete (one file gone, the rest not): the folder's own name is already
+    gone, the rest waits in a hidden leftover that `remove_stale` clears."""
+    dest = tmp_path / "out"
+    dest.mkdir()
+    _write(dest, "old")
+    script = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from eagle3 import fsutil
+        def rmtree(path, ignore_errors=False):
+            next(Path(path).rglob("a.txt")).unlink()
+            os.kill(os.getpid(), signal.SIGKILL)
+        fsutil.shutil.rmtree = rmtree
+        fsutil.remove_dir(Path({str(dest)!r}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not dest.exists()
+    assert [p.name.split("-")[0] for p in stale_siblings(dest)] == [".out.old"]
+    remove_stale(dest)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pruning_deletes_half_deleted_step_folders_too(tmp_path: Path) -> None:
+    """A `step_N` without its trainer_state.json (half deleted by an older version killed mid-prune) is not a
+    checkpoint, so pruning by the checkpoint list alone kept it forever; it goes once older than the kept ones."""
+    from eagle3.checkpoints import STATE_FILE, _prune
+
+    for n in (2, 4, 6, 8):
+        (tmp_path / f"step_{n}").mkdir()
+        if n != 4:
+            (tmp_path / f"step_{n}" / STATE_FILE).write_text("{}")
+    (tmp_path / "best").mkdir()
+    (tmp_path / "step_10").mkdir()  # newer but incomplete (being written): never deleted, never counted as kept
+    _prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_10", "step_6", "step_8"]
