@@ -233,6 +233,11 @@ def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
             out[k][i, :n] = it[k]
     if "image_embeds" in items[0]:
         out |= _image_rows(items, b, t)
+    if any("positions" in it for it in items):  # an M-RoPE target's image samples: the index elsewhere
+        out["position_ids"] = torch.arange(t).repeat(b, 1)
+        for i, it in enumerate(items):
+            if "positions" in it:
+                out["position_ids"][i, : len(it["positions"])] = it["positions"]
     return out
 
 

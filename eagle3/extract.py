@@ -281,7 +281,7 @@ def _extract_shard(ec: ExtractConfig, cache_dir: Path, backend: Any, argmax: Any
                                  "final": c.final, "target_argmax": argmax(c.final)})
                     if images:  # where the serving engine feeds the draft the pictures: those rows only
                         keep[-1] |= {"image_positions": np.flatnonzero(np.asarray(ids) == backend.vision.image_token_id),
-                                     "image_embeds": c.image_embeds.to(backend.dtype)}
+                                     "image_embeds": c.image_embeds.to(backend.dtype), "positions": c.positions}
                 else:  # skipped and counted; the manifest lists it, so `cache info` shows it
                     skipped.append(sid)
                     log.warning("%s sample %r: the target returned NaN/inf hidden states; skipped (not written to "

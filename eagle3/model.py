@@ -522,7 +522,7 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, aux: Tensor, input_ids: Tensor, rows: TTTPlan, attention: Attention = "fast",
                 head: Callable[[list[Tensor], Tensor], Any] | None = None, over: LocalAttention | None = None,
-                checkpoint: bool = False, extra: Tensor | None = None) -> Any:
+                checkpoint: bool = False, extra: Tensor | None = None, positions: Tensor | None = None) -> Any:
         """Training: the TTT unroll over `rows` (`ttt_unroll_rows` below) -> head(final-normed scored rows of
         each step, lm_head weight); without `head`, each step's logits. Lives in `forward`, the head included,
         so that DDP/FSDP wrappers see the whole computation (their gradient hooks need the call to go through
@@ -530,9 +530,10 @@ class Eagle3Draft(nn.Module):
         chunked lm_head + loss (eagle3.loss.SoftCE), which never holds a step's [rows, draft_vocab] logits.
         `over`: a sequence-parallel group's attention (eagle3.sequence_parallel) when `rows` plans this rank's share
         of the positions; `checkpoint`: recompute each TTT step's layer in the backward (train.activation_checkpointing);
-        `extra`: the embeddings of ids past the vocab (`embed`)."""
+        `extra`: the embeddings of ids past the vocab (`embed`); `positions`: [B, window] RoPE positions where they
+        are not the token index (`ttt_unroll_rows`)."""
         states = ttt_unroll_rows(self, self.project(aux), input_ids, rows, attention, over or LOCAL, checkpoint,
-                                 extra)
+                                 extra, positions)
         if head is None:
             return [self.lm_head(x) for x in states]
         return head(states, self.lm_head.weight)

@@ -79,7 +79,8 @@ class Objective:
             probs.mul_(batch["position_weight"].flatten()[rows.teacher_pos, None])
         head = SoftCE(probs, rows, self.train.step_decay, denominators, self.train.loss_chunk_rows)
         out = model(batch["aux"], batch.get("draft_ids", batch["input_ids"]), rows, head=head, over=self.sp,
-                    checkpoint=self.train.activation_checkpointing, extra=batch.get("image_embeds"))
+                    checkpoint=self.train.activation_checkpointing, extra=batch.get("image_embeds"),
+                    positions=batch.get("position_ids"))
         draft_target = self.teacher.to_draft[argmax].flatten()[rows.teacher_pos]
         return ttt_loss(out, draft_target, rows, (batch["input_ids"], argmax, batch["loss_mask"]))
 
@@ -87,11 +88,14 @@ class Objective:
         """A batch of image samples: under `target-embeddings` (SGLang's inputs) `draft_ids`, the ids with each image
         token as `vocab + k`, k its row in `image_embeds`, which the head embeds as that row (the target's merged
         input there; eagle3.model.Eagle3Draft.embed), shifting through the TTT steps like the ids; under
-        `placeholder` (vLLM's) the image tokens' own embeddings, so the pictures are dropped. -> (the batch, the
+        `placeholder` (vLLM's) the image tokens' own embeddings, so the pictures are dropped, and an M-RoPE target's
+        temporal positions (`position_ids`, where the cache has them), which vLLM gives its draft. -> (the batch, the
         embeddings kept aside: they are rows, not positions, and are never sharded)."""
         if "image_rank" not in batch:
             return batch, None
         batch = dict(batch)
+        if self.image_inputs != "placeholder":  # SGLang gives its draft the token index as positions
+            batch.pop("position_ids", None)
         rank, extra = batch.pop("image_rank"), batch.pop("image_embeds")
         if self.image_inputs != "target-embeddings":
             return batch, None

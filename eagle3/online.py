@@ -42,7 +42,8 @@ def capture_items(backend: Any, dataset: Any, indices: list[int], argmax: Any, s
     an all-zero loss mask, so no position of it counts in the loss or the metrics; it is logged by id.
 
     A split with images (an `images` column) is captured with them (the target's vision tower runs), and each item
-    gets its image token positions and the target's merged input embeddings there, as extraction writes them."""
+    gets its image token positions and the target's merged input embeddings there (and an M-RoPE target's temporal
+    positions), as extraction writes them."""
     from eagle3.cache.codec import STATES, codec_for, dequantize, quantize
 
     codec = codec_for(storage)
@@ -76,6 +77,8 @@ def capture_items(backend: Any, dataset: Any, indices: list[int], argmax: Any, s
         if images:  # what the cache of an image sample holds: its image rows only
             pos = torch.nonzero(item["input_ids"] == backend.vision.image_token_id).flatten()
             item["image_positions"], item["image_embeds"] = pos, embeds.to(backend.dtype)
+            if c.positions is not None:
+                item["positions"] = c.positions.long()
         items.append(item)
     return items
 

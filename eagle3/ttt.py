@@ -135,12 +135,15 @@ class _Unroll:
     torch.utils.checkpoint takes them: each layer's keys, then each layer's values."""
 
     def __init__(self, draft: UnrolledHead, input_ids: Tensor, rows: TTTPlan, attention: Attention,
-                 over: LocalAttention, extra: Tensor | None = None):
+                 over: LocalAttention, extra: Tensor | None = None, positions: Tensor | None = None):
         self.draft, self.input_ids, self.rows, self.attention, self.over = draft, input_ids, rows, attention, over
         self.extra = extra
         self.n = draft.num_layers
         b, t = rows.shape
-        self.flat_pos = (rows.start + torch.arange(t, device=input_ids.device)).repeat(b)
+        if positions is None:
+            self.flat_pos = (rows.start + torch.arange(t, device=input_ids.device)).repeat(b)
+        else:
+            self.flat_pos = positions[:, :t].to(input_ids.device).flatten()
 
     def attend(self, q: Tensor, k0: Tensor, v0: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
         scale = self.draft.attn_scale
@@ -192,7 +195,8 @@ class _Unroll:
 
 def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, rows: TTTPlan,
                     attention: Attention = "fast", over: LocalAttention = LOCAL,
-                    checkpoint: bool = False, extra: Tensor | None = None) -> list[Tensor]:
+                    checkpoint: bool = False, extra: Tensor | None = None, positions: Tensor | None = None
+                    ) -> list[Tensor]:
     """Final-normed output hidden [len(score[j]), H] of the scored rows of each unrolled step (the lm_head's
     input; see the module docstring).
 
@@ -203,10 +207,13 @@ def ttt_unroll_rows(draft: UnrolledHead, hidden0: Tensor, input_ids: Tensor, row
     positions for attention. `checkpoint`: keep only each step's inputs and outputs (its hidden, keys and values)
     for the backward, which recomputes the step's layers (torch.utils.checkpoint). `extra`: the embeddings of ids
     past the vocab (eagle3.model.Eagle3Draft.embed: image positions under draft.image_inputs=target-embeddings).
+    `positions`: [B, window] the RoPE positions of the window's tokens (None: the token index from `rows.start`):
+    an M-RoPE target's temporal row under `placeholder`, as vLLM positions its draft; step j's query at a position
+    sits j past it, as an engine's j-th draft token does.
     """
     if attention == "dense" and over is not LOCAL:
         raise ValueError("the dense reference attention runs in one process only")
-    unroll, n = _Unroll(draft, input_ids, rows, attention, over, extra), draft.num_layers
+    unroll, n = _Unroll(draft, input_ids, rows, attention, over, extra, positions), draft.num_layers
     run = partial(_run_step, checkpoint)
     with record_function("ttt_step_0"):  # named in a torch.profiler trace (benchmarks/bench_profile.py); free else
         hidden, *step0 = run(unroll.step_0, hidden0)

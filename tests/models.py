@@ -170,14 +170,15 @@ def every_row(b: int, t: int, steps: int, device: torch.device | str = "cpu"):
 
 
 def ttt_unroll(draft, hidden0: torch.Tensor, input_ids: torch.Tensor, steps: int,
-               attention: str = "fast") -> list[torch.Tensor]:
+               attention: str = "fast", positions: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Logits [B, T, draft_vocab] of every position at each of `steps` unrolled steps: the draft's TTT forward
     with nothing pruned (every_row), the reference the pruned trainer is compared with."""
     from eagle3.ttt import ttt_unroll_rows
 
     b, t = input_ids.shape
     rows = every_row(b, t, steps, input_ids.device)
-    return [draft.lm_head(x).view(b, t, -1) for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention)]
+    return [draft.lm_head(x).view(b, t, -1)
+            for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention, positions=positions)]
 
 
 def assert_fast_equals_dense(draft, aux: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:

@@ -97,19 +97,22 @@ def test_mla_attention_equals_transformers_deepseek_v3():
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-def _chain_logits(m: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, t: int, steps: int) -> list[torch.Tensor]:
+def _chain_logits(m: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, t: int, steps: int,
+                  pos: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Engine-style chain drafting from position t: step 0 over the target's features (tokens shifted by one),
     then each step feeds the previous step's handed-off hidden and the next token back through `decode`, its KV
-    the step-0 prefix 0..t plus this position's earlier steps."""
+    the step-0 prefix 0..t plus this position's earlier steps. `pos` [n]: the prompt's positions (default the
+    index); the j-th draft token sits j past position t's, as vLLM advances a draft's positions."""
     n = ids.shape[1]
+    pos = torch.arange(n) if pos is None else pos
     shifted = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-    hid, logits, cache = m.decode(shifted, m.project(aux), torch.arange(n)[None], None)
+    hid, logits, cache = m.decode(shifted, m.project(aux), pos[None], None)
     out = [logits[0, t]]
     kv = tuple((k[:, :, : t + 1], v[:, :, : t + 1]) for k, v in cache)
     h = hid[:, t : t + 1]
     for j in range(1, steps):
         tok = ids[:, t + 1 + j : t + 2 + j] if t + 1 + j < n else torch.zeros(1, 1, dtype=torch.long)
-        h, lg, kv = m.decode(tok, h, torch.tensor([[t + j]]), kv)
+        h, lg, kv = m.decode(tok, h, (pos[t] + j).view(1, 1), kv)
         out.append(lg[0, 0])
     return out
 
@@ -131,6 +134,32 @@ def _assert_ttt_equals_chain_and_dense(m: Eagle3Draft) -> tuple[torch.Tensor, to
             for j, lg in enumerate(_chain_logits(m, aux, ids, t, 4)):
                 torch.testing.assert_close(fast[j][0, t], lg, atol=2e-5, rtol=2e-5)
     return aux, ids, fast
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_ttt_at_given_positions_equals_chain_drafting_there(arch):
+    """Positions off the token index (an M-RoPE target's temporal row after a picture: one position for the whole
+    picture, then the text resumes further on; vLLM drafts there): each TTT step at each position = chain drafting
+    at those positions, fast = dense with gradients; at the index instead, the later tokens' logits differ."""
+    m = make(arch)
+    torch.manual_seed(5)
+    aux, ids = torch.randn(1, 11, 3 * H), torch.randint(0, V, (1, 11))
+    pos = torch.tensor([0, 1, 2, 2, 2, 2, 5, 6, 7, 8, 9])
+    fast = ttt_unroll(m, m.project(aux), ids, 3, "fast", positions=pos[None])
+    dense = ttt_unroll(m, m.project(aux), ids, 3, "dense", positions=pos[None])
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    gf = torch.autograd.grad(sum(x.square().mean() for x in fast), list(m.parameters()), retain_graph=True)
+    gd = torch.autograd.grad(sum(x.square().mean() for x in dense), list(m.parameters()))
+    for a, b in zip(gf, gd, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        for t in (1, 4, 7):
+            for j, lg in enumerate(_chain_logits(m, aux, ids, t, 3, pos)):
+                torch.testing.assert_close(fast[j][0, t], lg, atol=2e-5, rtol=2e-5)
+        index = ttt_unroll(m, m.project(aux), ids, 3)
+    assert torch.allclose(index[0][0, :3], fast[0][0, :3], atol=1e-5)  # before the picture: the same positions
+    assert not torch.allclose(index[0][0, 7], fast[0][0, 7], atol=1e-3)
 
 
 def test_norm_output_and_fc_norm_change_the_computation():

@@ -7,6 +7,7 @@ Processors come from tiny vision-language targets built in code (tests/vlm_model
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from pathlib import Path
 
@@ -337,6 +338,24 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
         if at.any():
             plain = model.get_input_embeddings()(torch.tensor(ids)[at])
             assert not torch.allclose(cap.image_embeds, plain, atol=1e-3)
+    if family == "qwen2.5-vl":  # the temporal row of the positions the model itself used: vLLM's draft positions
+        from eagle3.targets.hf import MetaPositions
+
+        meta = MetaPositions(path, vision)
+        for conv, ids, cap in zip(convs, seqs, caps, strict=True):
+            enc = proc(text=[answer_spans(conv, proc.tokenizer, tpl, thinking=False)[0]],
+                       images=[load_image(r) for r in conv.images] or None, return_tensors="pt")
+            model.model.rope_deltas = None
+            want = model.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
+                                              image_grid_thw=enc.get("image_grid_thw"))[0][0, 0]
+            if conv.images:
+                assert torch.equal(cap.positions, want)
+                assert cap.positions[-1] < len(ids) - 1  # a picture moves the text after it off the token index
+                assert torch.equal(meta(ids, list(conv.images)), want)  # computed without the weights (SGLang's)
+            else:  # a text sample's positions are the index: none kept
+                assert cap.positions is None and torch.equal(want, torch.arange(len(ids))) and meta(ids, []) is None
+    else:  # Kimi-K2.5's positions are 1-D: the token index
+        assert all(c.positions is None for c in caps)
     with pytest.raises(ValueError, match="image tokens in a batch without images"):
         backend.capture([seqs[0]], [[]])
     with torch.no_grad():  # the LLM alone on the same ids (the pictures' tokens as plain embeddings) differs
@@ -345,7 +364,7 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
 
 
 @needs_torchvision
-def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_path, capsys):
+def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_path):
     """prepare -> extract -> train on a tiny Qwen2.5-VL with image and text samples, draft.image_inputs=placeholder
     (vLLM's inputs): the cache holds, for an image sample, the states the vision-language model computes for it
     alone, and a few training steps stay finite. Without draft.image_inputs, each stage refuses by name."""
@@ -376,12 +395,13 @@ def test_image_samples_extract_and_train_with_the_placeholder_convention(tmp_pat
     c = backend.capture([row["input_ids"]], [row["images"]])[0]
     torch.testing.assert_close(item["aux"], c.aux, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(item["final"], c.final, rtol=1e-5, atol=1e-5)
+    # Qwen2.5-VL's M-RoPE: the cache keeps the positions vLLM gives the draft (the temporal row), off the index
+    assert ds.fingerprint["positions"] == "mrope-temporal"
+    assert torch.equal(item["positions"], c.positions) and not torch.equal(item["positions"], torch.arange(len(c.aux)))
+    assert all("positions" not in ds[i] or 261 in ds[i]["input_ids"].tolist() for i in range(len(ds)))
 
-    capsys.readouterr()
     m = train(cfg)
     assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0
-    # Qwen2.5-VL's M-RoPE: vLLM drafts at other positions after a picture than the head trains at, and training says so
-    assert "has M-RoPE positions: vLLM gives the draft the temporal row" in capsys.readouterr().err
     # the convention travels with the head: into vLLM's export and its card; SGLang's export refuses it
     from eagle3.export import ExportError, export
 
@@ -434,6 +454,11 @@ def test_target_embeddings_cache_the_pictures_and_feed_them_to_the_head(tmp_path
     c = backend.capture([row["input_ids"]], [row["images"]])[0]
     torch.testing.assert_close(item["image_embeds"], c.image_embeds)
 
+    text = next(it for it in items if not len(it["image_positions"]))
+    mixed = collate([text, with_images[0]])  # a text sample beside an image one: its positions are the index
+    t = mixed["input_ids"].shape[1]
+    assert "positions" not in text and torch.equal(mixed["position_ids"][0], torch.arange(t))
+    assert torch.equal(mixed["position_ids"][1, :len(with_images[0]["positions"])], with_images[0]["positions"])
     batch = collate(with_images[:2])
     torch.manual_seed(0)
     dc = Eagle3DraftConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -453,11 +478,20 @@ def test_target_embeddings_cache_the_pictures_and_feed_them_to_the_head(tmp_path
             at = b["draft_ids"] >= 320
             assert torch.equal(at, batch["input_ids"] == 261)
             torch.testing.assert_close(fed[at], torch.cat([it["image_embeds"] for it in with_images[:2]]))
+            assert "position_ids" not in b  # SGLang gives its draft the token index
         else:
             assert "draft_ids" not in planned.batch and "image_embeds" not in planned.batch
+            # vLLM's positions: the M-RoPE temporal row the cache keeps, which the loss feeds the head
+            assert torch.equal(planned.batch["position_ids"][0, :len(with_images[0]["positions"])],
+                               with_images[0]["positions"])
+            at_index = dataclasses.replace(planned, batch={k: v for k, v in planned.batch.items()
+                                                           if k != "position_ids"})
+            with torch.no_grad():
+                losses["placeholder at the index"] = float(objective.loss(model, at_index)[0])
         with torch.no_grad():
             losses[convention] = float(objective.loss(model, planned)[0])
     assert abs(losses["target-embeddings"] - losses["placeholder"]) > 1e-6, losses
+    assert abs(losses["placeholder at the index"] - losses["placeholder"]) > 1e-6, losses
 
     m = train(cfg)
     assert m["step"] == 2 and np.isfinite(m["loss"]) and m["loss"] > 0

@@ -152,8 +152,10 @@ def schema(hidden_size: int, dtype: torch.dtype, storage: str = "exact", images:
     fields.append(("target_argmax", pa.list_(pa.int32())))
     if images:  # each row's image token positions and the target's merged input embeddings there (the vision
         # projector's outputs), in the target's own bits whatever the storage (draft.image_inputs=target-embeddings)
+        # and, for an M-RoPE target, the temporal row of its positions (vLLM's draft positions; empty: the index)
         fields += [("image_positions", pa.list_(pa.int32())),
-                   ("image_embeds", pa.list_(pa.list_(exact_type(dtype), hidden_size)))]
+                   ("image_embeds", pa.list_(pa.list_(exact_type(dtype), hidden_size))),
+                   ("positions", pa.list_(pa.int32()))]
     meta = {"eagle3_dtype": str(dtype).removeprefix("torch."), "eagle3_storage": storage}
     return pa.schema(fields, metadata=meta)
 
@@ -175,7 +177,7 @@ def record_batch(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dtyp
     """Rows {sample_id, input_ids, loss_mask, aux [T,3H], final [T,H], target_argmax [T]} -> one Arrow record
     batch, the states encoded by the storage's codec (quantised here for fp8). target_argmax is the target's
     full-vocab argmax at each position (a target token id). `images`: each row also has `image_positions` [N] and
-    `image_embeds` [N, H] (`schema`)."""
+    `image_embeds` [N, H], and `positions` [T] where they are not the token index (`schema`)."""
     sch, c = schema(hidden_size, dtype, storage, images), codec_for(storage)
     lengths = np.array([len(r["input_ids"]) for r in rows], dtype=np.int32)
     for r, t in zip(rows, lengths, strict=True):
@@ -225,9 +227,17 @@ def _image_columns(rows: list[dict[str, Any]], hidden_size: int, dtype: torch.dt
     offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
     positions = np.concatenate([np.asarray(r["image_positions"], dtype=np.int32) for r in rows])
     embeds = np.concatenate([_bits(r["image_embeds"]) for r in rows])
+    draft_positions = [np.asarray(r["positions"] if r.get("positions") is not None else [], dtype=np.int32)
+                       for r in rows]
+    for r, p in zip(rows, draft_positions, strict=True):
+        if len(p) not in (0, len(r["input_ids"])):
+            raise CacheError(f"sample {r['sample_id']}: {len(p)} positions for {len(r['input_ids'])} tokens")
+    lengths = np.array([len(p) for p in draft_positions], dtype=np.int32)
     return [pa.ListArray.from_arrays(offsets, pa.array(positions, type=pa.int32())),
             pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(
-                pa.array(embeds, type=exact_type(dtype)), hidden_size))]
+                pa.array(embeds, type=exact_type(dtype)), hidden_size)),
+            pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
+                                     pa.array(np.concatenate(draft_positions), type=pa.int32()))]
 
 
 # ------------------------------------------------------------------------------------------------- decoding
@@ -274,6 +284,10 @@ class DecodedBatch:
             col = rb.column("image_positions")
             self.images = (column_np(col.offsets), column_np(col.values),
                            column_np(rb.column("image_embeds").values.values))
+        self.positions = None  # image caches written before the column: the token index
+        if "positions" in names:
+            col = rb.column("positions")
+            self.positions = (column_np(col.offsets), column_np(col.values))
 
     def item(self, r: int) -> dict[str, Any]:
         """Row `r` as tensors viewing the mapped record batch (see HiddenStateDataset)."""
@@ -295,4 +309,9 @@ class DecodedBatch:
             h = self.widths["final"]
             item["image_positions"] = torch.from_numpy(positions[a:b].astype(np.int64))
             item["image_embeds"] = state_tensor(embeds[a * h:b * h], self.dtype).view(b - a, h)
+        if self.positions is not None:
+            offsets, values = self.positions
+            a, b = int(offsets[r]), int(offsets[r + 1])
+            if b > a:
+                item["positions"] = torch.from_numpy(values[a:b].astype(np.int64))
         return item

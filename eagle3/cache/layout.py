@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from eagle3.cache.codec import CacheError
 from eagle3.fsutil import file_problem, write_json_atomic
 from eagle3.layer_ids import LAYER_ID_CONVENTION
-from eagle3.targets.info import read_target_info, weights_id
+from eagle3.targets.info import TargetInfo, read_target_info, weights_id
 
 if TYPE_CHECKING:
     from eagle3.config import Storage, TargetConfig
@@ -32,7 +32,7 @@ _LABELS = {
     "weights_id": "target weights id", "target_path": "target path", "revision": "target revision",
     "prepared_fingerprint": "prepared samples fingerprint", "max_length": "max_length", "hidden_size": "hidden size",
     "num_layers": "number of target layers", "architectures": "target architectures", "format": "cache format",
-    "storage": "storage (extract.storage)",
+    "storage": "storage (extract.storage)", "positions": "positions",
 }
 
 
@@ -68,9 +68,14 @@ def expected_fingerprint(target: TargetConfig, storage: Storage, prepared: dict[
         "prepared_fingerprint": prepared_meta.get("samples_fingerprint"),
         "max_length": prepared_meta["max_length"],
         "storage": storage,
-        # image samples: the cache also keeps the target's merged input embeddings at their image tokens
-        **({"image_embeds": True} if "images" in (prepared_meta.get("fingerprint_inputs") or {}) else {}),
+        # image samples: the cache also keeps the target's merged input embeddings at their image tokens, and an
+        # M-RoPE target's positions (vLLM's draft positions; a cache written without them cannot train them)
+        **(_image_keys(info) if "images" in (prepared_meta.get("fingerprint_inputs") or {}) else {}),
     }
+
+
+def _image_keys(info: TargetInfo) -> dict[str, Any]:
+    return {"image_embeds": True, **({"positions": "mrope-temporal"} if info.mrope else {})}
 
 
 def fingerprint_diff(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,6 @@ from eagle3.data.templates import ChatTemplate, TemplateError, load_tokenizer, r
 from eagle3.fsutil import damaged_files
 from eagle3.logs import UserError
 from eagle3.targets.info import read_target_info
-
-log = logging.getLogger("eagle3")
 
 
 class PreparedError(UserError, ValueError):
@@ -231,29 +228,13 @@ def _config_part(fp_in: dict[str, Any]) -> dict[str, Any]:
     return {**fp_in, "sources": [{k: s.get(k) for k in _SOURCE_NAMING} for s in fp_in.get("sources", [])]}
 
 
-def check_image_inputs(draft: DraftConfig, target: TargetConfig, prepared_dir: Path, stage: str) -> None:
-    """Prepared data with images: the head's convention at image positions must be chosen first, in one error; a
-    `placeholder` head of an M-RoPE target is trained at other positions than vLLM serves it, which `train` says."""
+def check_image_inputs(draft: DraftConfig, prepared_dir: Path) -> None:
+    """Prepared data with images: the head's convention at image positions must be chosen first, in one error."""
     where = f"the prepared data in {prepared_dir} holds samples with images"
     if draft.image_inputs is None:
         raise PreparedError(f"{where}: set draft.image_inputs to the engine the head will serve in: `placeholder` "
                             "(vLLM: the placeholder token's embedding at image positions) or `target-embeddings` "
                             "(SGLang: the target's merged image embeddings)")
-    if stage == "train" and draft.image_inputs == "placeholder" and _uses_mrope(target):
-        log.warning("%s, and target %s has M-RoPE positions: vLLM gives the draft the temporal row of them after a "
-                    "picture, this head trains at the token index, so its acceptance after pictures in vLLM is lower "
-                    "than it could be (eagle3 eval reports vLLM's; BENCHMARKS.md \"Images\")", where, target.path)
-
-
-def _uses_mrope(target: TargetConfig) -> bool:
-    from eagle3.bundled import resolve_target_path
-
-    try:
-        text = read_target_info(resolve_target_path(target.path)).text
-    except (OSError, ValueError):
-        return False
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    return isinstance(rope, dict) and "mrope_section" in rope
 
 
 def check_prepared(data: DataConfig, draft: DraftConfig, target: TargetConfig, prepared_dir: Path,
@@ -266,7 +247,7 @@ def check_prepared(data: DataConfig, draft: DraftConfig, target: TargetConfig, p
     if then is None:
         return
     if "images" in then:
-        check_image_inputs(draft, target, prepared_dir, stage)
+        check_image_inputs(draft, prepared_dir)
     # The sources as the config names them, never read: the raw data need not be on a training machine.
     now = {**_settings(data, draft), "sources": [_naming(src, data.thinking) for src in data.sources]}
     try:

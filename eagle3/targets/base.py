@@ -27,6 +27,9 @@ class Captured:
     image_embeds: torch.Tensor | None = None
     """[n, H] for a sample with images: the target's input embeddings at its n image tokens, in order (the vision
     projector's outputs merged there), what SGLang feeds an EAGLE-3 draft at those positions; None without images."""
+    positions: torch.Tensor | None = None
+    """[T] for an image sample of an M-RoPE target (Qwen2.5-VL): the temporal row of its positions, which vLLM gives
+    an EAGLE-3 draft (a picture moves them off the token index); None where the token index is the position."""
 
 
 class TargetBackend(Protocol):

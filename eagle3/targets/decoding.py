@@ -69,12 +69,12 @@ class HFTargetDecoder:
                                       self.device)
         return extra, None if hasattr(self.model.model, "rope_deltas") else position_ids
 
-    def _temporal_positions(self, input_ids: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor:
-        """The prompt's M-RoPE positions as the model computed them (get_rope_index), their temporal row [n]."""
-        base = self.model.model
-        ids = input_ids.view(1, -1).to(self.device)
-        positions, _ = base.get_rope_index(ids, extra["mm_token_type_ids"], image_grid_thw=extra.get("image_grid_thw"))
-        return positions[0, 0].to("cpu")
+    def _temporal_positions(self, input_ids: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor | None:
+        """The temporal row [n] of the prompt's M-RoPE positions as the model computed them."""
+        from eagle3.targets.hf import mrope_positions
+
+        positions = mrope_positions(self.model.model, input_ids.view(1, -1).to(self.device), extra)
+        return None if positions is None else positions[0].to("cpu")
 
     def _keep_image_embeds(self, input_ids: torch.Tensor) -> Any:
         at = (input_ids.view(-1) == self.vision.image_token_id).to(self.device)  # type: ignore[union-attr]

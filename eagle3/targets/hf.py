@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,6 +100,41 @@ def vision_forward_inputs(model: torch.nn.Module, vision: VisionInputs, ids: tor
     if hasattr(vlm_base, "rope_deltas"):
         vlm_base.rope_deltas = None  # Qwen2.5-VL keeps the last batch's position offsets between calls
     return inputs
+
+
+def mrope_positions(vlm_base: torch.nn.Module, ids: torch.Tensor, extra: dict[str, Any],
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """[B, T]: the temporal row of an M-RoPE model's positions for `ids` with the image inputs `extra`
+    (`vision_forward_inputs`), as the model's own get_rope_index computes them: the positions vLLM gives an EAGLE-3
+    draft of such a target (eagle3.specdec `_positions`). None for 1-D positions (Kimi-K2.5) or a batch without
+    images. Index arithmetic only: `vlm_base` may live on the meta device (eagle3.targets.sglang)."""
+    if "mm_token_type_ids" not in extra or not hasattr(vlm_base, "get_rope_index"):
+        return None
+    positions, _ = vlm_base.get_rope_index(ids, extra["mm_token_type_ids"], image_grid_thw=extra.get("image_grid_thw"),
+                                           attention_mask=attention_mask)
+    return positions[0]
+
+
+class MetaPositions:
+    """`mrope_positions` for prompts whose target runs elsewhere (an SGLang server): the target's VLM base built on
+    the meta device (no weights, no memory) computes them from the ids and the processor's image grids."""
+
+    def __init__(self, folder: str | Path, vision: VisionInputs):
+        from transformers import AutoConfig, AutoModel
+
+        with torch.device("meta"):
+            self.base = AutoModel.from_config(AutoConfig.from_pretrained(folder))
+        self.vision = vision
+
+    def __call__(self, ids: list[int], images: list[str]) -> torch.Tensor | None:
+        """[T] for a prompt with pictures; None for one without (its positions are the index)."""
+        if not images:
+            return None
+        t = torch.tensor([ids])
+        extra = {"mm_token_type_ids": (t == self.vision.image_token_id).long(),
+                 "image_grid_thw": self.vision.inputs(images).get("image_grid_thw")}
+        positions = mrope_positions(self.base, t, extra)
+        return None if positions is None else positions[0]
 
 
 def load_target(t: TargetConfig, images: bool = False) -> tuple[torch.nn.Module, Any]:
@@ -303,8 +339,11 @@ class HFTarget:
             caps = [Captured(aux=aux[j, :n], final=final[j, :n]) for j, n in enumerate(lengths)]
             if self.vision is not None:
                 at = ids == self.vision.image_token_id
+                positions = mrope_positions(base, ids.to(self.device), extra, attn)
                 for j, c in enumerate(caps):
                     c.image_embeds = merged["embeds"][j][at[j].to(self.device)].to("cpu")
+                    if positions is not None and at[j].any():  # a text sample's are the index
+                        c.positions = positions[j, :lengths[j]].to("cpu")
             return caps
         finally:
             self.tap.states.clear()

@@ -70,6 +70,13 @@ class TargetInfo:
         return bool(self.text.get("kv_lora_rank"))
 
     @property
+    def mrope(self) -> bool:
+        """Multimodal RoPE (Qwen2.5-VL): three position rows, which a picture moves off the token index; Kimi-K2.5's
+        positions are 1-D."""
+        rope = self.text.get("rope_parameters") or self.text.get("rope_scaling") or {}
+        return isinstance(rope, dict) and "mrope_section" in rope
+
+    @property
     def tied(self) -> bool:
         """Whether the lm_head is the embedding matrix."""
         return bool(self.text.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))

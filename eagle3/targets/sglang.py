@@ -62,6 +62,7 @@ from eagle3.layer_ids import ArchFamily, validate_layer_ids
 from eagle3.precision import DTYPES
 from eagle3.process import this_process
 from eagle3.targets.base import Captured
+from eagle3.targets.hf import MetaPositions
 from eagle3.targets.info import TargetInfo, read_target_info
 from eagle3.targets.mooncake import StoreAddress, StoreError, segment_bytes
 from eagle3.targets.sglang_dump import (
@@ -214,6 +215,8 @@ class SGLangTarget:
         self.layer_ids = target.layer_ids(self.num_layers)
         self.dtype: torch.dtype = DTYPES[target.dtype]
         self.vision = VisionInputs.required(target) if images else None
+        # an M-RoPE target's positions, which the server does not hand back: computed here as the HF backend's are
+        self._positions = MetaPositions(self.info.folder, self.vision) if self.vision and self.info.mrope else None
         self.timeout_s = s.timeout_s
         self.request_tokens, self.storage = request or (extract.batch_tokens, "exact")
         place = this_process()
@@ -343,7 +346,11 @@ class SGLangTarget:
                 order = [(prompts[i], labels[i]) for i in part]
                 caps = self._from_store(order) if self.handover is not None else self._from_dumps(order)
                 got.update(zip(part, caps, strict=True))
-        return [got[unique[(p.key, tuple(p.images))]] for p in prompts]
+        out = [got[unique[(p.key, tuple(p.images))]] for p in prompts]
+        if self._positions is not None:
+            for c, s, p in zip(out, seqs, prompts, strict=True):
+                c.positions = self._positions(s, p.images)
+        return out
 
     def _generate(self, url: str, prompts: list[Prompt], rids: list[str] | None = None) -> list[dict[str, Any]]:
         """One batched /generate of `prompts` (one new token each: the prefill is the work), their pictures as
