@@ -186,12 +186,11 @@ def test_eval_with_vllm_on_the_bundled_image_prompts(tmp_path, vllm_torchvision,
     assert v["image_prompts"] == v["image_prompts_same_ids"] == 4, v
     assert v["greedy_same"] == v["greedy_compared"] == 4, v["greedy_first_diffs"]
     assert set(v["groups"]) >= {"images/chart", "images/code", "images/shapes", "images/text", "images"}
-    # vLLM drafts after a picture at the temporal row of the target's M-RoPE positions, which the built-in follows
-    # for a placeholder head (eagle3.specdec); at the token index instead it would claim τ 3.4 here, vLLM gives 1.7.
-    # Three of the four pictures' turns took the same verify steps in both (the chart's parted, not traced: BENCHMARKS
-    # "Images"); the pooled τ within 0.2 still tells apart the index positions' 3.4.
+    # vLLM drafts after a picture at the temporal row of the target's M-RoPE positions: the head trains there (the
+    # cache keeps the row) and the built-in drafts there for a placeholder head (eagle3.specdec). A head trained at the
+    # token index gave vLLM τ 1.7 on these prompts (BENCHMARKS.md "Images"); this one drafts as it was taught.
     same = [k for k in ("chart", "code", "shapes", "text")
             if v["groups"][f"images/{k}"]["tau"] == pytest.approx(b["categories"][k]["tau"])]
     assert len(same) >= 3, (v["groups"], b["categories"])
     assert v["tau"] == pytest.approx(v["builtin_tau"], abs=0.2), (v["tau"], v["builtin_tau"])
-    assert b["tau"] > 1.5, b["tau"]  # the taught head drafts, so agreeing says something
+    assert v["tau"] > 3.0, v["tau"]  # the taught head drafts in vLLM, so agreeing says something
