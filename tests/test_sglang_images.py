@@ -106,6 +106,9 @@ def test_sglang_extracts_image_samples_as_the_hf_backend(vl):
         assert torch.equal(x["image_positions"], y["image_positions"]), sid
         torch.testing.assert_close(y["image_embeds"].float(), x["image_embeds"].float(), rtol=1e-4, atol=1e-4,
                                    msg=f"{sid} image_embeds")
+        if "positions" in x:  # M-RoPE's temporal row (vLLM's draft positions): the client computes what HF does
+            assert torch.equal(x["positions"], y["positions"]), sid
+    assert {sid for sid, it in b.items() if "positions" in it} == with_images
 
 
 def test_the_store_hands_over_image_samples_as_the_dump_folder(vl):
@@ -157,7 +160,7 @@ def test_online_training_through_sglang_captures_image_samples_as_the_cache(vl):
     for it in online:
         ref = cached[it["sample_id"]]
         assert set(it) == set(ref), (set(it) ^ set(ref))
-        for k in ("input_ids", "loss_mask", "image_positions"):
+        for k in ("input_ids", "loss_mask", "image_positions", *(["positions"] if "positions" in ref else [])):
             assert torch.equal(it[k].long(), ref[k].long()), k
         for k in ("aux", "final", "image_embeds"):
             torch.testing.assert_close(it[k], ref[k], rtol=1e-3, atol=1e-3)
