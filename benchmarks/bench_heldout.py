@@ -64,7 +64,8 @@ def main() -> int:
         draft = load_draft(folder, embed_weight=embed)
         # each head in its own draft vocabulary (a head trained on other data has another one)
         teacher = Teacher(lm_head.to(DTYPES[cfg.target.dtype]), draft.d2t, draft.t2d).to(accelerator.device)
-        objective = Objective(teacher, cfg.train.model_copy(update={"copy_weight": 1.0}))  # every position weighs 1
+        objective = Objective(teacher, cfg.train.model_copy(update={"copy_weight": 1.0}),  # every position weighs 1
+                              image_inputs=cfg.draft.image_inputs)
         model = accelerator.prepare(draft)
         ev = evaluate(accelerator, model, objective, data, cfg.train)
         if a.copy:

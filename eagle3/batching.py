@@ -210,7 +210,9 @@ def plan_eval(lengths: list[int] | np.ndarray, batch_tokens: int, seed: int, ran
 def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest item: ids 0, loss_mask 0, states 0 (padded positions are never valid and,
     being to the right, never attended to by real positions under causal attention). fp8 states stay fp8 with
-    their scales (padded with scale 0); the trainer dequantises them on its device (eagle3.cache.codec)."""
+    their scales (padded with scale 0); the trainer dequantises them on its device (eagle3.cache.codec). Items of
+    image samples add `image_embeds`/`image_rank` (`_image_rows`) and, where some hold positions off the token index
+    (an M-RoPE target's), `position_ids` [B, T] (the index for the others and the padding)."""
     t = max(len(it["input_ids"]) for it in items)
     b = len(items)
     out = {

@@ -92,6 +92,7 @@ def save_checkpoint(accelerator, model, state: TrainState, d2t: torch.Tensor, t2
             _tmp_dir(final)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()  # every rank's part written before the main process checksums and renames
         sd = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             save_draft(accelerator.unwrap_model(model), tmp / "draft", state_dict=sd)
@@ -119,7 +120,11 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
     oldest_kept = complete[-keep][0]
     for n, path in _step_dirs(ckpt_dir):
         if n < oldest_kept:
-            remove_dir(path)
+            try:
+                remove_dir(path)
+            except OSError as e:  # a full disk refuses even the rename's folder: the new checkpoint is saved anyway
+                log.warning("could not move %s aside to delete it (%s); deleting it in place", path, e)
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _dir_bytes(path: Path) -> int:

@@ -8,8 +8,8 @@ Items are the same dicts `HiddenStateDataset` yields, so the trainer cannot tell
 {"sample_id", "input_ids" int64 [T], "loss_mask" int8 [T], "aux" [T,3H], "final" [T,H], "target_argmax" [T]}
 (the target's full-vocab argmax, computed by an eagle3.targets.argmax.ArgmaxHead as extraction does), with fp8
 states and their scales as an `extract.storage` cache of fp8 holds them. Prepared data with images (an `images`
-column) is captured with its pictures, and each item also holds `image_positions` [N] and `image_embeds` [N, H],
-as a cache of image samples does.
+column) is captured with its pictures, and each item also holds `image_positions` [N] and `image_embeds` [N, H]
+(and, for an image sample of an M-RoPE target, `positions` [T]), as a cache of image samples does.
 
     batches = OnlineBatches(backend, prepared.train, index_batches, argmax, prefetch=cfg.extract.prefetch)
     for items in batches: ...      # one list of item dicts per index batch, in order

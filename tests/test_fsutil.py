@@ -139,3 +139,21 @@ def test_pruning_deletes_half_deleted_step_folders_too(tmp_path: Path) -> None:
     (tmp_path / "step_10").mkdir()  # newer but incomplete (being written): never deleted, never counted as kept
     _prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_10", "step_6", "step_8"]
+
+
+def test_pruning_where_the_rename_fails_deletes_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk refuses the folder `remove_dir` renames into: the save that came before already succeeded, so
+    pruning deletes in place rather than failing it."""
+    from eagle3 import checkpoints
+    from eagle3.checkpoints import STATE_FILE, _prune
+
+    for n in (2, 4, 6):
+        (tmp_path / f"step_{n}").mkdir()
+        (tmp_path / f"step_{n}" / STATE_FILE).write_text("{}")
+
+    def full(path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoints, "remove_dir", full)
+    _prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_6"]

@@ -41,6 +41,8 @@ CASES = {
     "mla-3.1": ({"arch": "mla", "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 24,
                  "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "fc_norm": True,
                  "norm_output": True}, 3, False, 2, 17),
+    # an M-RoPE target's temporal positions (a picture spans the shares' border: one position, then the text resumes)
+    "llama-mrope-positions": ({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8}, 3, False, 2, 23),
 }
 
 
@@ -71,6 +73,11 @@ def case(name: str) -> tuple[Eagle3Draft, Teacher, dict[str, torch.Tensor], Trai
         mask[1, t - 6:] = 0
     batch = {"aux": torch.randn(b, t, 3 * HIDDEN), "final": final, "input_ids": torch.randint(0, VOCAB, (b, t)),
              "loss_mask": mask, "lengths": lengths, "target_argmax": lm_head_argmax(lm_head, final, 64)}
+    if name.endswith("positions"):
+        pos = torch.arange(t)
+        pos[6:16] = 6
+        pos[16:] -= 9
+        batch["position_ids"] = pos.repeat(b, 1)
     return draft, teacher, batch, TrainConfig(ttt_steps=steps, activation_checkpointing=ckpt)
 
 
@@ -153,6 +160,8 @@ def test_two_ranks_give_the_loss_and_gradients_of_one_process(tmp_path):
     assert sorted(saved) == sorted(CASES)
     for name, res in saved.items():
         (loss, grads, packed), (ref_loss, ref_grads, ref_packed) = res["sp"], res["one"]
+        if name == "llama-mrope-positions":  # the positions change the loss (same head and batch as llama-gqa)
+            assert abs(float(ref_loss) - float(saved["llama-gqa"]["one"][0])) > 1e-6
         assert float(ref_loss) > 0, name
         torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-5, msg=name)
         for g, ref in zip(grads, ref_grads, strict=True):

@@ -32,7 +32,7 @@ _LABELS = {
     "weights_id": "target weights id", "target_path": "target path", "revision": "target revision",
     "prepared_fingerprint": "prepared samples fingerprint", "max_length": "max_length", "hidden_size": "hidden size",
     "num_layers": "number of target layers", "architectures": "target architectures", "format": "cache format",
-    "storage": "storage (extract.storage)",
+    "storage": "storage (extract.storage)", "positions": "kept M-RoPE positions (re-extract to add them)",
 }
 
 

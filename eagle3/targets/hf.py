@@ -108,8 +108,11 @@ def mrope_positions(vlm_base: torch.nn.Module, ids: torch.Tensor, extra: dict[st
     (`vision_forward_inputs`), as the model's own get_rope_index computes them: the positions vLLM gives an EAGLE-3
     draft of such a target (eagle3.specdec `_positions`). None for 1-D positions (Kimi-K2.5) or a batch without
     images. Index arithmetic only: `vlm_base` may live on the meta device (eagle3.targets.sglang)."""
-    if "mm_token_type_ids" not in extra or not hasattr(vlm_base, "get_rope_index"):
+    if not extra or not hasattr(vlm_base, "get_rope_index"):
         return None
+    if "mm_token_type_ids" not in extra:  # never a silent fall back to the index, which vLLM does not draft at
+        raise RuntimeError(f"{type(vlm_base).__name__}.forward takes no mm_token_type_ids in this transformers "
+                           "version: eagle3 cannot compute its M-RoPE positions (tested with transformers 5.19-5.25)")
     positions, _ = vlm_base.get_rope_index(ids, extra["mm_token_type_ids"], image_grid_thw=extra.get("image_grid_thw"),
                                            attention_mask=attention_mask)
     return positions[0]
@@ -125,6 +128,13 @@ class MetaPositions:
         with torch.device("meta"):
             self.base = AutoModel.from_config(AutoConfig.from_pretrained(folder))
         self.vision = vision
+        self._grids: dict[str, torch.Tensor] = {}
+
+    def _grid(self, ref: str) -> torch.Tensor:
+        """An image's (t, h, w) patch grid, by reference: the processor's work, done once per picture."""
+        if ref not in self._grids:
+            self._grids[ref] = self.vision.inputs([ref])["image_grid_thw"][0]
+        return self._grids[ref]
 
     def __call__(self, ids: list[int], images: list[str]) -> torch.Tensor | None:
         """[T] for a prompt with pictures; None for one without (its positions are the index)."""
@@ -132,7 +142,7 @@ class MetaPositions:
             return None
         t = torch.tensor([ids])
         extra = {"mm_token_type_ids": (t == self.vision.image_token_id).long(),
-                 "image_grid_thw": self.vision.inputs(images).get("image_grid_thw")}
+                 "image_grid_thw": torch.stack([self._grid(r) for r in images])}
         positions = mrope_positions(self.base, t, extra)
         return None if positions is None else positions[0]
 

@@ -347,9 +347,9 @@ class SGLangTarget:
                 caps = self._from_store(order) if self.handover is not None else self._from_dumps(order)
                 got.update(zip(part, caps, strict=True))
         out = [got[unique[(p.key, tuple(p.images))]] for p in prompts]
-        if self._positions is not None:
-            for c, s, p in zip(out, seqs, prompts, strict=True):
-                c.positions = self._positions(s, p.images)
+        if self._positions is not None:  # once per distinct prompt: duplicates share their Captured
+            for i in set(unique.values()):
+                got[i].positions = self._positions(seqs[i], prompts[i].images)
         return out
 
     def _generate(self, url: str, prompts: list[Prompt], rids: list[str] | None = None) -> list[dict[str, Any]]:
