@@ -6,7 +6,8 @@
     checkpoints/best/      the head with the best held-out simulated acceptance (a draft folder)
 
 A folder gets its final name only once whole (built in a hidden sibling and renamed), so a listed checkpoint is
-always complete; a save killed half-way leaves a hidden leftover, removed at the next start. A checkpoint damaged
+always complete; a save killed half-way leaves a hidden leftover, removed at the next start, and so does a prune
+of older checkpoints (each renamed aside before it is deleted: `_prune`). A checkpoint damaged
 later (a truncated copy, a bad disk) fails its checksums: resume says so and falls back to the newest intact one
 (the data plan is a function of the step, so the run still matches an uninterrupted one).
 """
