@@ -181,10 +181,11 @@ def ttt_unroll(draft, hidden0: torch.Tensor, input_ids: torch.Tensor, steps: int
             for x in ttt_unroll_rows(draft, hidden0, input_ids, rows, attention, positions=positions)]
 
 
-def assert_fast_equals_dense(draft, aux: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def assert_fast_equals_dense(draft, aux: torch.Tensor, ids: torch.Tensor, steps: int,
+                             positions: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The fast TTT attention gives the dense reference's logits and parameter gradients; the fast logits."""
-    fast = ttt_unroll(draft, draft.project(aux), ids, steps, "fast")
-    dense = ttt_unroll(draft, draft.project(aux), ids, steps, "dense")
+    fast = ttt_unroll(draft, draft.project(aux), ids, steps, "fast", positions)
+    dense = ttt_unroll(draft, draft.project(aux), ids, steps, "dense", positions)
     for a, b in zip(fast, dense, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     gf = torch.autograd.grad(sum(x.square().mean() for x in fast), list(draft.parameters()), retain_graph=True)
