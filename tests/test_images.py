@@ -305,7 +305,7 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
     from transformers import AutoModelForImageTextToText
 
     from eagle3.config import ExtractConfig, TargetConfig
-    from eagle3.targets.hf import HFTarget
+    from eagle3.targets.hf import HFTarget, MetaPositions
 
     build, tpl = (tiny_qwen25_vl, "auto") if family == "qwen2.5-vl" else (tiny_kimi_k25_vl, "kimi-k2.5")
     path = build(tmp_path / family, with_model=True)
@@ -322,6 +322,7 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
     caps = backend.capture(seqs, [list(c.images) for c in convs])
 
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    meta = MetaPositions(path, vision) if family == "qwen2.5-vl" else None  # M-RoPE's positions without the weights
     for conv, ids, cap in zip(convs, seqs, caps, strict=True):
         text, _ = answer_spans(conv, proc.tokenizer, tpl, thinking=False)
         enc = proc(text=[text], images=[load_image(r) for r in conv.images] or None, return_tensors="pt")
@@ -338,24 +339,18 @@ def test_hf_capture_runs_the_vision_tower(tmp_path, family):
         if at.any():
             plain = model.get_input_embeddings()(torch.tensor(ids)[at])
             assert not torch.allclose(cap.image_embeds, plain, atol=1e-3)
-    if family == "qwen2.5-vl":  # the temporal row of the positions the model itself used: vLLM's draft positions
-        from eagle3.targets.hf import MetaPositions
-
-        meta = MetaPositions(path, vision)
-        for conv, ids, cap in zip(convs, seqs, caps, strict=True):
-            enc = proc(text=[answer_spans(conv, proc.tokenizer, tpl, thinking=False)[0]],
-                       images=[load_image(r) for r in conv.images] or None, return_tensors="pt")
-            model.model.rope_deltas = None
-            want = model.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
-                                              image_grid_thw=enc.get("image_grid_thw"))[0][0, 0]
-            if conv.images:
-                assert torch.equal(cap.positions, want)
-                assert cap.positions[-1] < len(ids) - 1  # a picture moves the text after it off the token index
-                assert torch.equal(meta(ids, list(conv.images)), want)  # computed without the weights (SGLang's)
-            else:  # a text sample's positions are the index: none kept
-                assert cap.positions is None and torch.equal(want, torch.arange(len(ids))) and meta(ids, []) is None
-    else:  # Kimi-K2.5's positions are 1-D: the token index
-        assert all(c.positions is None for c in caps)
+        if meta is None:  # Kimi-K2.5's positions are 1-D: the token index, none kept
+            assert cap.positions is None
+            continue
+        # the temporal row of the positions the model itself used: vLLM's draft positions
+        want = model.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
+                                          image_grid_thw=enc.get("image_grid_thw"))[0][0, 0]
+        if conv.images:
+            assert torch.equal(cap.positions, want)
+            assert cap.positions[-1] < len(ids) - 1  # a picture moves the text after it off the token index
+            assert torch.equal(meta(ids, list(conv.images)), want)  # computed without the weights (SGLang's)
+        else:  # a text sample's positions are the index: none kept
+            assert cap.positions is None and torch.equal(want, torch.arange(len(ids))) and meta(ids, []) is None
     with pytest.raises(ValueError, match="image tokens in a batch without images"):
         backend.capture([seqs[0]], [[]])
     with torch.no_grad():  # the LLM alone on the same ids (the pictures' tokens as plain embeddings) differs

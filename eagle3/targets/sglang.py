@@ -346,11 +346,10 @@ class SGLangTarget:
                 order = [(prompts[i], labels[i]) for i in part]
                 caps = self._from_store(order) if self.handover is not None else self._from_dumps(order)
                 got.update(zip(part, caps, strict=True))
-        out = [got[unique[(p.key, tuple(p.images))]] for p in prompts]
         if self._positions is not None:  # once per distinct prompt: duplicates share their Captured
-            for i in set(unique.values()):
-                got[i].positions = self._positions(seqs[i], prompts[i].images)
-        return out
+            for i, c in got.items():
+                c.positions = self._positions(seqs[i], prompts[i].images)
+        return [got[unique[(p.key, tuple(p.images))]] for p in prompts]
 
     def _generate(self, url: str, prompts: list[Prompt], rids: list[str] | None = None) -> list[dict[str, Any]]:
         """One batched /generate of `prompts` (one new token each: the prefill is the work), their pictures as
